@@ -1,0 +1,5 @@
+import sys
+
+from ddprun.cli import main
+
+sys.exit(main())

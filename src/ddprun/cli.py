@@ -1,0 +1,185 @@
+"""``ddprun`` command line: parse -> pure config -> one library call per subcommand.
+
+``ddprun run`` takes torchrun's launch flags with the same meaning (dash and underscore spellings),
+so a torchrun launch line works by replacing the word ``torchrun``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+
+from ddprun.config import DEFAULT_JOIN_TIMEOUT_S, Entry, LaunchConfig
+from ddprun.errors import ConfigError, DdprunError
+
+
+def _flag(parser: argparse.ArgumentParser, name: str, **kw) -> None:
+    """Add ``--a-b`` with its torchrun spelling ``--a_b`` as an alias."""
+    names = [name]
+    if "-" in name[2:]:
+        names.append("--" + name[2:].replace("-", "_"))
+    parser.add_argument(*names, **kw)
+
+
+def add_topology_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("topology (torchrun's flags; left out = detected)")
+    _flag(g, "--nnodes", help="nodes: N or MIN:MAX (default: detected, else 1)")
+    _flag(g, "--nproc-per-node", help="processes per node: N, gpu, cpu or auto "
+                                      "(default: every visible GPU; 1 on a node without GPUs)")
+    _flag(g, "--node-rank", type=int, help="this node's rank (static rendezvous; c10d assigns ranks itself)")
+    _flag(g, "--master-addr", help="rendezvous host when --rdzv-endpoint is not given")
+    _flag(g, "--master-port", type=int, help="rendezvous port (default 29500 multi-node, free port single-node)")
+    _flag(g, "--rdzv-backend", help="c10d (default) or static")
+    _flag(g, "--rdzv-endpoint", help="HOST:PORT of the rendezvous, the same on every node")
+    _flag(g, "--rdzv-id", help="job id, the same on every node; also names the run directory")
+    _flag(g, "--rdzv-conf", default="", help="KEY=VALUE,... passed to torch's rendezvous")
+    g.add_argument("--standalone", action="store_true", help="single node, local rendezvous on a free port")
+    _flag(g, "--local-addr", help="this node's address as other nodes reach it")
+    _flag(g, "--join-timeout", type=float, default=DEFAULT_JOIN_TIMEOUT_S,
+          help=f"seconds to wait for all nodes (default {DEFAULT_JOIN_TIMEOUT_S:.0f}; torchrun waits 600)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ddprun", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="launch a training script on this node (torchrun's flags)")
+    add_topology_flags(run)
+    g = run.add_argument_group("workers")
+    _flag(g, "--max-restarts", type=int, default=0, help="restarts of the worker group before failing (default 0)")
+    _flag(g, "--monitor-interval", type=float, default=0.1, help="seconds between checks of the workers")
+    _flag(g, "--start-method", default="spawn", choices=["spawn", "fork", "forkserver"])
+    _flag(g, "--log-dir", help="root of run directories (default runs/); the run goes to LOG_DIR/<run id>")
+    _flag(g, "--run-dir", help="exact run directory (overrides --log-dir)")
+    g.add_argument("-r", "--redirects", default="0",
+                   help="accepted for torchrun compatibility: ddprun always writes logs/rank-N.log")
+    g.add_argument("-t", "--tee", default="0",
+                   help="local ranks also shown on the console, prefixed [rankN] (3 = all, 0:3,1:0 per rank); "
+                        "rank 0 is always shown")
+    g.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
+    run.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS")
+
+    plan = sub.add_parser("plan", help="print the rank table this launch would produce, and why")
+    add_topology_flags(plan)
+    plan.add_argument("--json", action="store_true", help="print JSON")
+    plan.add_argument("--explain", action="store_true", help="print where every number came from")
+
+    demo = sub.add_parser("demo", help="2 simulated nodes x 2 processes on this machine (gloo)")
+    demo.add_argument("--nnodes", type=int, default=2)
+    demo.add_argument("--nproc-per-node", type=int, default=2)
+    demo.add_argument("--steps", type=int, default=None, help="training steps (default: the demo's own)")
+    demo.add_argument("--log-dir", default="runs")
+    return parser
+
+
+def parse_rdzv_conf(raw: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in raw.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError("--rdzv-conf items must be KEY=VALUE.", seen=f"--rdzv-conf {raw!r}",
+                              hint="e.g. --rdzv-conf join_timeout=300,read_timeout=60")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def config_from_args(args: argparse.Namespace) -> LaunchConfig:
+    """Pure: parsed flags -> LaunchConfig."""
+    entry = None
+    if getattr(args, "script", None):
+        entry = Entry(target=args.script, args=tuple(args.script_args), is_module=args.module)
+    if args.join_timeout <= 0:
+        raise ConfigError("--join-timeout must be positive.", seen=f"--join-timeout {args.join_timeout}",
+                          hint="Give seconds, e.g. --join-timeout 120.")
+    return LaunchConfig(
+        entry=entry, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
+        master_addr=args.master_addr, master_port=args.master_port, rdzv_backend=args.rdzv_backend,
+        rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, rdzv_conf=parse_rdzv_conf(args.rdzv_conf),
+        standalone=args.standalone, local_addr=args.local_addr, join_timeout=args.join_timeout,
+        max_restarts=getattr(args, "max_restarts", 0), monitor_interval=getattr(args, "monitor_interval", 0.1),
+        start_method=getattr(args, "start_method", "spawn"), log_dir=getattr(args, "log_dir", None),
+        run_dir=getattr(args, "run_dir", None), redirects=getattr(args, "redirects", "0"),
+        tee=getattr(args, "tee", "0"),
+    )
+
+
+def probe_node(environ: Mapping[str, str]):
+    """The I/O behind detection: hostname, CPUs, visible CUDA devices."""
+    from ddprun._util import cpu_count
+    from ddprun.cluster.base import NodeFacts
+
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return NodeFacts(hostname=socket.gethostname(), cpus=cpu_count(), cuda_devices=gpus)
+
+
+def cmd_plan(cfg: LaunchConfig, args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    from ddprun.cluster.detect import explain, resolve
+    from ddprun.plan import make_plan
+    from ddprun.ranktable import render_plan
+
+    spec = resolve(cfg, environ, probe_node(environ))
+    plan = make_plan(spec.max_nodes, spec.nproc_per_node, spec.device)
+    if args.json:
+        out = plan.to_json()
+        out["environment"] = spec.environment
+        out["sources"] = dict(spec.sources)
+        print(json.dumps(out, indent=2))
+        return 0
+    title = (f"ddprun plan: {spec.max_nodes} node(s) x {spec.nproc_per_node} = {plan.world_size} processes "
+             f"({spec.environment})")
+    print(render_plan(plan, title), end="")
+    if spec.node_rank is None and spec.max_nodes > 1:
+        print("Node ranks follow rendezvous arrival order (c10d); the run prints the table it got.")
+    if args.explain:
+        print("\n".join(explain(spec)))
+    return 0
+
+
+def cmd_run(cfg: LaunchConfig, environ: Mapping[str, str]) -> int:
+    from ddprun.cluster.detect import resolve
+    from ddprun.cluster.torchrun import TorchrunEnvironment
+    from ddprun.errors import ClusterError
+    from ddprun.launch import launch
+
+    if TorchrunEnvironment.detect(environ):
+        raise ClusterError(
+            "`ddprun run` was started inside a torchrun/ddprun worker: it would launch workers inside a worker.",
+            seen=f"RANK={environ.get('RANK')}, LOCAL_RANK={environ.get('LOCAL_RANK')}, "
+                 f"WORLD_SIZE={environ.get('WORLD_SIZE')}",
+            hint="Run the script directly here (ddprun.init()/ddprun.fit() use this environment), "
+                 "or unset RANK/LOCAL_RANK/WORLD_SIZE.",
+        )
+    node = probe_node(environ)
+    spec = resolve(cfg, environ, node)
+    for note in spec.notes:
+        print(f"ddprun: note: {note}", file=sys.stderr)
+    return launch(cfg, spec, environ, node.hostname).exit_code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    environ = dict(os.environ)
+    try:
+        if args.command == "demo":
+            from ddprun.demo import run_demo
+
+            return run_demo(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, steps=args.steps,
+                            log_dir=args.log_dir)
+        cfg = config_from_args(args)
+        if args.command == "plan":
+            return cmd_plan(cfg, args, environ)
+        return cmd_run(cfg, environ)
+    except DdprunError as e:
+        print(f"ddprun: error: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

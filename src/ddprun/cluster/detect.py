@@ -1,0 +1,238 @@
+"""Which cluster environment this is, and the topology it implies once flags are laid over it.
+
+Priority (shared/DESIGN.md): already inside a torchrun worker > explicit flags > SLURM > MPI >
+SageMaker > Kubernetes PyTorchJob > hostfile > local. The first environment whose ``detect`` is
+true is read; then every topology flag the user gave overrides the matching value, and anything
+still missing gets ddprun's default. Each value keeps its source for ``ddprun plan --explain``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from ddprun.cluster.base import ClusterEnvironment, ClusterSpec, Fact, NodeFacts, Reading
+from ddprun.cluster.local import LocalEnvironment
+from ddprun.cluster.torchrun import TorchrunEnvironment
+from ddprun.config import LaunchConfig
+from ddprun.errors import ConfigError
+
+DEFAULT_MASTER_PORT = 29500
+RDZV_BACKENDS = ("c10d", "static", "etcd", "etcd-v2")
+
+PRIORITY: tuple[type[ClusterEnvironment], ...] = (TorchrunEnvironment, LocalEnvironment)
+"""Environments in the order they are tried; local always detects, so it comes last."""
+
+
+def detect(environ: Mapping[str, str], order: Sequence[type[ClusterEnvironment]] = PRIORITY) -> ClusterEnvironment:
+    """The first environment in ``order`` whose variables are present."""
+    for env_cls in order:
+        if env_cls.detect(environ):
+            return env_cls()
+    return LocalEnvironment()
+
+
+def parse_nnodes(raw: str) -> tuple[int, int]:
+    """``"4"`` -> (4, 4); ``"2:4"`` -> (2, 4), as torchrun reads --nnodes."""
+    parts = raw.split(":")
+    try:
+        if len(parts) == 1:
+            lo = hi = int(parts[0])
+        elif len(parts) == 2:
+            lo, hi = int(parts[0]), int(parts[1])
+        else:
+            raise ValueError(raw)
+    except ValueError:
+        raise ConfigError(
+            "--nnodes is neither N nor MIN:MAX.", seen=f"--nnodes={raw!r}", hint="Use e.g. --nnodes 5 or --nnodes 2:5."
+        ) from None
+    if not 0 < lo <= hi:
+        raise ConfigError(
+            "--nnodes needs 0 < MIN <= MAX.", seen=f"--nnodes={raw!r} (min={lo}, max={hi})",
+            hint="Give a positive node count, e.g. --nnodes 5 or --nnodes 2:5.",
+        )
+    return lo, hi
+
+
+def parse_nproc(raw: str, node: NodeFacts) -> tuple[int, str]:
+    """--nproc-per-node as torchrun reads it: an int, ``gpu``, ``cpu`` or ``auto``."""
+    if raw == "gpu":
+        if node.cuda_devices == 0:
+            raise ConfigError(
+                "--nproc-per-node gpu, but this node sees no CUDA device.", seen=f"host {node.hostname}: 0 GPUs",
+                hint="Check CUDA_VISIBLE_DEVICES and the driver (nvidia-smi), or give a number.",
+            )
+        return node.cuda_devices, f"--nproc-per-node gpu ({node.cuda_devices} visible GPUs)"
+    if raw == "cpu":
+        return node.cpus, f"--nproc-per-node cpu ({node.cpus} CPUs)"
+    if raw == "auto":
+        if node.cuda_devices:
+            return node.cuda_devices, f"--nproc-per-node auto ({node.cuda_devices} visible GPUs)"
+        return node.cpus, f"--nproc-per-node auto (no GPU; {node.cpus} CPUs)"
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ConfigError(
+            "--nproc-per-node is not a number, gpu, cpu or auto.", seen=f"--nproc-per-node={raw!r}",
+            hint="Leave it out to use every visible GPU, or give e.g. --nproc-per-node 4.",
+        ) from None
+    if n < 1:
+        raise ConfigError("--nproc-per-node must be at least 1.", seen=f"--nproc-per-node={n}", hint="Give 1 or more.")
+    return n, f"--nproc-per-node {n}"
+
+
+def parse_endpoint(raw: str, default_port: int | None) -> tuple[str, int | None]:
+    """``host:port``, ``[v6addr]:port`` or ``host`` (then ``default_port``)."""
+    raw = raw.strip()
+    if raw.startswith("["):
+        host, _, rest = raw[1:].partition("]")
+        port_s = rest[1:] if rest.startswith(":") else ""
+    elif raw.count(":") == 1:
+        host, port_s = raw.split(":")
+    else:
+        host, port_s = raw, ""
+    if not host:
+        raise ConfigError("The rendezvous endpoint has no host.", seen=f"{raw!r}", hint="Use HOST:PORT, e.g. node1:29500.")
+    if not port_s:
+        return host, default_port
+    try:
+        port = int(port_s)
+    except ValueError:
+        raise ConfigError("The rendezvous endpoint's port is not a number.", seen=f"{raw!r}", hint="Use HOST:PORT.") from None
+    return host, check_port(port, raw)
+
+
+def check_port(port: int, seen: str) -> int:
+    if not 0 <= port <= 65535:
+        raise ConfigError("Port out of range 0-65535.", seen=seen, hint="Pick a free TCP port, e.g. 29500.")
+    return port
+
+
+def _overlay_flags(reading: Reading, cfg: LaunchConfig, node: NodeFacts) -> Reading:
+    """Lay every topology flag the user gave over what the environment said."""
+    out = dict(reading)
+    if cfg.standalone:
+        out["min_nodes"] = out["max_nodes"] = Fact(1, "--standalone")
+        out["master_addr"] = Fact("127.0.0.1", "--standalone")
+        out["master_port"] = Fact(0, "--standalone (a free port)")
+        out["rdzv_backend"] = Fact("c10d", "--standalone")
+    if cfg.nnodes is not None:
+        lo, hi = parse_nnodes(cfg.nnodes)
+        out["min_nodes"] = Fact(lo, f"--nnodes {cfg.nnodes}")
+        out["max_nodes"] = Fact(hi, f"--nnodes {cfg.nnodes}")
+    if cfg.nproc_per_node is not None:
+        n, src = parse_nproc(cfg.nproc_per_node, node)
+        out["nproc_per_node"] = Fact(n, src)
+    if cfg.node_rank is not None:
+        out["node_rank"] = Fact(cfg.node_rank, f"--node-rank {cfg.node_rank}")
+    if cfg.master_addr is not None:
+        out["master_addr"] = Fact(cfg.master_addr, f"--master-addr {cfg.master_addr}")
+    if cfg.master_port is not None:
+        out["master_port"] = Fact(check_port(cfg.master_port, f"--master-port {cfg.master_port}"), f"--master-port {cfg.master_port}")
+    if cfg.rdzv_endpoint:
+        default_port = out["master_port"].value if "master_port" in out else DEFAULT_MASTER_PORT
+        host, port = parse_endpoint(cfg.rdzv_endpoint, default_port)
+        out["master_addr"] = Fact(host, f"--rdzv-endpoint {cfg.rdzv_endpoint}")
+        out["master_port"] = Fact(port, f"--rdzv-endpoint {cfg.rdzv_endpoint}")
+    if cfg.rdzv_backend is not None:
+        if cfg.rdzv_backend not in RDZV_BACKENDS:
+            raise ConfigError(
+                "Unknown --rdzv-backend.", seen=f"--rdzv-backend={cfg.rdzv_backend!r}",
+                hint=f"Use one of {', '.join(RDZV_BACKENDS)} (c10d is the default).",
+            )
+        out["rdzv_backend"] = Fact(cfg.rdzv_backend, f"--rdzv-backend {cfg.rdzv_backend}")
+    if cfg.rdzv_id is not None:
+        out["run_id"] = Fact(cfg.rdzv_id, f"--rdzv-id {cfg.rdzv_id}")
+    return out
+
+
+def resolve(cfg: LaunchConfig, environ: Mapping[str, str], node: NodeFacts,
+            env: ClusterEnvironment | None = None) -> ClusterSpec:
+    """Detect the environment, overlay the flags, fill defaults, validate. Pure."""
+    env = env or detect(environ)
+    facts = _overlay_flags(env.read(environ, node), cfg, node)
+    notes: list[str] = []
+
+    if "min_nodes" not in facts:
+        facts["min_nodes"] = facts["max_nodes"] = Fact(1, "default: one node")
+    multi_node = facts["max_nodes"].value > 1
+
+    if "nproc_per_node" not in facts:
+        if node.cuda_devices:
+            facts["nproc_per_node"] = Fact(node.cuda_devices, f"every visible GPU ({node.cuda_devices} on {node.hostname})")
+        else:
+            facts["nproc_per_node"] = Fact(1, "default on a node without GPUs")
+    device = "cuda" if node.cuda_devices else "cpu"
+    facts.setdefault("device", Fact(device, f"{node.cuda_devices} CUDA devices visible"))
+
+    if "master_addr" not in facts:
+        if multi_node:
+            raise ConfigError(
+                "A multi-node launch needs the address of the rendezvous host.",
+                seen=f"nnodes={facts['max_nodes'].value} ({facts['max_nodes'].source}), no --rdzv-endpoint or --master-addr",
+                hint="Give every node the same --rdzv-endpoint HOST:PORT (HOST = one of the nodes), "
+                     "or launch under SLURM/mpirun/SageMaker where ddprun finds it.",
+            )
+        facts["master_addr"] = Fact("127.0.0.1", "default: single node")
+    if "master_port" not in facts:
+        facts["master_port"] = (
+            Fact(DEFAULT_MASTER_PORT, f"default ({DEFAULT_MASTER_PORT}, as torchrun)")
+            if multi_node else Fact(0, "default: a free port (single node)")
+        )
+    if "rdzv_backend" not in facts:
+        facts["rdzv_backend"] = Fact("c10d", "default (c10d: node ranks by arrival, no duplicates)")
+    backend = facts["rdzv_backend"].value
+
+    node_rank = facts.get("node_rank")
+    if node_rank is not None:
+        if not 0 <= node_rank.value < facts["max_nodes"].value:
+            raise ConfigError(
+                "The node rank is outside the number of nodes.",
+                seen=f"node rank {node_rank.value} ({node_rank.source}), nnodes={facts['max_nodes'].value}",
+                hint="Node ranks run from 0 to nnodes-1.",
+            )
+        if backend == "c10d" and env.name in ("local", "torchrun"):
+            notes.append(f"{node_rank.source} is ignored under c10d rendezvous: node ranks follow arrival order "
+                         "(use --rdzv-backend static to fix them).")
+            facts.pop("node_rank")
+    elif backend == "static":
+        if multi_node:
+            raise ConfigError(
+                "Static rendezvous needs this node's rank.",
+                seen=f"--rdzv-backend static, nnodes={facts['max_nodes'].value}, no --node-rank",
+                hint="Give --node-rank on every node (0 on the master), or drop --rdzv-backend to use c10d.",
+            )
+        facts["node_rank"] = Fact(0, "default: single node")
+    if backend == "static" and facts["min_nodes"].value != facts["max_nodes"].value:
+        raise ConfigError(
+            "Static rendezvous cannot be elastic.", seen=f"nnodes {facts['min_nodes'].value}:{facts['max_nodes'].value}",
+            hint="Use --rdzv-backend c10d for --nnodes MIN:MAX.",
+        )
+
+    if "run_id" not in facts:
+        facts["run_id"] = (
+            Fact("ddprun", "default for multi-node (give --rdzv-id JOB to keep jobs apart)")
+            if multi_node else Fact("", "generated at launch")
+        )
+
+    get = lambda k: facts[k].value if k in facts else None  # noqa: E731
+    return ClusterSpec(
+        environment=env.name,
+        min_nodes=get("min_nodes"), max_nodes=get("max_nodes"),
+        nproc_per_node=get("nproc_per_node"), node_rank=get("node_rank"),
+        master_addr=get("master_addr"), master_port=get("master_port"),
+        rdzv_backend=backend, run_id=get("run_id"), device=get("device"),
+        sources={k: f.source for k, f in facts.items()},
+        rank=get("rank"), local_rank=get("local_rank"), world_size=get("world_size"),
+        notes=tuple(notes),
+    )
+
+
+def explain(spec: ClusterSpec) -> list[str]:
+    """One line per value: name, value, source."""
+    lines = [f"environment: {spec.environment}"]
+    for key in ("min_nodes", "max_nodes", "nproc_per_node", "node_rank", "device", "master_addr", "master_port",
+                "rdzv_backend", "run_id", "rank", "local_rank", "world_size"):
+        if key in spec.sources:
+            lines.append(f"{key}: {getattr(spec, key)!r}  <- {spec.sources[key]}")
+    lines.extend(f"note: {n}" for n in spec.notes)
+    return lines

@@ -1,0 +1,65 @@
+"""What the user asked for, as frozen dataclasses built from flags (cli.py) and read by launch.py.
+
+Fields left ``None`` were not given and are filled by cluster detection (cluster/detect.py), which
+records where every value came from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_JOIN_TIMEOUT_S = 120.0
+"""Seconds the rendezvous waits for every node (torchrun: 600 s, and it prints nothing meanwhile)."""
+
+DEFAULT_RUNS_ROOT = "runs"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """The program every worker runs: a script path, or a module run like ``python -m``."""
+
+    target: str
+    args: tuple[str, ...] = ()
+    is_module: bool = False
+
+    def argv(self) -> list[str]:
+        """Arguments for ``python -m ddprun.worker``: ``[-m] TARGET ARGS...``."""
+        return (["-m"] if self.is_module else []) + [self.target, *self.args]
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """One ``ddprun run`` (or ``ddprun plan``) as the user asked for it.
+
+    Topology fields keep torchrun's meaning; ``None`` means "not given, detect it".
+    """
+
+    entry: Entry | None = None
+    nnodes: str | None = None
+    """``N`` or ``MIN:MAX`` nodes (torchrun's --nnodes)."""
+    nproc_per_node: str | None = None
+    """Processes per node: an int, ``gpu``, ``cpu`` or ``auto``; None = every visible GPU, else 1."""
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    rdzv_backend: str | None = None
+    """``c10d`` (ddprun's default) or ``static``; ``etcd``/``etcd-v2`` pass through to torch."""
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+    rdzv_conf: dict[str, str] = field(default_factory=dict)
+    standalone: bool = False
+    local_addr: str | None = None
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    """Seconds between the agent's checks of its workers."""
+    join_timeout: float = DEFAULT_JOIN_TIMEOUT_S
+    """Seconds the rendezvous waits for all nodes before every waiting node exits non-zero."""
+    log_dir: str | None = None
+    """Root of run directories (torchrun's --log-dir); the run goes to ``<log_dir>/<run-id>``."""
+    run_dir: str | None = None
+    """Exact run directory; overrides ``log_dir``."""
+    redirects: str = "0"
+    tee: str = "0"
+    """Local ranks whose output is also shown on the console (torchrun's --tee); rank 0 always is."""
+    start_method: str = "spawn"
+    hostfile: str | None = None

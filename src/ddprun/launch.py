@@ -1,0 +1,192 @@
+"""``ddprun run``: turn a resolved ClusterSpec into one torch elastic agent on this node.
+
+torch does the rendezvous, the worker processes and their supervision
+(``torch.distributed.launcher.api.launch_agent``); this module decides what to launch, where the
+output goes, and what the console says when it ends.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TextIO
+
+from ddprun._util import cpu_count
+from ddprun.cluster.base import ClusterSpec
+from ddprun.config import DEFAULT_RUNS_ROOT, LaunchConfig
+from ddprun.errors import LaunchError
+
+STOPPED_MARK = "ddprun: stopped because"
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+
+
+def run_dir_for(cfg: LaunchConfig, run_id: str) -> str:
+    if cfg.run_dir:
+        return os.path.abspath(cfg.run_dir)
+    return os.path.abspath(os.path.join(cfg.log_dir or DEFAULT_RUNS_ROOT, run_id))
+
+
+def omp_threads(environ: Mapping[str, str], nproc_per_node: int, cpus: int) -> str | None:
+    """OMP_NUM_THREADS for workers: None when the user set it, else cores ÷ processes (≥ 1)."""
+    if "OMP_NUM_THREADS" in environ:
+        return None
+    return str(max(1, cpus // nproc_per_node))
+
+
+def parse_local_ranks(spec: str, nproc: int) -> set[int]:
+    """torchrun's --tee/--redirects value: ``3`` (all), ``0`` (none), or ``0:3,1:0`` per local rank."""
+    if ":" not in spec:
+        return set(range(nproc)) if spec.strip() not in ("0", "") else set()
+    out = set()
+    for part in spec.split(","):
+        lr, _, val = part.partition(":")
+        if val.strip() not in ("0", ""):
+            out.add(int(lr))
+    return out
+
+
+@dataclass
+class Outcome:
+    exit_code: int
+    run_dir: str
+    wall_s: float
+
+
+def _summarize_failures(failures: Mapping[int, object], run_dir: str, host: str) -> str:
+    from ddprun.logs import rank_log_path, tail_lines
+
+    roots, stopped = [], []
+    for rank, f in sorted(failures.items()):
+        msg = getattr(f, "message", "") or ""
+        (stopped if msg.startswith(STOPPED_MARK) else roots).append((rank, f, msg))
+    lines = ["ddprun: the job failed."]
+    for rank, f, msg in roots:
+        code = f.exitcode
+        how = f"was killed by {f.signal_name()}" if code < 0 else f"exited with code {code}"
+        if msg.startswith("To enable traceback"):
+            msg = ""
+        lines.append(f"  rank {rank} (local rank {f.local_rank} on {host}) {how}" + (f": {msg}" if msg else ""))
+        log = rank_log_path(run_dir, rank)
+        tail = tail_lines(log, 12)
+        if tail:
+            lines.append(f"  last lines of {log}:")
+            lines.extend(f"    [rank{rank}] {line}" for line in tail)
+    if stopped:
+        ranks = ", ".join(str(r) for r, _, _ in stopped)
+        cause = stopped[0][2][len("ddprun: "):]
+        lines.append(f"  rank(s) {ranks} on {host} {cause}")
+        if not roots:
+            lines.append("  That rank's log is on its own node: runs/<run id>/logs/rank-<N>.log there.")
+    return "\n".join(lines)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host if host not in ("localhost",) else "127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hostname: str,
+           console: TextIO | None = None) -> Outcome:
+    """Run this node's agent until the job ends; return the exit code for this node."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.launcher.api import LaunchConfig as TorchLaunchConfig
+    from torch.distributed.launcher.api import launch_agent
+
+    from ddprun.logs import LogFollower, RankLogsSpecs, route_torch_logging
+
+    if cfg.entry is None:
+        raise LaunchError("Nothing to run.", hint="Give a script: ddprun run train.py, or a module: ddprun run -m pkg.train")
+    t0 = time.monotonic()
+    run_id = spec.run_id or new_run_id()
+    run_dir = run_dir_for(cfg, run_id)
+    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+
+    console = console or sys.stdout
+    # C++ warnings (TCPStore, gloo) go straight to fd 2; keep them in the agent log, off the console.
+    agent_log = os.path.join(run_dir, "logs", f"agent-{hostname}.log")
+    handler = route_torch_logging(agent_log)
+    saved_stderr = os.dup(2)
+    log_fd = os.open(agent_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    err_console = os.fdopen(os.dup(saved_stderr), "w", buffering=1)
+
+    master_port = spec.master_port
+    if master_port == 0:
+        master_port = _free_port(spec.master_addr)
+    endpoint = f"{spec.master_addr}:{master_port}"
+
+    worker_env = {
+        "DDPRUN_RUN_DIR": run_dir,
+        "DDPRUN_DEVICE_KIND": spec.device,
+        "DDPRUN_JOIN_TIMEOUT": str(cfg.join_timeout),
+    }
+    threads = omp_threads(environ, spec.nproc_per_node, cpu_count())
+    if threads is not None:
+        worker_env["OMP_NUM_THREADS"] = threads
+
+    follower = LogFollower(console)
+    logs_specs = RankLogsSpecs(run_dir, follower, parse_local_ranks(cfg.tee, spec.nproc_per_node), worker_env)
+    rdzv_configs: dict = dict(cfg.rdzv_conf)
+    rdzv_configs.setdefault("timeout", int(cfg.join_timeout))
+    rdzv_configs.setdefault("join_timeout", int(cfg.join_timeout))
+    if spec.rdzv_backend == "static":
+        rdzv_configs["rank"] = spec.node_rank
+    torch_cfg = TorchLaunchConfig(
+        min_nodes=spec.min_nodes, max_nodes=spec.max_nodes, nproc_per_node=spec.nproc_per_node,
+        logs_specs=logs_specs, run_id=run_id, role="trainer", rdzv_endpoint=endpoint,
+        rdzv_backend=spec.rdzv_backend, rdzv_configs=rdzv_configs, max_restarts=cfg.max_restarts,
+        monitor_interval=cfg.monitor_interval, start_method=cfg.start_method, local_addr=cfg.local_addr,
+    )
+    nodes = str(spec.max_nodes) if not spec.elastic else f"{spec.min_nodes}-{spec.max_nodes}"
+    print(f"ddprun: run {run_id}: {nodes} node(s) x {spec.nproc_per_node} process(es) on {spec.device}, "
+          f"{spec.rdzv_backend} rendezvous at {endpoint}; logs in {os.path.relpath(run_dir)}/logs", file=console,
+          flush=True)
+
+    code = 0
+    try:
+        launch_agent(torch_cfg, sys.executable, ["-m", "ddprun.worker", *cfg.entry.argv()])
+    except ChildFailedError as e:
+        follower.stop()
+        print(_summarize_failures(e.failures, run_dir, hostname), file=err_console, flush=True)
+        code = 1
+    except RendezvousError as e:
+        follower.stop()
+        print(f"ddprun: rendezvous at {endpoint} failed: {type(e).__name__}: {e}\n"
+              f"HINT: check that every node runs ddprun with the same --rdzv-endpoint and --rdzv-id, that "
+              f"{spec.master_addr} is reachable from every node, and see {agent_log}", file=err_console, flush=True)
+        code = 1
+    except KeyboardInterrupt:
+        follower.stop()
+        print("ddprun: interrupted; workers stopped.", file=err_console, flush=True)
+        code = 130
+    except Exception as e:  # noqa: BLE001 - torch's agent raises many kinds; each must end with a message
+        follower.stop()
+        name = type(e).__name__
+        if name == "SignalException":
+            print(f"ddprun: stopped by {e}; workers stopped.", file=err_console, flush=True)
+            code = 128 + int(getattr(e, "sigval", 15))
+        else:
+            print(f"ddprun: the launcher failed: {name}: {e}\nSee {agent_log}", file=err_console, flush=True)
+            code = 1
+    else:
+        follower.stop()
+    finally:
+        handler.flush()
+        os.dup2(saved_stderr, 2)
+        os.close(saved_stderr)
+    wall = time.monotonic() - t0
+    if code == 0:
+        print(f"ddprun: run {run_id} finished on this node in {wall:.1f} s", file=console, flush=True)
+    err_console.close()
+    return Outcome(exit_code=code, run_dir=run_dir, wall_s=wall)

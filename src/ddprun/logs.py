@@ -1,0 +1,145 @@
+"""Where worker output goes: ``<run dir>/logs/rank-<N>.log`` per worker, rank 0 (and --tee ranks)
+followed onto the console, torch's own agent chatter into ``logs/agent-<host>.log``.
+
+:class:`RankLogsSpecs` plugs into torch's agent (``LogsSpecs.reify`` is called once per attempt
+with every local worker's environment, global RANK included), so files are named by global rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from typing import TextIO
+
+from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
+
+
+def rank_log_path(run_dir: str, rank: int | str) -> str:
+    return os.path.join(run_dir, "logs", f"rank-{rank}.log")
+
+
+def tail_lines(path: str, n: int = 15) -> list[str]:
+    """The last ``n`` lines of a text file ([] if it does not exist)."""
+    try:
+        with open(path, "rb") as fp:
+            fp.seek(0, os.SEEK_END)
+            size = fp.tell()
+            fp.seek(max(0, size - 64 * 1024))
+            data = fp.read().decode("utf-8", errors="replace")
+    except OSError:
+        return []
+    return data.splitlines()[-n:]
+
+
+class LogFollower:
+    """Copies new lines of some files to a stream, each with its prefix, until stopped (drained)."""
+
+    def __init__(self, out: TextIO, interval_s: float = 0.05):
+        self._out = out
+        self._interval = interval_s
+        self._files: dict[str, str] = {}
+        self._offsets: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="ddprun-log-follower", daemon=True)
+        self._thread.start()
+
+    def follow(self, files: Mapping[str, str]) -> None:
+        """Follow ``path -> prefix`` from the start of each file, in addition to earlier ones."""
+        with self._lock:
+            for path, prefix in files.items():
+                self._files[path] = prefix
+                self._offsets[path] = 0
+
+    def _pump(self) -> None:
+        with self._lock:
+            items = list(self._files.items())
+        for path, prefix in items:
+            try:
+                with open(path, "rb") as fp:
+                    fp.seek(self._offsets[path])
+                    data = fp.read()
+            except OSError:
+                continue
+            # only whole lines, so a line being written is not split
+            end = data.rfind(b"\n") + 1 if not self._stop.is_set() else len(data)
+            if end <= 0:
+                continue
+            self._offsets[path] += end
+            text = data[:end].decode("utf-8", errors="replace")
+            if prefix:
+                text = "".join(prefix + line for line in text.splitlines(keepends=True))
+            if not text.endswith("\n"):
+                text += "\n"
+            self._out.write(text)
+        self._out.flush()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._pump()
+
+    def stop(self) -> None:
+        """Stop, then copy what is left (bounded: one last read of each file)."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._pump()
+
+
+class RankLogsSpecs(LogsSpecs):
+    """torch LogsSpecs naming each worker's log by global rank, with ddprun's worker variables."""
+
+    def __init__(self, run_dir: str, follower: LogFollower | None, tee_local_ranks: set[int],
+                 worker_env: Mapping[str, str]):
+        super().__init__(log_dir=run_dir)
+        self._run_dir = run_dir
+        self._follower = follower
+        self._tee_local = tee_local_ranks
+        self._worker_env = dict(worker_env)
+
+    @property
+    def root_log_dir(self) -> str:
+        return self._run_dir
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        logs_dir = os.path.join(self._run_dir, "logs")
+        os.makedirs(logs_dir, exist_ok=True)
+        stdouts, stderrs, errors, follow = {}, {}, {}, {}
+        for local_rank, env in envs.items():
+            rank = env["RANK"]
+            restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            path = rank_log_path(self._run_dir, rank)
+            if restart > 0 and os.path.exists(path):
+                # keep every attempt's log: the failed one explains the restart
+                os.replace(path, os.path.join(logs_dir, f"rank-{rank}.attempt-{restart - 1}.log"))
+            error_file = os.path.join(logs_dir, f"rank-{rank}.error.json")
+            if os.path.exists(error_file):
+                os.unlink(error_file)
+            env.update(self._worker_env)
+            env["NODE_RANK"] = env["GROUP_RANK"]
+            env["DDPRUN_MERGE_STDERR"] = "1"
+            env["TORCHELASTIC_ERROR_FILE"] = error_file
+            stdouts[local_rank] = path
+            stderrs[local_rank] = ""  # inherit; the worker joins it to stdout as its first act
+            errors[local_rank] = error_file
+            if rank == "0":
+                follow[path] = ""
+            elif local_rank in self._tee_local:
+                follow[path] = f"[rank{rank}] "
+        if self._follower is not None and follow:
+            self._follower.follow(follow)
+        return LogsDest(stdouts, stderrs, {}, {}, errors,
+                        os.path.join(logs_dir, "filtered_stdout.log"), os.path.join(logs_dir, "filtered_stderr.log"))
+
+
+def route_torch_logging(path: str) -> logging.Handler:
+    """Send torch.distributed's Python logging to ``path`` instead of the console."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in ("torch.distributed", "torch.distributed.elastic"):
+        lg = logging.getLogger(name)
+        lg.handlers[:] = [handler]
+        lg.setLevel(logging.INFO)
+        lg.propagate = False
+    return handler

@@ -1,0 +1,75 @@
+"""The rank table: rendering (plan before launch, facts after rendezvous) and plan.json."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+
+from ddprun.plan import RankPlan
+
+COLUMNS = ("rank", "local_rank", "node_rank", "host", "pid", "device")
+
+
+def render_table(rows: Sequence[dict], columns: Sequence[str], title: str) -> str:
+    """A rich table as plain text (no colour codes, so it reads the same in a log file)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for col in columns:
+        table.add_column(col.replace("_", " "), justify="right" if col != "host" and col != "device" else "left")
+    for row in rows:
+        table.add_row(*(str(row.get(c, "")) for c in columns))
+    buf = io.StringIO()
+    Console(file=buf, width=120, no_color=True, force_terminal=False).print(table)
+    return buf.getvalue()
+
+
+def render_plan(plan: RankPlan, title: str) -> str:
+    rows = [{"rank": s.rank, "local_rank": s.local_rank, "node_rank": s.node_rank, "device": s.device}
+            for s in plan.slots]
+    return render_table(rows, ("node_rank", "local_rank", "rank", "device"), title)
+
+
+def print_rank_table(rows: Sequence[dict], world_size: int) -> None:
+    missing = sorted(set(range(world_size)) - {r["rank"] for r in rows})
+    title = f"ddprun: {len(rows)}/{world_size} ranks"
+    nodes = sorted({(r["node_rank"], r["host"]) for r in rows})
+    title += f" on {len(nodes)} node(s)"
+    text = render_table(sorted(rows, key=lambda r: r["rank"]), COLUMNS, title)
+    if missing:
+        text += f"ddprun: ranks {missing} did not report within the join timeout\n"
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def write_json_atomic(path: str, data: dict) -> None:
+    """Write JSON to ``path`` through a temp file in the same directory, fsync, rename."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as fp:
+            json.dump(data, fp, indent=2)
+            fp.flush()
+            os.fsync(fp.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def write_plan_json(run_dir: str, rows: Sequence[dict], world_size: int) -> None:
+    nodes = {r["node_rank"] for r in rows}
+    write_json_atomic(os.path.join(run_dir, "plan.json"), {
+        "world_size": world_size,
+        "nnodes": len(nodes),
+        "ranks": sorted(rows, key=lambda r: r["rank"]),
+    })

@@ -1,0 +1,78 @@
+"""Worker bootstrap: ``python -m ddprun.worker [-m] TARGET ARGS...``, started by torch's agent.
+
+Before the user's code: NODE_RANK is set, stderr joins stdout in the rank's log file, the rank
+publishes its row (host, pid, device) to the agent's store, and rank 0 prints the gathered rank
+table once and writes ``plan.json``. The user's script then runs unmodified (runpy, as ``python``
+would run it). Afterwards the process ends through :func:`ddprun.exit.hard_exit`, which runs atexit
+handlers and flushes files but skips interpreter and C++ static teardown: that teardown is where
+healthy gloo/NCCL workers abort with SIGABRT ("terminate called without an active exception").
+
+A rank that fails records a failure in the store; the other ranks' job monitor stops them within a
+second, naming that rank, instead of leaving them in a collective until the 30-minute timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _merge_stderr_into_stdout() -> None:
+    # The agent points stdout at logs/rank-N.log; one file per rank keeps tracebacks next to prints.
+    if os.environ.get("DDPRUN_MERGE_STDERR") == "1":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(1, 2)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+
+
+def _run_user_code(argv: list[str]) -> None:
+    import runpy
+
+    if not argv:
+        raise SystemExit("ddprun.worker: no script or module given")
+    if argv[0] == "-m":
+        module, args = argv[1], argv[2:]
+        sys.argv = [module, *args]
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        script, args = argv[0], argv[1:]
+        sys.argv = [script, *args]
+        # `python script.py` puts the script's directory first on sys.path; so do we.
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        runpy.run_path(script, run_name="__main__")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("NODE_RANK", os.environ.get("GROUP_RANK", "0"))
+    _merge_stderr_into_stdout()
+
+    from ddprun import exit as ddp_exit
+    from ddprun.jobstore import JobChannel
+
+    channel = JobChannel.from_environ(os.environ)
+    if channel is not None:
+        channel.announce()
+        channel.start_monitor()
+
+    code = 0
+    try:
+        _run_user_code(argv)
+    except SystemExit as e:
+        code = ddp_exit.exit_code_of(e)
+        if code != 0:
+            ddp_exit.report_failure(channel, f"SystemExit({e.code!r})", code)
+    except BaseException as e:  # noqa: BLE001 - every failure must be recorded before exiting
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+        ddp_exit.report_failure(channel, f"{type(e).__name__}: {e}", code, exc=e)
+    ddp_exit.hard_exit(code, channel)
+
+
+if __name__ == "__main__":
+    main()
