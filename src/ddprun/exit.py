@@ -36,6 +36,25 @@ def exit_code_of(e: SystemExit) -> int:
     return 1
 
 
+STOPPED_MARK = "ddprun: stopped because"
+
+
+def stopped_message(cause: dict) -> str:
+    """What a rank ended by another rank's failure says (the launcher groups these)."""
+    return (f"{STOPPED_MARK} rank {cause['rank']} (node {cause['node_rank']}, {cause['host']}) failed: "
+            f"{cause['summary']} (its log: logs/rank-{cause['rank']}.log on {cause['host']})")
+
+
+def print_user_traceback(e: BaseException) -> None:
+    """The traceback from the user's code down, without ddprun's and runpy's frames above it."""
+    tb = e.__traceback__
+    while tb is not None and (tb.tb_frame.f_code.co_filename.endswith(("ddprun/worker.py", "runpy.py"))
+                              or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")):
+        tb = tb.tb_next
+    traceback.print_exception(type(e), e, tb or e.__traceback__)
+    sys.stderr.flush()
+
+
 def write_error_file(message: str, exc: BaseException | None = None) -> None:
     """Write torch's error-file JSON so the agent's failure record carries our message."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")

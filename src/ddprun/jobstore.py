@@ -128,10 +128,9 @@ class JobChannel:
             except Exception:  # noqa: BLE001 - store gone: the job is ending, the agent decides
                 return
             if failure and failure["rank"] != self.rank and not self._stop.is_set():
-                from ddprun.exit import write_error_file
+                from ddprun.exit import stopped_message, write_error_file
 
-                msg = (f"ddprun: stopped because rank {failure['rank']} (node {failure['node_rank']}, "
-                       f"{failure['host']}) failed: {failure['summary']}")
+                msg = stopped_message(failure)
                 print(msg, file=sys.stderr, flush=True)
                 write_error_file(msg)
                 sys.stdout.flush()

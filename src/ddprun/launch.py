@@ -20,8 +20,8 @@ from ddprun._util import cpu_count
 from ddprun.cluster.base import ClusterSpec
 from ddprun.config import DEFAULT_RUNS_ROOT, LaunchConfig
 from ddprun.errors import LaunchError
+from ddprun.exit import STOPPED_MARK
 
-STOPPED_MARK = "ddprun: stopped because"
 
 
 def new_run_id() -> str:
@@ -60,31 +60,41 @@ class Outcome:
     wall_s: float
 
 
-def _summarize_failures(failures: Mapping[int, object], run_dir: str, host: str) -> str:
-    from ddprun.logs import rank_log_path, tail_lines
+def summarize_failures(failures: Mapping[int, object], run_dir: str, host: str) -> str:
+    """The console's account of a failed job on this node: root causes with their log tails
+    first, then the ranks that were only stopped because of them (one line)."""
+    from ddprun.logs import early_log_path, rank_log_path, tail_lines
 
-    roots, stopped = [], []
+    roots, stopped, cause = [], [], ""
     for rank, f in sorted(failures.items()):
         msg = getattr(f, "message", "") or ""
-        (stopped if msg.startswith(STOPPED_MARK) else roots).append((rank, f, msg))
-    lines = ["ddprun: the job failed."]
-    for rank, f, msg in roots:
-        code = f.exitcode
-        how = f"was killed by {f.signal_name()}" if code < 0 else f"exited with code {code}"
+        if isinstance(msg, dict):  # torch keeps the error file's JSON object when it has extraInfo
+            msg = str(msg.get("message", ""))
         if msg.startswith("To enable traceback"):
             msg = ""
-        lines.append(f"  rank {rank} (local rank {f.local_rank} on {host}) {how}" + (f": {msg}" if msg else ""))
-        log = rank_log_path(run_dir, rank)
-        tail = tail_lines(log, 12)
-        if tail:
-            lines.append(f"  last lines of {log}:")
-            lines.extend(f"    [rank{rank}] {line}" for line in tail)
+        if msg.startswith(STOPPED_MARK):
+            stopped.append(rank)
+            cause = cause or msg[len("ddprun: "):]
+        elif f.exitcode == -15 and not msg:  # SIGTERM from the agent after a local rank failed
+            stopped.append(rank)
+        else:
+            roots.append((rank, f, msg))
+    lines = []
+    for rank, f, msg in roots:
+        how = f"was killed by {f.signal_name()}" if f.exitcode < 0 else f"exited with code {f.exitcode}"
+        lines.append(f"ddprun: rank {rank} (local rank {f.local_rank} on {host}) {how}" + (f": {msg}" if msg else ""))
+        for log in (early_log_path(run_dir, rank), rank_log_path(run_dir, rank)):
+            tail = tail_lines(log, 8)
+            if tail:
+                lines.append(f"  last lines of {os.path.relpath(log)}:")
+                lines.extend(f"    [rank{rank}] {line}" for line in tail)
     if stopped:
-        ranks = ", ".join(str(r) for r, _, _ in stopped)
-        cause = stopped[0][2][len("ddprun: "):]
-        lines.append(f"  rank(s) {ranks} on {host} {cause}")
-        if not roots:
-            lines.append("  That rank's log is on its own node: runs/<run id>/logs/rank-<N>.log there.")
+        ranks = ", ".join(str(r) for r in stopped)
+        if cause:
+            lines.append(f"ddprun: rank(s) {ranks} on {host} were {cause}")
+        else:
+            lines.append(f"ddprun: rank(s) {ranks} on {host} were stopped because of the failure above.")
+    lines.append("ddprun: the job failed.")
     return "\n".join(lines)
 
 
@@ -102,7 +112,7 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
     from torch.distributed.launcher.api import LaunchConfig as TorchLaunchConfig
     from torch.distributed.launcher.api import launch_agent
 
-    from ddprun.logs import LogFollower, RankLogsSpecs, route_torch_logging
+    from ddprun.logs import LogFollower, RankLogsSpecs, remove_empty_early_logs, route_torch_logging
 
     if cfg.entry is None:
         raise LaunchError("Nothing to run.", hint="Give a script: ddprun run train.py, or a module: ddprun run -m pkg.train")
@@ -158,7 +168,7 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
         launch_agent(torch_cfg, sys.executable, ["-m", "ddprun.worker", *cfg.entry.argv()])
     except ChildFailedError as e:
         follower.stop()
-        print(_summarize_failures(e.failures, run_dir, hostname), file=err_console, flush=True)
+        print(summarize_failures(e.failures, run_dir, hostname), file=err_console, flush=True)
         code = 1
     except RendezvousError as e:
         follower.stop()
@@ -183,6 +193,7 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
         follower.stop()
     finally:
         handler.flush()
+        remove_empty_early_logs(run_dir)
         os.dup2(saved_stderr, 2)
         os.close(saved_stderr)
     wall = time.monotonic() - t0

@@ -20,6 +20,18 @@ def rank_log_path(run_dir: str, rank: int | str) -> str:
     return os.path.join(run_dir, "logs", f"rank-{rank}.log")
 
 
+def early_log_path(run_dir: str, rank: int | str) -> str:
+    return os.path.join(run_dir, "logs", f"rank-{rank}.early.log")
+
+
+def remove_empty_early_logs(run_dir: str) -> None:
+    logs = os.path.join(run_dir, "logs")
+    for name in os.listdir(logs) if os.path.isdir(logs) else ():
+        path = os.path.join(logs, name)
+        if name.endswith(".early.log") and os.path.getsize(path) == 0:
+            os.unlink(path)
+
+
 def tail_lines(path: str, n: int = 15) -> list[str]:
     """The last ``n`` lines of a text file ([] if it does not exist)."""
     try:
@@ -121,7 +133,9 @@ class RankLogsSpecs(LogsSpecs):
             env["DDPRUN_MERGE_STDERR"] = "1"
             env["TORCHELASTIC_ERROR_FILE"] = error_file
             stdouts[local_rank] = path
-            stderrs[local_rank] = ""  # inherit; the worker joins it to stdout as its first act
+            # The worker joins stderr to stdout as its first act; this file keeps only what a
+            # worker printed before that (an interpreter that could not start, say).
+            stderrs[local_rank] = early_log_path(self._run_dir, rank)
             errors[local_rank] = error_file
             if rank == "0":
                 follow[path] = ""

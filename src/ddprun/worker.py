@@ -66,11 +66,18 @@ def main(argv: list[str] | None = None) -> None:
         if code != 0:
             ddp_exit.report_failure(channel, f"SystemExit({e.code!r})", code)
     except BaseException as e:  # noqa: BLE001 - every failure must be recorded before exiting
-        import traceback
-
-        traceback.print_exc()
         code = 1
-        ddp_exit.report_failure(channel, f"{type(e).__name__}: {e}", code, exc=e)
+        cause = channel.first_failure() if channel is not None else None
+        if cause is not None and cause["rank"] != channel.rank:
+            # A peer failed first and this rank's error (usually "connection closed by peer") is
+            # its echo: one line here, the root cause named, no second wall of traceback.
+            first_line = (str(e).splitlines() or [""])[0][:200]
+            msg = ddp_exit.stopped_message(cause)
+            print(f"{msg}\n  (this rank then saw {type(e).__name__}: {first_line})", file=sys.stderr, flush=True)
+            ddp_exit.write_error_file(msg)
+        else:
+            ddp_exit.print_user_traceback(e)
+            ddp_exit.report_failure(channel, f"{type(e).__name__}: {e}", code, exc=e)
     ddp_exit.hard_exit(code, channel)
 
 

@@ -1,0 +1,96 @@
+"""Start launcher processes (ddprun or torchrun agents) for tests: free ports, bounded waits,
+process-group kills on timeout, and their output attached to any failure."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+DDPRUN = str(BIN / "ddprun")
+TORCHRUN = str(BIN / "torchrun")
+EXAMPLE = str(REPO / "examples" / "torchrun_style.py")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_env(**extra: str) -> dict[str, str]:
+    """The environment for launched jobs: one OpenMP thread per rank (2 cores are shared)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DDPRUN_", "TORCHELASTIC_"))}
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
+        env.pop(k, None)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Finished:
+    cmd: list[str]
+    returncode: int | None
+    """None when the process was killed at the timeout."""
+    output: str
+    wall_s: float
+
+    @property
+    def timed_out(self) -> bool:
+        return self.returncode is None
+
+
+def run_agents(cmds: list[list[str]], timeout: float, cwd: str | os.PathLike | None = None,
+               env: dict[str, str] | None = None) -> list[Finished]:
+    """Start every command at once (each in its own process group), wait at most ``timeout``
+    seconds for all, kill the stragglers' whole process trees, return each one's result."""
+    env = env or test_env()
+    t0 = time.monotonic()
+    procs = [subprocess.Popen(c, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              start_new_session=True, text=True) for c in cmds]
+    results: list[Finished | None] = [None] * len(procs)
+    deadline = t0 + timeout
+    try:
+        for i, p in enumerate(procs):
+            left = max(0.1, deadline - time.monotonic())
+            try:
+                out, _ = p.communicate(timeout=left)
+                results[i] = Finished(cmds[i], p.returncode, out, time.monotonic() - t0)
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        for i, p in enumerate(procs):
+            if results[i] is None:
+                kill_tree(p)
+                out, _ = p.communicate(timeout=10)
+                results[i] = Finished(cmds[i], None, out, time.monotonic() - t0)
+    return results  # type: ignore[return-value]
+
+
+def kill_tree(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def describe(results: list[Finished]) -> str:
+    """All outputs, for an assertion message."""
+    return "\n".join(f"--- {' '.join(r.cmd)} -> rc={r.returncode} in {r.wall_s:.1f}s\n{r.output}" for r in results)
+
+
+def ddprun_nodes(nnodes: int, nproc: int, script_and_args: list[str], *, rdzv_id: str, port: int | None = None,
+                 extra: list[str] | None = None) -> list[list[str]]:
+    """The commands of ``nnodes`` simulated nodes (one ddprun agent each) on 127.0.0.1."""
+    port = port or free_port()
+    return [[DDPRUN, "run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
+             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id, *(extra or []), *script_and_args]
+            for _ in range(nnodes)]

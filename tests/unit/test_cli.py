@@ -1,0 +1,70 @@
+"""Flag parsing is torchrun's: both spellings, same meanings, pure config out."""
+
+import pytest
+
+from ddprun.cli import build_parser, config_from_args, main, parse_rdzv_conf
+from ddprun.errors import ConfigError
+
+
+def cfg(*argv):
+    return config_from_args(build_parser().parse_args(["run", *argv]))
+
+
+def test_lab_notes_line_parses_with_underscore_spellings():
+    c = cfg("--nnodes=5", "--nproc_per_node=4", "--rdzv_id=job1", "--rdzv_backend=c10d",
+            "--rdzv-endpoint=10.0.0.1:29400", "scripts.py", "--their", "--args")
+    assert (c.nnodes, c.nproc_per_node, c.rdzv_id, c.rdzv_backend) == ("5", "4", "job1", "c10d")
+    assert c.rdzv_endpoint == "10.0.0.1:29400"
+    assert c.entry.target == "scripts.py" and c.entry.args == ("--their", "--args")
+    assert c.entry.argv() == ["scripts.py", "--their", "--args"]
+
+
+def test_dash_spellings_and_module_mode():
+    c = cfg("--nnodes", "2:4", "--nproc-per-node", "gpu", "--node-rank", "1", "--master-addr", "h",
+            "--master-port", "1234", "--max-restarts", "3", "--monitor-interval", "0.5", "--log-dir", "L",
+            "--tee", "3", "--redirects", "3", "-m", "pkg.train", "--lr", "0.1")
+    assert c.nnodes == "2:4" and c.nproc_per_node == "gpu" and c.node_rank == 1
+    assert (c.master_addr, c.master_port, c.max_restarts, c.monitor_interval) == ("h", 1234, 3, 0.5)
+    assert c.log_dir == "L" and c.tee == "3"
+    assert c.entry.argv() == ["-m", "pkg.train", "--lr", "0.1"]
+
+
+def test_script_args_that_look_like_flags_are_left_to_the_script():
+    c = cfg("train.py", "--nnodes", "9")
+    assert c.nnodes is None and c.entry.args == ("--nnodes", "9")
+
+
+def test_rdzv_conf_parses_and_rejects_garbage():
+    assert parse_rdzv_conf("join_timeout=300, read_timeout=60") == {"join_timeout": "300", "read_timeout": "60"}
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_rdzv_conf("oops")
+
+
+def test_nonpositive_join_timeout_is_refused():
+    with pytest.raises(ConfigError, match="HINT"):
+        cfg("--join-timeout", "0", "t.py")
+
+
+def test_run_inside_a_worker_is_an_error_with_hint(monkeypatch, capsys):
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "x", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    assert main(["run", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert "inside a torchrun/ddprun worker" in err and "HINT" in err and "RANK=0" in err
+
+
+def test_plan_json_for_five_nodes_of_four(capsys):
+    import json
+
+    assert main(["plan", "--nnodes", "5", "--nproc-per-node", "4", "--rdzv-endpoint", "h:1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["world_size"] == 20 and len(out["ranks"]) == 20
+    assert all(r["rank"] == r["node_rank"] * 4 + r["local_rank"] for r in out["ranks"])
+    assert out["sources"]["nproc_per_node"] == "--nproc-per-node 4"
+
+
+def test_plan_explain_names_sources(capsys):
+    assert main(["plan", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "environment: local" in out
+    assert "nproc_per_node: 1  <- default on a node without GPUs" in out

@@ -1,0 +1,72 @@
+"""Pure helpers of the launcher: OMP threads, --tee parsing, resolution of local launches."""
+
+import pytest
+
+from ddprun.cluster.base import NodeFacts
+from ddprun.cluster.detect import resolve
+from ddprun.config import LaunchConfig
+from ddprun.errors import ConfigError
+from ddprun.launch import omp_threads, parse_local_ranks
+
+CPU_NODE = NodeFacts(hostname="h", cpus=8)
+GPU_NODE = NodeFacts(hostname="g", cpus=32, cuda_devices=4)
+
+
+def test_omp_threads_is_cores_per_process_unless_the_user_set_it():
+    assert omp_threads({}, 4, 16) == "4"
+    assert omp_threads({}, 4, 2) == "1"
+    assert omp_threads({"OMP_NUM_THREADS": "7"}, 4, 16) is None
+
+
+def test_tee_values():
+    assert parse_local_ranks("0", 4) == set()
+    assert parse_local_ranks("3", 3) == {0, 1, 2}
+    assert parse_local_ranks("0:3,1:0,2:1", 3) == {0, 2}
+
+
+def test_gpu_node_defaults_to_every_visible_gpu():
+    spec = resolve(LaunchConfig(), {}, GPU_NODE)
+    assert spec.nproc_per_node == 4 and spec.device == "cuda"
+    assert "every visible GPU" in spec.sources["nproc_per_node"]
+
+
+def test_cpu_node_defaults_to_one_process_on_a_free_port():
+    spec = resolve(LaunchConfig(), {}, CPU_NODE)
+    assert (spec.nproc_per_node, spec.device, spec.master_port, spec.rdzv_backend) == (1, "cpu", 0, "c10d")
+
+
+def test_multi_node_without_endpoint_is_an_error_naming_the_fix():
+    with pytest.raises(ConfigError) as e:
+        resolve(LaunchConfig(nnodes="2"), {}, CPU_NODE)
+    assert "nnodes=2" in str(e.value) and "--rdzv-endpoint" in str(e.value)
+
+
+def test_endpoint_and_nnodes_range():
+    spec = resolve(LaunchConfig(nnodes="2:4", rdzv_endpoint="[fe80::1]:29401", rdzv_id="j"), {}, CPU_NODE)
+    assert (spec.min_nodes, spec.max_nodes, spec.master_addr, spec.master_port) == (2, 4, "fe80::1", 29401)
+    assert spec.rdzv_endpoint == "[fe80::1]:29401" and spec.run_id == "j"
+
+
+@pytest.mark.parametrize("nnodes", ["0", "3:2", "x", "1:2:3"])
+def test_bad_nnodes(nnodes):
+    with pytest.raises(ConfigError, match="HINT"):
+        resolve(LaunchConfig(nnodes=nnodes, rdzv_endpoint="h:1"), {}, CPU_NODE)
+
+
+def test_node_rank_is_honoured_by_static_and_noted_under_c10d():
+    static = resolve(LaunchConfig(nnodes="2", node_rank=1, rdzv_backend="static", master_addr="h"), {}, CPU_NODE)
+    assert static.node_rank == 1 and static.master_port == 29500
+    c10d = resolve(LaunchConfig(nnodes="2", node_rank=1, master_addr="h"), {}, CPU_NODE)
+    assert c10d.node_rank is None and any("ignored under c10d" in n for n in c10d.notes)
+
+
+def test_static_without_node_rank_and_out_of_range_rank_are_errors():
+    with pytest.raises(ConfigError, match="--node-rank"):
+        resolve(LaunchConfig(nnodes="2", rdzv_backend="static", master_addr="h"), {}, CPU_NODE)
+    with pytest.raises(ConfigError, match="outside"):
+        resolve(LaunchConfig(nnodes="2", node_rank=2, rdzv_backend="static", master_addr="h"), {}, CPU_NODE)
+
+
+def test_nproc_gpu_on_a_cpu_node_is_an_error():
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        resolve(LaunchConfig(nproc_per_node="gpu"), {}, CPU_NODE)
