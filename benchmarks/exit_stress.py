@@ -1,0 +1,61 @@
+"""Exit stress: the same 2 nodes x 2 processes job launched N times under ddprun and under plain
+torchrun (alternating), counting healthy runs that exited non-zero or hung.
+
+    python benchmarks/exit_stress.py [--runs 30] [--steps 5] [--no-destroy]
+
+The script trains a few steps and, by default, calls destroy_process_group straight after its last
+collective (the case that aborts with SIGABRT under torchrun). Every run is bounded by --timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.helpers import DDPRUN, EXAMPLE, TORCHRUN, free_port, run_agents  # noqa: E402
+
+
+def commands(launcher: str, run: int, steps: int, destroy: bool) -> list[list[str]]:
+    port = free_port()
+    script = [EXAMPLE, "--steps", str(steps)] + (["--destroy"] if destroy else [])
+    base = [DDPRUN, "run"] if launcher == "ddprun" else [TORCHRUN]
+    return [base + ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"stress-{launcher}-{run}", *script]
+            for _ in range(2)]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=30)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--timeout", type=float, default=90)
+    p.add_argument("--no-destroy", action="store_true")
+    args = p.parse_args()
+    stats = {name: {"ok": 0, "nonzero": 0, "hung": 0, "examples": []} for name in ("ddprun", "torchrun")}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.runs):
+            for name in ("ddprun", "torchrun"):
+                results = run_agents(commands(name, i, args.steps, not args.no_destroy), timeout=args.timeout, cwd=tmp)
+                s = stats[name]
+                if any(r.timed_out for r in results):
+                    s["hung"] += 1
+                elif any(r.returncode != 0 for r in results):
+                    s["nonzero"] += 1
+                    s["examples"].append([r.returncode for r in results])
+                else:
+                    s["ok"] += 1
+            print(f"run {i + 1}/{args.runs}: " + ", ".join(
+                f"{n} ok={s['ok']} nonzero={s['nonzero']} hung={s['hung']}" for n, s in stats.items()), flush=True)
+    print(f"\nexit stress, 2 nodes x 2 processes, {args.runs} runs each, destroy_process_group="
+          f"{not args.no_destroy}:")
+    for name, s in stats.items():
+        print(f"  {name:8s}: {s['nonzero']} exited non-zero, {s['hung']} hung, {s['ok']} clean "
+              f"(exit codes of failed runs: {s['examples'][:5]})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
