@@ -108,10 +108,11 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
            console: TextIO | None = None) -> Outcome:
     """Run this node's agent until the job ends; return the exit code for this node."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
     from torch.distributed.launcher.api import LaunchConfig as TorchLaunchConfig
     from torch.distributed.launcher.api import launch_agent
 
+    from ddprun.joinwatch import JoinWatcher
     from ddprun.logs import LogFollower, RankLogsSpecs, remove_empty_early_logs, route_torch_logging
 
     if cfg.entry is None:
@@ -146,7 +147,11 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
         worker_env["OMP_NUM_THREADS"] = threads
 
     follower = LogFollower(console)
-    logs_specs = RankLogsSpecs(run_dir, follower, parse_local_ranks(cfg.tee, spec.nproc_per_node), worker_env)
+    watcher = None
+    if spec.rdzv_backend == "c10d" and spec.max_nodes > 1:
+        watcher = JoinWatcher(spec.master_addr, master_port, run_id, spec.max_nodes, cfg.join_timeout, console)
+    logs_specs = RankLogsSpecs(run_dir, follower, parse_local_ranks(cfg.tee, spec.nproc_per_node), worker_env,
+                               on_workers_start=watcher.stop if watcher else None)
     rdzv_configs: dict = dict(cfg.rdzv_conf)
     rdzv_configs.setdefault("timeout", int(cfg.join_timeout))
     rdzv_configs.setdefault("join_timeout", int(cfg.join_timeout))
@@ -164,11 +169,21 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
           flush=True)
 
     code = 0
+    if watcher is not None:
+        watcher.start()
     try:
         launch_agent(torch_cfg, sys.executable, ["-m", "ddprun.worker", *cfg.entry.argv()])
     except ChildFailedError as e:
         follower.stop()
         print(summarize_failures(e.failures, run_dir, hostname), file=err_console, flush=True)
+        code = 1
+    except RendezvousTimeoutError:
+        follower.stop()
+        seen = watcher.timeout_message() if watcher else "the rendezvous did not complete"
+        print(f"ddprun: not every node joined within {cfg.join_timeout:.0f} s: {seen}.\n"
+              f"HINT: start ddprun on every node with the same --rdzv-endpoint {endpoint} and --rdzv-id {run_id}; "
+              f"check the missing nodes' own output; raise --join-timeout if nodes start late.",
+              file=err_console, flush=True)
         code = 1
     except RendezvousError as e:
         follower.stop()
@@ -192,6 +207,8 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
     else:
         follower.stop()
     finally:
+        if watcher is not None:
+            watcher.stop()
         handler.flush()
         remove_empty_early_logs(run_dir)
         os.dup2(saved_stderr, 2)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TextIO
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
@@ -103,8 +103,9 @@ class RankLogsSpecs(LogsSpecs):
     """torch LogsSpecs naming each worker's log by global rank, with ddprun's worker variables."""
 
     def __init__(self, run_dir: str, follower: LogFollower | None, tee_local_ranks: set[int],
-                 worker_env: Mapping[str, str]):
+                 worker_env: Mapping[str, str], on_workers_start: Callable[[], None] | None = None):
         super().__init__(log_dir=run_dir)
+        self._on_workers_start = on_workers_start
         self._run_dir = run_dir
         self._follower = follower
         self._tee_local = tee_local_ranks
@@ -115,6 +116,8 @@ class RankLogsSpecs(LogsSpecs):
         return self._run_dir
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        if self._on_workers_start is not None:
+            self._on_workers_start()
         logs_dir = os.path.join(self._run_dir, "logs")
         os.makedirs(logs_dir, exist_ok=True)
         stdouts, stderrs, errors, follow = {}, {}, {}, {}

@@ -1,0 +1,96 @@
+"""Join progress while the rendezvous waits for nodes: who joined, how many are missing, how long.
+
+A thread in the launcher reads the c10d rendezvous state torch keeps in the endpoint's TCP store
+(key ``torch.rendezvous.<run id>``: base64 of torch's pickled ``_RendezvousState``, which torch's
+own handler unpickles the same way) every few seconds and prints one line, e.g.
+``ddprun: 1/2 nodes joined (node-a pid 4242); waiting up to 120 s (114 s left)``. It stops when this
+node's workers start. It only reads; the rendezvous itself is torch's. If the state cannot be read
+(another torch version, static rendezvous) the line says so and the launch goes on unchanged.
+"""
+
+from __future__ import annotations
+
+import base64
+import pickle
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TextIO
+
+
+@dataclass
+class JoinSnapshot:
+    reachable: bool = False
+    joined: list[str] = field(default_factory=list)
+    """One ``host pid N`` per node that joined the current round."""
+    complete: bool = False
+
+
+def describe_state(state) -> JoinSnapshot:
+    """The nodes in a torch ``_RendezvousState`` (participants, then the wait list)."""
+    nodes = list(getattr(state, "participants", {}).keys()) + list(getattr(state, "wait_list", ()))
+    return JoinSnapshot(reachable=True, joined=[f"{n.addr} pid {n.pid}" for n in nodes],
+                        complete=bool(getattr(state, "complete", False)))
+
+
+class JoinWatcher:
+    """Prints join progress for a c10d rendezvous until :meth:`stop` (called when workers start)."""
+
+    def __init__(self, host: str, port: int, run_id: str, nnodes: int, join_timeout: float, out: TextIO,
+                 interval_s: float = 3.0):
+        self._host, self._port, self._key = host, port, "torch.rendezvous." + run_id
+        self._nnodes, self._timeout, self._out, self._interval = nnodes, join_timeout, out, interval_s
+        self._stop = threading.Event()
+        self._t0 = time.monotonic()
+        self.last = JoinSnapshot()
+        self._store = None
+        self._thread = threading.Thread(target=self._loop, name="ddprun-join-watch", daemon=True)
+
+    def start(self) -> JoinWatcher:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _read(self) -> JoinSnapshot:
+        from torch.distributed import TCPStore
+
+        if self._store is None:
+            self._store = TCPStore(self._host, self._port, is_master=False, wait_for_workers=False,
+                                   timeout=timedelta(seconds=2))
+        if not self._store.check([self._key]):
+            return JoinSnapshot(reachable=True)
+        raw = self._store.get(self._key)
+        return describe_state(pickle.loads(base64.b64decode(raw)))  # noqa: S301 - torch's own format
+
+    def line(self, snap: JoinSnapshot) -> str:
+        left = max(0, int(self._timeout - (time.monotonic() - self._t0)))
+        if not snap.reachable:
+            return (f"ddprun: rendezvous host {self._host}:{self._port} not reachable yet (has the node that hosts it "
+                    f"started?); waiting up to {self._timeout:.0f} s ({left} s left)")
+        who = ", ".join(snap.joined) if snap.joined else "none"
+        return (f"ddprun: {len(snap.joined)}/{self._nnodes} nodes joined ({who}); waiting up to "
+                f"{self._timeout:.0f} s ({left} s left)")
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                snap = self._read()
+            except Exception:  # noqa: BLE001 - unreachable, or a state this torch cannot read
+                self._store = None
+                snap = JoinSnapshot(reachable=False)
+            if self._stop.is_set() or snap.complete:
+                return
+            self.last = snap
+            self._out.write(self.line(snap) + "\n")
+            self._out.flush()
+
+    def timeout_message(self) -> str:
+        snap = self.last
+        if not snap.reachable:
+            return f"the rendezvous host {self._host}:{self._port} was never reachable from this node"
+        missing = self._nnodes - len(snap.joined)
+        who = ", ".join(snap.joined) or "no node"
+        return f"{len(snap.joined)}/{self._nnodes} nodes joined ({who}); {missing} missing"
