@@ -21,6 +21,8 @@ class NodeFacts:
     cpus: int
     cuda_devices: int = 0
     """CUDA devices visible to this process (after CUDA_VISIBLE_DEVICES)."""
+    addresses: tuple[str, ...] = ()
+    """IP addresses of this node (its name resolved, its interfaces), to find it in a hostfile."""
 
 
 @dataclass(frozen=True)
@@ -33,13 +35,16 @@ class Fact:
 
 Reading = dict[str, Fact]
 """Keys: min_nodes, max_nodes, nproc_per_node, node_rank, master_addr, master_port, rdzv_backend,
-run_id, and for one-process-per-rank launches (srun/mpirun tasks) rank, local_rank, world_size."""
+run_id, and for one-process-per-rank launches (srun/mpirun tasks) rank, local_rank, world_size.
+Extra keys (e.g. ``ifname``) are kept in ClusterSpec.sources and shown by ``plan --explain``."""
 
 
 class ClusterEnvironment(ABC):
     """One way a cluster states the topology. Subclasses are small and stateless."""
 
     name: ClassVar[str]
+    master_hint: ClassVar[str] = ""
+    """What to do when this environment cannot name the rendezvous host of a multi-node job."""
 
     @staticmethod
     @abstractmethod

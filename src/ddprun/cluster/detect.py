@@ -2,7 +2,8 @@
 
 Priority (shared/DESIGN.md): already inside a torchrun worker > explicit flags > SLURM > MPI >
 SageMaker > Kubernetes PyTorchJob > hostfile > local. The first environment whose ``detect`` is
-true is read; then every topology flag the user gave overrides the matching value, and anything
+true is read, except that ``--hostfile`` selects the hostfile environment over everything but
+torchrun; then every topology flag the user gave overrides the matching value, and anything
 still missing gets ddprun's default. Each value keeps its source for ``ddprun plan --explain``.
 """
 
@@ -11,7 +12,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from ddprun.cluster.base import ClusterEnvironment, ClusterSpec, Fact, NodeFacts, Reading
+from ddprun.cluster.hostfile import HostfileEnvironment
+from ddprun.cluster.kubernetes import KubernetesEnvironment
 from ddprun.cluster.local import LocalEnvironment
+from ddprun.cluster.mpi import MpiEnvironment
+from ddprun.cluster.sagemaker import SageMakerEnvironment
+from ddprun.cluster.slurm import SlurmEnvironment
 from ddprun.cluster.torchrun import TorchrunEnvironment
 from ddprun.config import LaunchConfig
 from ddprun.errors import ConfigError
@@ -19,8 +25,13 @@ from ddprun.errors import ConfigError
 DEFAULT_MASTER_PORT = 29500
 RDZV_BACKENDS = ("c10d", "static", "etcd", "etcd-v2")
 
-PRIORITY: tuple[type[ClusterEnvironment], ...] = (TorchrunEnvironment, LocalEnvironment)
-"""Environments in the order they are tried; local always detects, so it comes last."""
+PRIORITY: tuple[type[ClusterEnvironment], ...] = (
+    TorchrunEnvironment, SlurmEnvironment, MpiEnvironment, SageMakerEnvironment, KubernetesEnvironment,
+    HostfileEnvironment, LocalEnvironment,
+)
+"""Environments in the order they are tried; local always detects, so it comes last. The hostfile
+never detects from the environment: it is listed for its place in the order, and chosen by
+:func:`choose` when --hostfile is given."""
 
 
 def detect(environ: Mapping[str, str], order: Sequence[type[ClusterEnvironment]] = PRIORITY) -> ClusterEnvironment:
@@ -29,6 +40,18 @@ def detect(environ: Mapping[str, str], order: Sequence[type[ClusterEnvironment]]
         if env_cls.detect(environ):
             return env_cls()
     return LocalEnvironment()
+
+
+def choose(cfg: LaunchConfig, environ: Mapping[str, str]) -> tuple[ClusterEnvironment, list[str]]:
+    """The environment to read, and notes on what it overrode: torchrun > --hostfile > detect()."""
+    found = detect(environ)
+    if not cfg.hostfile:
+        return found, []
+    if found.name == "torchrun":
+        return found, [f"--hostfile {cfg.hostfile} is ignored inside a torchrun worker."]
+    notes = [] if found.name == "local" else [f"--hostfile {cfg.hostfile} is used instead of the detected "
+                                               f"{found.name} environment."]
+    return HostfileEnvironment(cfg.hostfile), notes
 
 
 def parse_nnodes(raw: str) -> tuple[int, int]:
@@ -148,9 +171,10 @@ def _overlay_flags(reading: Reading, cfg: LaunchConfig, node: NodeFacts) -> Read
 def resolve(cfg: LaunchConfig, environ: Mapping[str, str], node: NodeFacts,
             env: ClusterEnvironment | None = None) -> ClusterSpec:
     """Detect the environment, overlay the flags, fill defaults, validate. Pure."""
-    env = env or detect(environ)
-    facts = _overlay_flags(env.read(environ, node), cfg, node)
     notes: list[str] = []
+    if env is None:
+        env, notes = choose(cfg, environ)
+    facts = _overlay_flags(env.read(environ, node), cfg, node)
 
     if "min_nodes" not in facts:
         facts["min_nodes"] = facts["max_nodes"] = Fact(1, "default: one node")
@@ -169,7 +193,7 @@ def resolve(cfg: LaunchConfig, environ: Mapping[str, str], node: NodeFacts,
             raise ConfigError(
                 "A multi-node launch needs the address of the rendezvous host.",
                 seen=f"nnodes={facts['max_nodes'].value} ({facts['max_nodes'].source}), no --rdzv-endpoint or --master-addr",
-                hint="Give every node the same --rdzv-endpoint HOST:PORT (HOST = one of the nodes), "
+                hint=env.master_hint or "Give every node the same --rdzv-endpoint HOST:PORT (HOST = one of the nodes), "
                      "or launch under SLURM/mpirun/SageMaker where ddprun finds it.",
             )
         facts["master_addr"] = Fact("127.0.0.1", "default: single node")
@@ -181,6 +205,9 @@ def resolve(cfg: LaunchConfig, environ: Mapping[str, str], node: NodeFacts,
     if "rdzv_backend" not in facts:
         facts["rdzv_backend"] = Fact("c10d", "default (c10d: node ranks by arrival, no duplicates)")
     backend = facts["rdzv_backend"].value
+    if backend not in RDZV_BACKENDS:
+        raise ConfigError("Unknown rendezvous backend.", seen=f"{backend!r} ({facts['rdzv_backend'].source})",
+                          hint=f"Use one of {', '.join(RDZV_BACKENDS)} (c10d is the default).")
 
     node_rank = facts.get("node_rank")
     if node_rank is not None:
@@ -190,7 +217,7 @@ def resolve(cfg: LaunchConfig, environ: Mapping[str, str], node: NodeFacts,
                 seen=f"node rank {node_rank.value} ({node_rank.source}), nnodes={facts['max_nodes'].value}",
                 hint="Node ranks run from 0 to nnodes-1.",
             )
-        if backend == "c10d" and env.name in ("local", "torchrun"):
+        if backend == "c10d":
             notes.append(f"{node_rank.source} is ignored under c10d rendezvous: node ranks follow arrival order "
                          "(use --rdzv-backend static to fix them).")
             facts.pop("node_rank")
@@ -207,6 +234,8 @@ def resolve(cfg: LaunchConfig, environ: Mapping[str, str], node: NodeFacts,
             "Static rendezvous cannot be elastic.", seen=f"nnodes {facts['min_nodes'].value}:{facts['max_nodes'].value}",
             hint="Use --rdzv-backend c10d for --nnodes MIN:MAX.",
         )
+
+    _check_per_process(facts, env.name)
 
     if "run_id" not in facts:
         facts["run_id"] = (
@@ -227,12 +256,42 @@ def resolve(cfg: LaunchConfig, environ: Mapping[str, str], node: NodeFacts,
     )
 
 
+def _check_per_process(facts: Reading, env_name: str) -> None:
+    """A cluster that started one process per rank must agree with the plan once flags are laid over it.
+
+    torchrun's own variables are left alone: they describe a worker torch already placed.
+    """
+    if "world_size" not in facts or env_name == "torchrun":
+        return
+    nodes, nproc, world = facts["max_nodes"], facts["nproc_per_node"], facts["world_size"]
+    if world.value != nodes.value * nproc.value:
+        raise ConfigError(
+            "The processes the cluster started do not match nodes x processes per node.",
+            seen=f"world size {world.value} ({world.source}), nodes {nodes.value} ({nodes.source}), "
+                 f"processes per node {nproc.value} ({nproc.source})",
+            hint="Drop --nnodes/--nproc-per-node: the cluster already fixed them.",
+        )
+    node_rank = facts.get("node_rank")
+    rank, local_rank = facts["rank"].value, facts["local_rank"].value
+    if node_rank is None or rank != node_rank.value * nproc.value + local_rank:
+        raise ConfigError(
+            "This process's rank does not follow node rank x processes per node + local rank.",
+            seen=f"rank {rank} ({facts['rank'].source}), local rank {local_rank}, node rank "
+                 f"{node_rank.value if node_rank else None} ({node_rank.source if node_rank else 'none'})",
+            hint="Drop --node-rank/--rdzv-backend: the cluster already fixed the ranks.",
+        )
+
+
+EXPLAINED = ("min_nodes", "max_nodes", "nproc_per_node", "node_rank", "device", "master_addr", "master_port",
+             "rdzv_backend", "run_id", "rank", "local_rank", "world_size")
+
+
 def explain(spec: ClusterSpec) -> list[str]:
-    """One line per value: name, value, source."""
+    """One line per value: name, value, source; then extra facts of the environment (e.g. ifname)."""
     lines = [f"environment: {spec.environment}"]
-    for key in ("min_nodes", "max_nodes", "nproc_per_node", "node_rank", "device", "master_addr", "master_port",
-                "rdzv_backend", "run_id", "rank", "local_rank", "world_size"):
+    for key in EXPLAINED:
         if key in spec.sources:
             lines.append(f"{key}: {getattr(spec, key)!r}  <- {spec.sources[key]}")
+    lines.extend(f"{key}  <- {src}" for key, src in spec.sources.items() if key not in EXPLAINED)
     lines.extend(f"note: {n}" for n in spec.notes)
     return lines

@@ -1,0 +1,81 @@
+"""Small readers shared by the cluster environments: integers and ports from a mapping, the rank rule.
+
+Each raises ClusterError naming the variable and its value, so no environment repeats the wording.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ddprun.errors import ClusterError
+
+DEFAULT_PORT = 29500
+"""torchrun's default rendezvous port, used when an environment names no port."""
+
+
+def env_int(environ: Mapping[str, str], key: str, minimum: int = 0) -> int:
+    """``int(environ[key])``, at least ``minimum``; the key must be present."""
+    raw = environ[key]
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ClusterError(f"{key} is not a whole number.", seen=f"{key}={raw!r}",
+                           hint=f"Unset {key} or give a whole number.") from None
+    if value < minimum:
+        raise ClusterError(f"{key} must be at least {minimum}.", seen=f"{key}={raw!r}",
+                           hint=f"Check the launcher or the script that set {key}.")
+    return value
+
+
+def env_port(environ: Mapping[str, str], key: str = "MASTER_PORT") -> int:
+    """A TCP port from ``environ[key]`` (1-65535)."""
+    port = env_int(environ, key, minimum=1)
+    if port > 65535:
+        raise ClusterError(f"{key} is not a TCP port.", seen=f"{key}={environ[key]!r}",
+                           hint="Give a free port in 1-65535, e.g. 29500.")
+    return port
+
+
+def check_rank_rule(rank: int, local_rank: int, world_size: int, node_rank: int, nproc: int,
+                    seen: str, hint: str) -> None:
+    """One process per rank must follow ddprun's plan: rank = node rank × nproc + local rank.
+
+    A launcher that places ranks round-robin (SLURM ``--distribution=cyclic``, ``mpirun --map-by
+    node``) would give a rank table different from the printed plan, so it is refused.
+    """
+    if not 0 <= rank < world_size:
+        raise ClusterError("The rank is outside the world size.", seen=seen,
+                           hint="Ranks run from 0 to world size - 1; check the launcher that set them.")
+    if not 0 <= local_rank < nproc:
+        raise ClusterError("The local rank is outside the processes on this node.", seen=seen,
+                           hint="Local ranks run from 0 to processes per node - 1; check the launcher.")
+    if rank != node_rank * nproc + local_rank:
+        raise ClusterError(
+            f"Ranks are not placed node by node: rank {rank} should be node rank {node_rank} x {nproc} "
+            f"+ local rank {local_rank} = {node_rank * nproc + local_rank}.",
+            seen=seen, hint=hint,
+        )
+
+
+def split_endpoint(raw: str, key: str) -> tuple[str, int | None]:
+    """``host:port``, ``[v6addr]:port`` or ``host`` (port None) from the variable ``key``."""
+    value = raw.strip()
+    if value.startswith("["):
+        host, _, rest = value[1:].partition("]")
+        port_s = rest[1:] if rest.startswith(":") else rest
+    elif value.count(":") == 1:
+        host, port_s = value.split(":")
+    else:
+        host, port_s = value, ""
+    port = None
+    if port_s:
+        port = int(port_s) if port_s.isdigit() else -1
+    if not host or (port is not None and not 0 < port <= 65535):
+        raise ClusterError(f"{key} is not HOST:PORT.", seen=f"{key}={raw!r}",
+                           hint="Expected e.g. myjob-master-0:29400; check the job's spec.")
+    return host, port
+
+
+def count(n: int, noun: str) -> str:
+    """``count(1, "host")`` -> ``1 host``; ``count(6, "host")`` -> ``6 hosts``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

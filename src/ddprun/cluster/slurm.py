@@ -1,0 +1,201 @@
+"""SLURM: ``srun ddprun run ...`` inside an allocation (sbatch or salloc).
+
+Detected when SLURM_JOB_ID and SLURM_JOB_NODELIST (or SLURM_NODELIST) are present, unless an MPI
+launcher started this process (see :func:`ddprun.cluster.mpi.started_by_mpi_launcher`): under
+``mpirun`` inside an allocation, the SLURM task variables describe mpirun's daemon, not this process.
+Kept simple on purpose: an interactive ``salloc`` shell or the batch script itself also detects as
+SLURM, so start ``ddprun run`` through ``srun`` (one task per node, or one per GPU) when the job spans
+several nodes. Job-level variables are read (SLURM_JOB_NUM_NODES, SLURM_JOB_NODELIST): one step is
+expected to cover the whole allocation.
+
+Two launch styles, told apart by the tasks per node (SLURM_TASKS_PER_NODE, else
+SLURM_NTASKS_PER_NODE, else one):
+
+* one task per node: ddprun starts the node's processes itself. node_rank = SLURM_NODEID,
+  nproc_per_node = SLURM_GPUS_ON_NODE, else the entries of CUDA_VISIBLE_DEVICES, else ddprun's default.
+* several tasks per node: SLURM started one process per rank. rank = SLURM_PROCID,
+  local_rank = SLURM_LOCALID, world_size = SLURM_NTASKS, nproc_per_node = tasks on this node. The
+  tasks must be even across nodes, match the GPUs per node when SLURM_GPUS_ON_NODE is set, and be
+  placed block-wise (rank = node × tasks per node + local rank).
+
+Rendezvous is static (SLURM_NODEID is the node rank) at the first host of the nodelist, on
+port ``20000 + SLURM_JOB_ID % 20000``: every node computes the same port without talking, and
+concurrent jobs on one master node rarely collide. MASTER_PORT in the environment wins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import hostlist
+
+from ddprun.cluster._values import check_rank_rule, count, env_int, env_port
+from ddprun.cluster.base import ClusterEnvironment, Fact, NodeFacts, Reading
+from ddprun.cluster.mpi import started_by_mpi_launcher
+from ddprun.errors import ClusterError
+
+PORT_BASE = 20000
+PORT_SPAN = 20000
+
+
+def _nodelist(environ: Mapping[str, str]) -> tuple[str, list[str]]:
+    key = "SLURM_JOB_NODELIST" if "SLURM_JOB_NODELIST" in environ else "SLURM_NODELIST"
+    raw = environ[key]
+    try:
+        hosts = hostlist.expand_hostlist(raw)
+    except hostlist.BadHostlist as e:
+        raise ClusterError(f"{key} is not a SLURM host list ({e}).", seen=f"{key}={raw!r}",
+                           hint="Expected a list like gpu[01-05,07],cpu3; do not set it by hand.") from None
+    if not hosts:
+        raise ClusterError(f"{key} names no host.", seen=f"{key}={raw!r}",
+                           hint="Run ddprun inside a SLURM allocation (sbatch/salloc, then srun).")
+    return key, hosts
+
+
+def _nnodes(environ: Mapping[str, str], nodelist_key: str, hosts: list[str]) -> Fact:
+    for key in ("SLURM_JOB_NUM_NODES", "SLURM_NNODES"):
+        if key in environ:
+            n = env_int(environ, key, minimum=1)
+            if n != len(hosts):
+                raise ClusterError(
+                    f"{key} and {nodelist_key} disagree on the number of nodes.",
+                    seen=f"{key}={n}, {nodelist_key}={environ[nodelist_key]} ({count(len(hosts), 'host')})",
+                    hint="Start ddprun with srun over the whole allocation (srun -N <all nodes>).",
+                )
+            return Fact(n, f"{key}={n}")
+    return Fact(len(hosts), f"{nodelist_key}={environ[nodelist_key]} ({count(len(hosts), 'host')})")
+
+
+def _tasks_per_node(environ: Mapping[str, str], nnodes: int) -> tuple[list[int], str]:
+    """Tasks on each node, and the variable they came from."""
+    if "SLURM_TASKS_PER_NODE" in environ:
+        raw = environ["SLURM_TASKS_PER_NODE"]
+        try:
+            counts = hostlist.parse_slurm_tasks_per_node(raw)
+        except hostlist.BadHostlist:
+            counts = []
+        if len(counts) != nnodes or min(counts) < 1:
+            raise ClusterError(
+                "SLURM_TASKS_PER_NODE does not give a task count for every node.",
+                seen=f"SLURM_TASKS_PER_NODE={raw!r}, {nnodes} nodes",
+                hint="Expected e.g. 2(x2) or 4(x3),2; start ddprun with srun inside the allocation.",
+            )
+        return counts, f"SLURM_TASKS_PER_NODE={raw}"
+    if "SLURM_NTASKS_PER_NODE" in environ:  # set only when --ntasks-per-node was given
+        n = env_int(environ, "SLURM_NTASKS_PER_NODE", minimum=1)
+        return [n] * nnodes, f"SLURM_NTASKS_PER_NODE={n}"
+    return [1] * nnodes, "no SLURM_TASKS_PER_NODE: one task per node"
+
+
+def _visible_gpus(environ: Mapping[str, str]) -> Fact | None:
+    if "SLURM_GPUS_ON_NODE" in environ:
+        n = env_int(environ, "SLURM_GPUS_ON_NODE")
+        if n > 0:
+            return Fact(n, f"SLURM_GPUS_ON_NODE={n}")
+    devices = [d for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if devices:
+        return Fact(len(devices), f"CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']} ({len(devices)} GPUs)")
+    return None
+
+
+class SlurmEnvironment(ClusterEnvironment):
+    name = "slurm"
+
+    @staticmethod
+    def detect(environ: Mapping[str, str]) -> bool:
+        has_nodelist = "SLURM_JOB_NODELIST" in environ or "SLURM_NODELIST" in environ
+        return "SLURM_JOB_ID" in environ and has_nodelist and not started_by_mpi_launcher(environ)
+
+    def read(self, environ: Mapping[str, str], node: NodeFacts) -> Reading:
+        job_id = env_int(environ, "SLURM_JOB_ID")
+        nodelist_key, hosts = _nodelist(environ)
+        nnodes = _nnodes(environ, nodelist_key, hosts)
+        counts, counts_src = _tasks_per_node(environ, nnodes.value)
+        reading: Reading = {
+            "min_nodes": nnodes,
+            "max_nodes": nnodes,
+            "master_addr": Fact(hosts[0], f"first host of {nodelist_key}={environ[nodelist_key]}"),
+            "rdzv_backend": Fact("static", "node ranks known from SLURM_NODEID"),
+            "run_id": Fact(f"slurm-{job_id}", f"SLURM_JOB_ID={job_id}"),
+        }
+        if "MASTER_PORT" in environ:
+            reading["master_port"] = Fact(env_port(environ), f"MASTER_PORT={environ['MASTER_PORT']}")
+        else:
+            port = PORT_BASE + job_id % PORT_SPAN
+            reading["master_port"] = Fact(port, f"{PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} (SLURM_JOB_ID={job_id})")
+
+        if "SLURM_NODEID" in environ:
+            node_id = env_int(environ, "SLURM_NODEID")
+            reading["node_rank"] = Fact(node_id, f"SLURM_NODEID={node_id}")
+        elif nnodes.value == 1:
+            node_id = 0
+            reading["node_rank"] = Fact(0, "single-node SLURM job")
+        else:
+            raise ClusterError(
+                "A multi-node SLURM job without SLURM_NODEID: ddprun was not started by srun.",
+                seen=f"{nnodes.source}, SLURM_NODEID=<unset>",
+                hint="Start it with srun, one task per node: srun --ntasks-per-node=1 ddprun run train.py",
+            )
+        if not 0 <= node_id < nnodes.value:
+            raise ClusterError("SLURM_NODEID is outside the job's nodes.",
+                               seen=f"SLURM_NODEID={node_id}, {nnodes.source}",
+                               hint="Start ddprun with srun over the whole allocation.")
+
+        if max(counts) == 1:
+            gpus = _visible_gpus(environ)
+            if gpus is not None:
+                reading["nproc_per_node"] = gpus
+            return reading
+        reading.update(self._per_process(environ, counts, counts_src, node_id))
+        return reading
+
+    @staticmethod
+    def _per_process(environ: Mapping[str, str], counts: list[int], counts_src: str, node_id: int) -> Reading:
+        """srun started one process per rank (several tasks per node)."""
+        if len(set(counts)) > 1:
+            raise ClusterError(
+                "SLURM gave the nodes different numbers of tasks; ddprun needs the same count on every node.",
+                seen=f"{counts_src} (tasks per node: {', '.join(map(str, counts))})",
+                hint="Ask for an even layout: sbatch/srun --ntasks-per-node=<GPUs per node> "
+                     "(or one task per node and let ddprun start the processes).",
+            )
+        tasks = counts[node_id]
+        if "SLURM_GPUS_ON_NODE" in environ:
+            gpus = env_int(environ, "SLURM_GPUS_ON_NODE")
+            if gpus and gpus != tasks:
+                raise ClusterError(
+                    "SLURM tasks per node differ from GPUs per node.",
+                    seen=f"{counts_src} ({tasks} tasks on this node), SLURM_GPUS_ON_NODE={gpus}",
+                    hint=f"Use --ntasks-per-node={gpus} (one task per GPU), "
+                         "or --ntasks-per-node=1 and let ddprun start one process per GPU.",
+                )
+        missing = [k for k in ("SLURM_PROCID", "SLURM_LOCALID") if k not in environ]
+        if missing:
+            raise ClusterError(
+                "Several SLURM tasks per node, but this process has no task rank: it was not started by srun.",
+                seen=f"{counts_src}, " + ", ".join(f"{k}=<unset>" for k in missing),
+                hint="Start ddprun with srun, or use --ntasks-per-node=1.",
+            )
+        rank, local_rank = env_int(environ, "SLURM_PROCID"), env_int(environ, "SLURM_LOCALID")
+        if "SLURM_NTASKS" in environ:
+            world = Fact(env_int(environ, "SLURM_NTASKS", minimum=1), f"SLURM_NTASKS={environ['SLURM_NTASKS']}")
+            if world.value != sum(counts):
+                raise ClusterError(
+                    "SLURM_NTASKS differs from the sum of the tasks per node.",
+                    seen=f"{world.source}, {counts_src} (sum {sum(counts)})",
+                    hint="Start ddprun with srun over the whole allocation, with --ntasks-per-node.",
+                )
+        else:
+            world = Fact(sum(counts), f"sum of {counts_src}")
+        check_rank_rule(
+            rank, local_rank, world.value, node_id, tasks,
+            seen=f"SLURM_PROCID={rank}, SLURM_LOCALID={local_rank}, SLURM_NODEID={node_id}, "
+                 f"{world.source}, {counts_src}",
+            hint="Use block distribution (srun --distribution=block, the default).",
+        )
+        return {
+            "nproc_per_node": Fact(tasks, f"{counts_src} (tasks on node {node_id})"),
+            "rank": Fact(rank, f"SLURM_PROCID={rank}"),
+            "local_rank": Fact(local_rank, f"SLURM_LOCALID={local_rank}"),
+            "world_size": world,
+        }

@@ -1,0 +1,166 @@
+"""SLURM: nodelists, tasks per node, the two launch styles, and the errors that name the fix."""
+
+import pytest
+
+from ddprun.cluster.base import NodeFacts
+from ddprun.cluster.detect import resolve
+from ddprun.cluster.slurm import SlurmEnvironment
+from ddprun.config import LaunchConfig
+from ddprun.errors import ClusterError
+
+NODE = NodeFacts(hostname="gpu03", cpus=64, cuda_devices=4)
+
+
+def job(**extra):
+    """srun --ntasks-per-node=1 on 6 nodes of gpu[01-05,07], as seen by the task on gpu03."""
+    env = {
+        "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[01-05,07]", "SLURM_JOB_NUM_NODES": "6",
+        "SLURM_NNODES": "6", "SLURM_NODEID": "2", "SLURM_PROCID": "2", "SLURM_LOCALID": "0",
+        "SLURM_NTASKS": "6", "SLURM_NTASKS_PER_NODE": "1", "SLURM_TASKS_PER_NODE": "1(x6)",
+        "SLURM_GPUS_ON_NODE": "4", "CUDA_VISIBLE_DEVICES": "0,1,2,3",
+    }
+    env.update(extra)
+    return {k: v for k, v in env.items() if v is not None}
+
+
+def per_process(**extra):
+    """srun --ntasks-per-node=4 on gpu[01-02]: the task with SLURM_PROCID=6 (node 1, local 2)."""
+    base = dict(SLURM_JOB_NODELIST="gpu[01-02]", SLURM_JOB_NUM_NODES="2", SLURM_NNODES="2", SLURM_NODEID="1",
+                SLURM_PROCID="6", SLURM_LOCALID="2", SLURM_NTASKS="8", SLURM_NTASKS_PER_NODE="4",
+                SLURM_TASKS_PER_NODE="4(x2)")
+    return job(**{**base, **extra})
+
+
+def read(env):
+    return SlurmEnvironment().read(env, NODE)
+
+
+def test_detects_only_with_job_id_and_nodelist():
+    assert SlurmEnvironment.detect(job())
+    assert SlurmEnvironment.detect({"SLURM_JOB_ID": "1", "SLURM_NODELIST": "n1"})
+    assert not SlurmEnvironment.detect({"SLURM_JOB_ID": "1"})
+    assert not SlurmEnvironment.detect({"SLURM_JOB_NODELIST": "n1"})
+
+
+def test_steps_aside_when_mpirun_started_the_process_inside_an_allocation():
+    assert not SlurmEnvironment.detect(job(OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="8"))
+    assert not SlurmEnvironment.detect(job(PMI_RANK="0", PMI_SIZE="8", MPI_LOCALRANKID="0"))
+    # srun --mpi=pmi2 sets PMI_RANK itself: still SLURM.
+    assert SlurmEnvironment.detect(job(PMI_RANK="2", PMI_SIZE="6"))
+
+
+def test_one_task_per_node_is_per_node_mode_with_compressed_nodelist():
+    r = read(job())
+    assert r["min_nodes"].value == r["max_nodes"].value == 6
+    assert r["min_nodes"].source == "SLURM_JOB_NUM_NODES=6"
+    assert (r["node_rank"].value, r["node_rank"].source) == (2, "SLURM_NODEID=2")
+    assert r["master_addr"].value == "gpu01" and "gpu[01-05,07]" in r["master_addr"].source
+    assert (r["nproc_per_node"].value, r["nproc_per_node"].source) == (4, "SLURM_GPUS_ON_NODE=4")
+    assert r["rdzv_backend"].value == "static" and "SLURM_NODEID" in r["rdzv_backend"].source
+    assert r["run_id"].value == "slurm-4242"
+    assert "rank" not in r and "world_size" not in r
+
+
+def test_master_is_first_host_of_a_mixed_nodelist():
+    r = read(job(SLURM_JOB_NODELIST="cpu3,gpu[01-05]", SLURM_JOB_NUM_NODES="6", SLURM_NNODES="6"))
+    assert r["master_addr"].value == "cpu3"
+
+
+def test_port_is_derived_from_the_job_id_unless_master_port_is_set():
+    r = read(job(SLURM_JOB_ID="123456"))
+    assert r["master_port"].value == 20000 + 123456 % 20000 == 23456
+    assert "SLURM_JOB_ID=123456" in r["master_port"].source
+    assert read(job(MASTER_PORT="31000"))["master_port"].value == 31000
+
+
+def test_nproc_falls_back_to_cuda_visible_devices_then_to_the_default():
+    r = read(job(SLURM_GPUS_ON_NODE=None, CUDA_VISIBLE_DEVICES="0,1"))
+    assert r["nproc_per_node"].value == 2 and "CUDA_VISIBLE_DEVICES=0,1" in r["nproc_per_node"].source
+    assert "nproc_per_node" not in read(job(SLURM_GPUS_ON_NODE=None, CUDA_VISIBLE_DEVICES=None))
+
+
+def test_nnodes_falls_back_to_sbatch_nnodes_and_the_nodelist():
+    r = read(job(SLURM_JOB_NUM_NODES=None))
+    assert r["max_nodes"].source == "SLURM_NNODES=6"
+    r = read(job(SLURM_JOB_NUM_NODES=None, SLURM_NNODES=None))
+    assert r["max_nodes"].value == 6 and "6 hosts" in r["max_nodes"].source
+
+
+def test_several_tasks_per_node_is_one_process_per_rank():
+    r = read(per_process())
+    assert (r["rank"].value, r["local_rank"].value, r["world_size"].value) == (6, 2, 8)
+    assert r["rank"].source == "SLURM_PROCID=6" and r["world_size"].source == "SLURM_NTASKS=8"
+    assert r["nproc_per_node"].value == 4 and "SLURM_TASKS_PER_NODE=4(x2)" in r["nproc_per_node"].source
+    assert r["node_rank"].value == 1
+
+
+def test_resolve_returns_rank_local_rank_world_size_for_per_process_launch():
+    spec = resolve(LaunchConfig(), per_process(), NODE)
+    assert (spec.environment, spec.rank, spec.local_rank, spec.world_size) == ("slurm", 6, 2, 8)
+    assert (spec.node_rank, spec.rdzv_backend, spec.max_nodes, spec.nproc_per_node) == (1, "static", 2, 4)
+
+
+def test_tasks_per_node_repetition_format_with_ntasks_per_node_absent():
+    r = read(per_process(SLURM_NTASKS_PER_NODE=None, SLURM_TASKS_PER_NODE="2(x2)", SLURM_NTASKS="4",
+                         SLURM_PROCID="3", SLURM_LOCALID="1", SLURM_GPUS_ON_NODE="2"))
+    assert (r["rank"].value, r["nproc_per_node"].value, r["world_size"].value) == (3, 2, 4)
+
+
+def test_uneven_tasks_are_an_error_naming_the_counts():
+    with pytest.raises(ClusterError) as e:
+        read(per_process(SLURM_NTASKS_PER_NODE=None, SLURM_TASKS_PER_NODE="2,1", SLURM_NTASKS="3"))
+    msg = str(e.value)
+    assert "SLURM_TASKS_PER_NODE=2,1" in msg and "2, 1" in msg and "HINT" in msg and "--ntasks-per-node" in msg
+
+
+def test_uneven_three_node_layout_is_an_error():
+    with pytest.raises(ClusterError, match=r"4\(x3\),2"):
+        read(per_process(SLURM_JOB_NODELIST="gpu[01-04]", SLURM_JOB_NUM_NODES="4", SLURM_NNODES="4",
+                         SLURM_NTASKS_PER_NODE=None, SLURM_TASKS_PER_NODE="4(x3),2", SLURM_NTASKS="14"))
+
+
+def test_tasks_per_node_differing_from_gpus_is_an_error_with_hint():
+    with pytest.raises(ClusterError) as e:
+        read(per_process(SLURM_GPUS_ON_NODE="8"))
+    msg = str(e.value)
+    assert "SLURM_GPUS_ON_NODE=8" in msg and "4 tasks" in msg and "HINT" in msg and "--ntasks-per-node=8" in msg
+
+
+def test_malformed_nodelist_is_an_error_with_hint():
+    with pytest.raises(ClusterError) as e:
+        read(job(SLURM_JOB_NODELIST="gpu[01-05"))
+    msg = str(e.value)
+    assert "SLURM_JOB_NODELIST='gpu[01-05'" in msg and "HINT" in msg and "gpu[01-05,07]" in msg
+
+
+def test_node_count_disagreeing_with_nodelist_is_an_error():
+    with pytest.raises(ClusterError, match="SLURM_JOB_NUM_NODES=4.*6 hosts"):
+        read(job(SLURM_JOB_NUM_NODES="4"))
+
+
+def test_malformed_tasks_per_node_is_an_error():
+    with pytest.raises(ClusterError, match="HINT"):
+        read(job(SLURM_TASKS_PER_NODE="2(x"))
+
+
+def test_cyclic_distribution_is_refused():
+    # Under --distribution=cyclic, node 1's local rank 0 is rank 1, not 4.
+    with pytest.raises(ClusterError) as e:
+        read(per_process(SLURM_PROCID="1", SLURM_LOCALID="0"))
+    assert "SLURM_PROCID=1" in str(e.value) and "--distribution=block" in str(e.value)
+
+
+def test_ntasks_disagreeing_with_tasks_per_node_is_an_error():
+    with pytest.raises(ClusterError, match="SLURM_NTASKS=6"):
+        read(per_process(SLURM_NTASKS="6"))
+
+
+def test_multi_node_without_node_id_says_use_srun():
+    with pytest.raises(ClusterError) as e:
+        read(job(SLURM_NODEID=None))
+    assert "SLURM_NODEID=<unset>" in str(e.value) and "srun" in str(e.value)
+
+
+def test_non_numeric_job_id_is_an_error():
+    with pytest.raises(ClusterError, match="SLURM_JOB_ID='abc'"):
+        read(job(SLURM_JOB_ID="abc"))

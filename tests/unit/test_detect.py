@@ -1,0 +1,128 @@
+"""Which environment wins, how flags lay over it, and what `plan --explain` says."""
+
+import subprocess
+import sys
+
+import pytest
+
+from ddprun.cli import build_parser, config_from_args, probe_node
+from ddprun.cluster.base import NodeFacts
+from ddprun.cluster.detect import PRIORITY, detect, explain, resolve
+from ddprun.config import LaunchConfig
+from ddprun.errors import ClusterError, ConfigError
+
+NODE = NodeFacts(hostname="gpu01", cpus=32, cuda_devices=4)
+
+TORCHRUN = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}
+SLURM = {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_JOB_NUM_NODES": "2",
+         "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_GPUS_ON_NODE": "4"}
+MPI = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+       "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
+SAGEMAKER = {"SM_HOSTS": '["algo-1","algo-2"]', "SM_CURRENT_HOST": "algo-1", "SM_NUM_GPUS": "4"}
+KUBERNETES = {"PET_NNODES": "2", "PET_NODE_RANK": "0", "MASTER_ADDR": "m", "MASTER_PORT": "1234", "RANK": "0",
+              "WORLD_SIZE": "2"}
+
+
+def merged(*envs):
+    out = {}
+    for env in envs:
+        out.update(env)
+    return out
+
+
+def test_priority_order_is_the_designed_one():
+    assert [e.name for e in PRIORITY] == ["torchrun", "slurm", "mpi", "sagemaker", "kubernetes", "hostfile", "local"]
+
+
+@pytest.mark.parametrize("envs, winner", [
+    ((TORCHRUN, SLURM, MPI, SAGEMAKER, KUBERNETES), "torchrun"),
+    ((SLURM, SAGEMAKER, KUBERNETES), "slurm"),
+    ((MPI, SAGEMAKER, KUBERNETES), "mpi"),
+    ((SAGEMAKER, KUBERNETES), "sagemaker"),
+    ((KUBERNETES,), "kubernetes"),
+    (({"HOME": "/root"},), "local"),
+])
+def test_first_detected_environment_wins(envs, winner):
+    assert detect(merged(*envs)).name == winner
+
+
+def test_flags_override_the_environment_and_keep_their_source():
+    spec = resolve(LaunchConfig(nproc_per_node="2", master_port=31000), SLURM, NODE)
+    assert spec.environment == "slurm"
+    assert (spec.nproc_per_node, spec.sources["nproc_per_node"]) == (2, "--nproc-per-node 2")
+    assert (spec.master_port, spec.sources["master_port"]) == (31000, "--master-port 31000")
+    assert (spec.master_addr, spec.node_rank, spec.rdzv_backend) == ("gpu01", 0, "static")
+
+
+def test_environment_static_backend_and_node_rank_are_honoured():
+    spec = resolve(LaunchConfig(), merged(SLURM, {"SLURM_NODEID": "1"}), NODE)
+    assert (spec.node_rank, spec.rdzv_backend) == (1, "static") and not spec.notes
+
+
+def test_c10d_flag_over_slurm_drops_the_node_rank_with_a_note():
+    spec = resolve(LaunchConfig(rdzv_backend="c10d"), merged(SLURM, {"SLURM_NODEID": "1"}), NODE)
+    assert spec.node_rank is None and any("SLURM_NODEID=1" in n and "c10d" in n for n in spec.notes)
+
+
+def test_flags_contradicting_a_per_process_launch_are_errors():
+    per_process = merged(MPI, {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "1"})
+    with pytest.raises(ConfigError) as e:
+        resolve(LaunchConfig(nproc_per_node="2"), per_process, NODE)
+    msg = str(e.value)
+    assert "world size 4 (OMPI_COMM_WORLD_SIZE=4)" in msg and "--nproc-per-node 2" in msg and "HINT" in msg
+
+
+def test_unknown_backend_from_the_environment_is_an_error():
+    with pytest.raises(ConfigError, match="(?s)PET_RDZV_BACKEND=zk.*HINT"):
+        resolve(LaunchConfig(), {"PET_NNODES": "2", "PET_RDZV_BACKEND": "zk", "PET_RDZV_ENDPOINT": "h:1"}, NODE)
+
+
+def test_local_and_torchrun_keep_working():
+    local = resolve(LaunchConfig(), {}, NODE)
+    assert (local.environment, local.nproc_per_node, local.max_nodes, local.rank) == ("local", 4, 1, None)
+    tr = resolve(LaunchConfig(), merged(TORCHRUN, {"LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}), NODE)
+    assert (tr.environment, tr.rank, tr.local_rank, tr.world_size, tr.nproc_per_node) == ("torchrun", 1, 1, 2, 2)
+
+
+def test_hostfile_flag_wins_over_detected_environments_but_not_torchrun(tmp_path):
+    path = tmp_path / "hostfile"
+    path.write_text("gpu01 slots=4\ngpu02 slots=4\n")
+    spec = resolve(LaunchConfig(hostfile=str(path)), SAGEMAKER, NODE)
+    assert spec.environment == "hostfile" and any("sagemaker" in n for n in spec.notes)
+    spec = resolve(LaunchConfig(hostfile=str(path)), TORCHRUN, NODE)
+    assert spec.environment == "torchrun" and any("ignored" in n for n in spec.notes)
+
+
+@pytest.mark.parametrize("env", [SLURM, merged(MPI, {"MASTER_ADDR": "n0"}), SAGEMAKER, KUBERNETES])
+def test_explain_names_the_environment_and_a_source_for_every_number(env):
+    spec = resolve(LaunchConfig(), env, NODE)
+    lines = explain(spec)
+    assert lines[0] == f"environment: {spec.environment}"
+    for key in ("min_nodes", "max_nodes", "nproc_per_node", "node_rank", "master_addr", "master_port",
+                "rdzv_backend", "run_id"):
+        line = next(x for x in lines if x.startswith(f"{key}:"))
+        assert "<- " in line and line.split("<- ")[1].strip()
+
+
+def test_errors_name_the_values_and_a_hint():
+    bad = merged(SLURM, {"SLURM_JOB_NODELIST": "gpu[01-"})
+    with pytest.raises(ClusterError) as e:
+        resolve(LaunchConfig(), bad, NODE)
+    assert "gpu[01-" in str(e.value) and "HINT" in str(e.value)
+
+
+def test_hostfile_flag_parses_into_the_config():
+    args = build_parser().parse_args(["plan", "--hostfile", "/etc/hosts.ddp"])
+    assert config_from_args(args).hostfile == "/etc/hosts.ddp"
+    args = build_parser().parse_args(["run", "--hostfile", "hf", "train.py"])
+    assert config_from_args(args).hostfile == "hf"
+
+
+def test_probe_node_hostname_override_and_addresses():
+    node = probe_node({"DDPRUN_HOSTNAME": "algo-1"})
+    assert node.hostname == "algo-1" and isinstance(node.addresses, tuple)
+
+
+def test_cluster_modules_do_not_import_torch():
+    code = "import sys, ddprun.cluster.detect; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
