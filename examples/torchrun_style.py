@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--out", default=None)
     p.add_argument("--fail-rank", type=int, default=None, help="this rank raises at step 3 (tests)")
+    p.add_argument("--hang-rank", type=int, default=None, help="this rank sleeps forever at step 3 (tests)")
     p.add_argument("--destroy", action="store_true", help="call destroy_process_group at the end")
     args = p.parse_args()
 
@@ -53,6 +55,8 @@ def main() -> None:
         for xb, yb in loader:
             if args.fail_rank == rank and step == 3:
                 raise RuntimeError(f"injected failure on rank {rank}")
+            if args.hang_rank == rank and step == 3:
+                time.sleep(10**6)
             xb, yb = xb.to(device), yb.to(device)
             loss = nn.functional.mse_loss(ddp(xb), yb)
             opt.zero_grad(set_to_none=True)

@@ -13,7 +13,7 @@ import socket
 import sys
 from collections.abc import Mapping, Sequence
 
-from ddprun.config import DEFAULT_JOIN_TIMEOUT_S, Entry, LaunchConfig
+from ddprun.config import DEFAULT_JOIN_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, Entry, LaunchConfig
 from ddprun.errors import ConfigError, DdprunError
 
 
@@ -39,8 +39,27 @@ def add_topology_flags(p: argparse.ArgumentParser) -> None:
     _flag(g, "--rdzv-conf", default="", help="KEY=VALUE,... passed to torch's rendezvous")
     g.add_argument("--standalone", action="store_true", help="single node, local rendezvous on a free port")
     _flag(g, "--local-addr", help="this node's address as other nodes reach it")
+    g.add_argument("--hostfile", help="file of `host slots=N` lines, the same on every node: this node's line "
+                                      "is its rank, the first host the master, slots the processes per node")
     _flag(g, "--join-timeout", type=float, default=DEFAULT_JOIN_TIMEOUT_S,
           help=f"seconds to wait for all nodes (default {DEFAULT_JOIN_TIMEOUT_S:.0f}; torchrun waits 600)")
+
+
+def add_worker_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workers")
+    _flag(g, "--max-restarts", type=int, default=0, help="restarts of the worker group before failing (default 0)")
+    _flag(g, "--monitor-interval", type=float, default=0.1, help="seconds between checks of the workers")
+    _flag(g, "--start-method", default="spawn", choices=["spawn", "fork", "forkserver"])
+    _flag(g, "--log-dir", help="root of run directories (default runs/); the run goes to LOG_DIR/<run id>")
+    _flag(g, "--run-dir", help="exact run directory (overrides --log-dir)")
+    _flag(g, "--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S,
+          help=f"seconds with no rank making an optimizer step before every rank's stack is collected, the "
+               f"hang report printed and the job ended (default {DEFAULT_STALL_TIMEOUT_S:.0f}; 0 = off)")
+    g.add_argument("-r", "--redirects", default="0",
+                   help="accepted for torchrun compatibility: ddprun always writes logs/rank-N.log")
+    g.add_argument("-t", "--tee", default="0",
+                   help="local ranks also shown on the console, prefixed [rankN] (3 = all, 0:3,1:0 per rank); "
+                        "rank 0 is always shown")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,20 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="launch a training script on this node (torchrun's flags)")
     add_topology_flags(run)
-    g = run.add_argument_group("workers")
-    _flag(g, "--max-restarts", type=int, default=0, help="restarts of the worker group before failing (default 0)")
-    _flag(g, "--monitor-interval", type=float, default=0.1, help="seconds between checks of the workers")
-    _flag(g, "--start-method", default="spawn", choices=["spawn", "fork", "forkserver"])
-    _flag(g, "--log-dir", help="root of run directories (default runs/); the run goes to LOG_DIR/<run id>")
-    _flag(g, "--run-dir", help="exact run directory (overrides --log-dir)")
-    g.add_argument("-r", "--redirects", default="0",
-                   help="accepted for torchrun compatibility: ddprun always writes logs/rank-N.log")
-    g.add_argument("-t", "--tee", default="0",
-                   help="local ranks also shown on the console, prefixed [rankN] (3 = all, 0:3,1:0 per rank); "
-                        "rank 0 is always shown")
-    g.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
+    add_worker_flags(run)
+    run.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
     run.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS")
+
+    doctor = sub.add_parser("doctor", help="launch like `run` (same flags, on every node) and print each "
+                                           "node's preflight facts and the checks over them, training nothing")
+    add_topology_flags(doctor)
+    add_worker_flags(doctor)
 
     plan = sub.add_parser("plan", help="print the rank table this launch would produce, and why")
     add_topology_flags(plan)
@@ -93,6 +107,13 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     entry = None
     if getattr(args, "script", None):
         entry = Entry(target=args.script, args=tuple(args.script_args), is_module=args.module)
+    doctor = args.command == "doctor"
+    if doctor:
+        entry = Entry(target="ddprun.doctor_job", is_module=True)
+    stall = getattr(args, "stall_timeout", DEFAULT_STALL_TIMEOUT_S)
+    if stall < 0:
+        raise ConfigError("--stall-timeout must be 0 (off) or positive.", seen=f"--stall-timeout {stall}",
+                          hint="Give seconds, e.g. --stall-timeout 300.")
     if args.join_timeout <= 0:
         raise ConfigError("--join-timeout must be positive.", seen=f"--join-timeout {args.join_timeout}",
                           hint="Give seconds, e.g. --join-timeout 120.")
@@ -104,19 +125,46 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         max_restarts=getattr(args, "max_restarts", 0), monitor_interval=getattr(args, "monitor_interval", 0.1),
         start_method=getattr(args, "start_method", "spawn"), log_dir=getattr(args, "log_dir", None),
         run_dir=getattr(args, "run_dir", None), redirects=getattr(args, "redirects", "0"),
-        tee=getattr(args, "tee", "0"),
+        tee=getattr(args, "tee", "0"), hostfile=args.hostfile, stall_timeout=stall, doctor=doctor,
     )
 
 
+def _node_addresses(hostname: str) -> tuple[str, ...]:
+    """This node's addresses: its name resolved, and each interface's IPv4 address (Linux ioctl, cheap).
+
+    Best effort: whatever fails is left out, so a node without DNS still starts.
+    """
+    found: list[str] = []
+    try:
+        found += [str(info[4][0]) for info in socket.getaddrinfo(hostname, None)]
+    except (OSError, UnicodeError):
+        pass
+    try:
+        import fcntl
+        import struct
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for _, name in socket.if_nameindex():
+                try:  # SIOCGIFADDR: the interface's IPv4 address, bytes 20-24 of struct ifreq
+                    ifreq = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+                    found.append(socket.inet_ntoa(ifreq[20:24]))
+                except OSError:
+                    pass
+    except (ImportError, OSError, AttributeError):
+        pass
+    return tuple(dict.fromkeys(found))
+
+
 def probe_node(environ: Mapping[str, str]):
-    """The I/O behind detection: hostname, CPUs, visible CUDA devices."""
+    """The I/O behind detection: hostname (DDPRUN_HOSTNAME overrides it), addresses, CPUs, CUDA devices."""
     from ddprun._util import cpu_count
     from ddprun.cluster.base import NodeFacts
 
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return NodeFacts(hostname=socket.gethostname(), cpus=cpu_count(), cuda_devices=gpus)
+    hostname = environ.get("DDPRUN_HOSTNAME") or socket.gethostname()
+    return NodeFacts(hostname=hostname, cpus=cpu_count(), cuda_devices=gpus, addresses=_node_addresses(hostname))
 
 
 def cmd_plan(cfg: LaunchConfig, args: argparse.Namespace, environ: Mapping[str, str]) -> int:

@@ -13,6 +13,9 @@ DEFAULT_JOIN_TIMEOUT_S = 120.0
 
 DEFAULT_RUNS_ROOT = "runs"
 
+DEFAULT_STALL_TIMEOUT_S = 300.0
+"""Seconds with no rank advancing before the hang report (gloo's own timeout: 30 min, silent)."""
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -61,5 +64,9 @@ class LaunchConfig:
     redirects: str = "0"
     tee: str = "0"
     """Local ranks whose output is also shown on the console (torchrun's --tee); rank 0 always is."""
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT_S
+    """Seconds without any rank's optimizer step before the hang report and a non-zero exit; 0 = off."""
+    doctor: bool = False
+    """Rank 0 prints the preflight facts table even when every check passes."""
     start_method: str = "spawn"
     hostfile: str | None = None

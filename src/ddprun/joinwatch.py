@@ -4,14 +4,18 @@ A thread in the launcher reads the c10d rendezvous state torch keeps in the endp
 (key ``torch.rendezvous.<run id>``: base64 of torch's pickled ``_RendezvousState``, which torch's
 own handler unpickles the same way) every few seconds and prints one line, e.g.
 ``ddprun: 1/2 nodes joined (node-a pid 4242); waiting up to 120 s (114 s left)``. It stops when this
-node's workers start. It only reads; the rendezvous itself is torch's. If the state cannot be read
+node's workers start. It only reads, except for one key: as soon as the store answers, it claims
+the endpoint for this job (guard.py) and ends this node's agent if another job holds it. The
+rendezvous itself is torch's. If the state cannot be read
 (another torch version, static rendezvous) the line says so and the launch goes on unchanged.
 """
 
 from __future__ import annotations
 
 import base64
+import os
 import pickle
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -37,8 +41,10 @@ def describe_state(state) -> JoinSnapshot:
 class JoinWatcher:
     """Prints join progress for a c10d rendezvous until :meth:`stop` (called when workers start)."""
 
-    def __init__(self, host: str, port: int, run_id: str, nnodes: int, join_timeout: float, out: TextIO,
-                 interval_s: float = 3.0):
+    def __init__(self, host: str, port: int, run_id: str, token: str, nnodes: int, join_timeout: float,
+                 out: TextIO, interval_s: float = 3.0):
+        self._run_id, self._token = run_id, token
+        self.refused: str | None = None
         self._host, self._port, self._key = host, port, "torch.rendezvous." + run_id
         self._nnodes, self._timeout, self._out, self._interval = nnodes, join_timeout, out, interval_s
         self._stop = threading.Event()
@@ -74,18 +80,40 @@ class JoinWatcher:
         return (f"ddprun: {len(snap.joined)}/{self._nnodes} nodes joined ({who}); waiting up to "
                 f"{self._timeout:.0f} s ({left} s left)")
 
+    def _claim(self) -> bool:
+        """Claim the endpoint's store for this job as soon as it answers; False when refused."""
+        from ddprun.guard import claim, refusal
+
+        other = claim(self._store, self._run_id, self._token)
+        if other is None:
+            return True
+        self.refused = refusal(f"{self._host}:{self._port}", other, self._run_id)
+        self._out.write(self.refused + "\n")
+        self._out.flush()
+        # End this node's agent before its join completes: torch turns SIGTERM into SignalException.
+        os.kill(os.getpid(), signal.SIGTERM)
+        return False
+
     def _loop(self) -> None:
-        while not self._stop.wait(self._interval):
+        claimed = False
+        next_line = time.monotonic() + self._interval
+        while not self._stop.wait(0.2 if not claimed else 0.5):
             try:
                 snap = self._read()
+                if not claimed:
+                    if not self._claim():
+                        return
+                    claimed = True
             except Exception:  # noqa: BLE001 - unreachable, or a state this torch cannot read
                 self._store = None
                 snap = JoinSnapshot(reachable=False)
             if self._stop.is_set() or snap.complete:
                 return
             self.last = snap
-            self._out.write(self.line(snap) + "\n")
-            self._out.flush()
+            if time.monotonic() >= next_line:
+                next_line += self._interval
+                self._out.write(self.line(snap) + "\n")
+                self._out.flush()
 
     def timeout_message(self) -> str:
         snap = self.last

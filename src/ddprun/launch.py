@@ -24,6 +24,18 @@ from ddprun.exit import STOPPED_MARK
 
 
 
+def job_token(environ: Mapping[str, str], spec: ClusterSpec) -> str:
+    """The job's secret: DDPRUN_JOB_TOKEN if set (every node must agree); else one derived from the
+    scheduler's job id where there is one; else, single-node, a random one; else empty (then jobs
+    are told apart by run id only)."""
+    if environ.get("DDPRUN_JOB_TOKEN"):
+        return environ["DDPRUN_JOB_TOKEN"]
+    for key in ("SLURM_JOB_ID", "TRAINING_JOB_NAME", "PBS_JOBID", "LSB_JOBID"):
+        if environ.get(key):
+            return f"{key}={environ[key]}"
+    return uuid.uuid4().hex if spec.max_nodes == 1 else ""
+
+
 def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
 
@@ -75,7 +87,7 @@ def summarize_failures(failures: Mapping[int, object], run_dir: str, host: str) 
         if msg.startswith(STOPPED_MARK):
             stopped.append(rank)
             cause = cause or msg[len("ddprun: "):]
-        elif f.exitcode == -15 and not msg:  # SIGTERM from the agent after a local rank failed
+        elif f.exitcode == -15:  # SIGTERM from the agent after a local rank failed
             stopped.append(rank)
         else:
             roots.append((rank, f, msg))
@@ -83,6 +95,8 @@ def summarize_failures(failures: Mapping[int, object], run_dir: str, host: str) 
     for rank, f, msg in roots:
         how = f"was killed by {f.signal_name()}" if f.exitcode < 0 else f"exited with code {f.exitcode}"
         lines.append(f"ddprun: rank {rank} (local rank {f.local_rank} on {host}) {how}" + (f": {msg}" if msg else ""))
+        if rank == 0:  # its output was followed on this console already
+            continue
         for log in (early_log_path(run_dir, rank), rank_log_path(run_dir, rank)):
             tail = tail_lines(log, 8)
             if tail:
@@ -96,6 +110,25 @@ def summarize_failures(failures: Mapping[int, object], run_dir: str, host: str) 
             lines.append(f"ddprun: rank(s) {ranks} on {host} were stopped because of the failure above.")
     lines.append("ddprun: the job failed.")
     return "\n".join(lines)
+
+
+def _claim_endpoint(host: str, port: int, run_id: str, token: str) -> str | None:
+    """If a store already answers at the endpoint, claim it for this job; the refusal text if it
+    belongs to another job. Nothing listening (this node will host it) costs one refused connect."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from ddprun.guard import claim, port_open, refusal
+
+    if not port_open(host, port):
+        return None
+    try:
+        store = TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5))
+        other = claim(store, run_id, token)
+    except Exception:  # noqa: BLE001 - not a store, or it went away: torch's rendezvous will say
+        return None
+    return refusal(f"{host}:{port}", other, run_id) if other else None
 
 
 def _free_port(host: str) -> int:
@@ -137,11 +170,17 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
         master_port = _free_port(spec.master_addr)
     endpoint = f"{spec.master_addr}:{master_port}"
 
+    token = job_token(environ, spec)
     worker_env = {
         "DDPRUN_RUN_DIR": run_dir,
         "DDPRUN_DEVICE_KIND": spec.device,
         "DDPRUN_JOIN_TIMEOUT": str(cfg.join_timeout),
+        "DDPRUN_STALL_TIMEOUT": str(cfg.stall_timeout),
+        "DDPRUN_NNODES": f"{spec.min_nodes}:{spec.max_nodes}",
+        "DDPRUN_JOB_TOKEN": token,
     }
+    if cfg.doctor:
+        worker_env["DDPRUN_DOCTOR"] = "1"
     threads = omp_threads(environ, spec.nproc_per_node, cpu_count())
     if threads is not None:
         worker_env["OMP_NUM_THREADS"] = threads
@@ -149,7 +188,8 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
     follower = LogFollower(console)
     watcher = None
     if spec.rdzv_backend == "c10d" and spec.max_nodes > 1:
-        watcher = JoinWatcher(spec.master_addr, master_port, run_id, spec.max_nodes, cfg.join_timeout, console)
+        watcher = JoinWatcher(spec.master_addr, master_port, run_id, token, spec.max_nodes, cfg.join_timeout,
+                              err_console)
     logs_specs = RankLogsSpecs(run_dir, follower, parse_local_ranks(cfg.tee, spec.nproc_per_node), worker_env,
                                on_workers_start=watcher.stop if watcher else None)
     rdzv_configs: dict = dict(cfg.rdzv_conf)
@@ -168,6 +208,14 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
           f"{spec.rdzv_backend} rendezvous at {endpoint}; logs in {os.path.relpath(run_dir)}/logs", file=console,
           flush=True)
 
+    refused = _claim_endpoint(spec.master_addr, master_port, run_id, token)
+    if refused:
+        follower.stop()
+        print(refused, file=err_console, flush=True)
+        os.dup2(saved_stderr, 2)
+        os.close(saved_stderr)
+        err_console.close()
+        return Outcome(exit_code=1, run_dir=run_dir, wall_s=time.monotonic() - t0)
     code = 0
     if watcher is not None:
         watcher.start()
@@ -198,7 +246,9 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
     except Exception as e:  # noqa: BLE001 - torch's agent raises many kinds; each must end with a message
         follower.stop()
         name = type(e).__name__
-        if name == "SignalException":
+        if name == "SignalException" and watcher is not None and watcher.refused:
+            code = 1  # the refusal is printed already
+        elif name == "SignalException":
             print(f"ddprun: stopped by {e}; workers stopped.", file=err_console, flush=True)
             code = 128 + int(getattr(e, "sigval", 15))
         else:

@@ -51,11 +51,20 @@ def main(argv: list[str] | None = None) -> None:
     _merge_stderr_into_stdout()
 
     from ddprun import exit as ddp_exit
-    from ddprun.jobstore import JobChannel
+    from ddprun.jobstore import JobChannel, JobRefused
 
-    channel = JobChannel.from_environ(os.environ)
+    script = None if (argv and argv[0] == "-m") else (argv[0] if argv else None)
+    channel = JobChannel.from_environ(os.environ, script)
     if channel is not None:
-        channel.announce()
+        try:
+            channel.start()
+        except JobRefused as e:
+            # Another job's store: write nothing there, say why, leave.
+            print(e, file=sys.stderr, flush=True)
+            ddp_exit.write_error_file(str(e).splitlines()[0])
+            ddp_exit.hard_exit(1)
+        except SystemExit as e:  # preflight failed; already reported
+            ddp_exit.hard_exit(ddp_exit.exit_code_of(e))
         channel.start_monitor()
 
     code = 0

@@ -1,0 +1,153 @@
+"""Preflight: facts every node publishes after rendezvous, and the checks over all of them.
+
+Each node's local rank 0 publishes :func:`node_facts`; global rank 0 gathers them and runs
+:func:`check`, which returns findings: errors stop the job before user code (every node's console
+names them), warnings are printed. ``ddprun doctor`` prints the same facts and findings as a table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import socket
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: str  # "error" or "warning"
+    message: str
+
+
+def file_sha256(path: str | None) -> str:
+    if not path or not os.path.isfile(path):
+        return ""
+    h = hashlib.sha256()
+    with open(path, "rb") as fp:
+        for chunk in iter(lambda: fp.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def _package_hash() -> str:
+    root = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for dirpath, _, files in sorted(os.walk(root)):
+        for name in sorted(files):
+            if name.endswith(".py"):
+                with open(os.path.join(dirpath, name), "rb") as fp:
+                    h.update(fp.read())
+    return h.hexdigest()[:16]
+
+
+def _addresses(host: str) -> list[str]:
+    try:
+        return sorted({ai[4][0] for ai in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)})
+    except OSError:
+        return []
+
+
+def node_facts(environ: Mapping[str, str], script: str | None) -> dict:
+    """What this node publishes (called by its local rank 0 at worker start)."""
+    import torch
+
+    from ddprun import __version__
+
+    host = socket.gethostname()
+    run_dir = environ.get("DDPRUN_RUN_DIR") or os.getcwd()
+    try:
+        free_gb = round(shutil.disk_usage(run_dir).free / 2**30, 1)
+    except OSError:
+        free_gb = -1.0
+    nccl = ""
+    if torch.cuda.is_available():
+        try:
+            nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
+        except Exception:  # noqa: BLE001 - a build without NCCL
+            nccl = "none"
+    return {
+        "node_rank": int(environ.get("GROUP_RANK", "0")),
+        "host": host,
+        "addresses": _addresses(host),
+        "nproc": int(environ.get("LOCAL_WORLD_SIZE", "1")),
+        "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "nnodes": environ.get("DDPRUN_NNODES", ""),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "",
+        "nccl": nccl,
+        "python": platform.python_version(),
+        "script_sha": file_sha256(script),
+        "ddprun": f"{__version__}+{_package_hash()}",
+        "run_id": environ.get("TORCHELASTIC_RUN_ID", ""),
+        "free_disk_gb": free_gb,
+    }
+
+
+def _odd_ones(facts: Sequence[dict], key: str) -> tuple[str, list[dict]] | None:
+    """The majority value of ``key`` and the nodes that differ from it (None if all agree)."""
+    counts = Counter(str(f.get(key)) for f in facts)
+    if len(counts) <= 1:
+        return None
+    majority = counts.most_common(1)[0][0]
+    return majority, [f for f in facts if str(f.get(key)) != majority]
+
+
+def _name(f: dict) -> str:
+    return f"node {f['node_rank']} ({f['host']})"
+
+
+def check(facts: Sequence[dict], world_size: int) -> list[Finding]:
+    """Every inconsistency that breaks or slows DDP, naming the odd node(s) and the values."""
+    out: list[Finding] = []
+    if _odd_ones(facts, "nproc"):
+        detail = ", ".join(f"{_name(f)} runs {f['nproc']}" for f in sorted(facts, key=lambda f: f["node_rank"]))
+        out.append(Finding("error", f"nodes run different numbers of processes: {detail}; "
+                                    f"WORLD_SIZE became {world_size}. HINT: give every node the same "
+                                    f"--nproc-per-node (or leave it out to use every GPU)."))
+    for f in facts:
+        if f["gpus"] and f["gpus"] != f["nproc"]:
+            idle = f"{f['gpus'] - f['nproc']} GPUs idle" if f["gpus"] > f["nproc"] else "processes share GPUs"
+            out.append(Finding("error", f"{_name(f)} has {f['gpus']} GPUs but runs {f['nproc']} processes "
+                                        f"({idle}). HINT: leave --nproc-per-node out to use every visible GPU, "
+                                        f"or set CUDA_VISIBLE_DEVICES to the GPUs you mean."))
+    for key, what in (("torch", "torch"), ("cuda", "CUDA"), ("nccl", "NCCL"), ("nnodes", "--nnodes")):
+        odd = _odd_ones(facts, key)
+        if odd:
+            majority, nodes = odd
+            detail = ", ".join(f"{_name(f)} has {f.get(key)!r}" for f in nodes)
+            out.append(Finding("error", f"{what} differs between nodes: most have {majority!r}, {detail}. "
+                                        f"HINT: use one environment (image/venv) and one launch line on every node."))
+    seen = Counter((f["host"], f["node_rank"]) for f in facts)
+    for (host, node_rank), n in seen.items():
+        if n > 1:
+            out.append(Finding("error", f"{n} nodes report the same host and node rank ({host}, node {node_rank}). "
+                                        f"HINT: give each node its own --node-rank, or drop --rdzv-backend static."))
+    odd = _odd_ones(facts, "script_sha")
+    if odd:
+        majority, nodes = odd
+        out.append(Finding("warning", "the training script differs between nodes: "
+                                      + ", ".join(_name(f) for f in nodes) + " have another version than the rest."))
+    for key in ("python",):
+        odd = _odd_ones(facts, key)
+        if odd:
+            out.append(Finding("warning", f"Python versions differ: {', '.join(_name(f) + ' ' + f[key] for f in facts)}"))
+    for f in facts:
+        if 0 <= f.get("free_disk_gb", -1) < 1:
+            out.append(Finding("warning", f"{_name(f)} has {f['free_disk_gb']} GB free in the run directory."))
+    return out
+
+
+def render_facts(facts: Sequence[dict], findings: Sequence[Finding]) -> str:
+    from ddprun.ranktable import render_table
+
+    cols = ("node_rank", "host", "nproc", "gpus", "torch", "cuda", "nccl", "python", "script_sha", "free_disk_gb")
+    text = render_table(sorted(facts, key=lambda f: f["node_rank"]), cols, "ddprun preflight: node facts")
+    if findings:
+        text += "\n".join(f"preflight {f.level}: {f.message}" for f in findings) + "\n"
+    else:
+        text += "preflight: every check passed\n"
+    return text

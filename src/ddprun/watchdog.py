@@ -1,0 +1,135 @@
+"""The stall watchdog's parts that run in every worker: step progress, stack snapshots, and the
+hang report built from them.
+
+Steps are counted by torch's global optimizer step hook, so unmodified scripts are covered; the
+hook only increments an integer. The job channel (jobstore.py) publishes the count every 0.5 s and
+rank 0 watches the maxima: when no rank advanced for the stall threshold, every rank writes its
+Python stacks to ``stacks/rank-N.txt`` and a summary of where its main thread is, and rank 0 names
+the rank(s) whose place differs from the rest.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+
+
+class StepCounter:
+    """Counts optimizer steps in this process (any torch optimizer, via the global hook)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.last_step_time = time.monotonic()
+        self._handle = None
+
+    def install(self) -> StepCounter:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self._handle = register_optimizer_step_post_hook(self._hook)
+        return self
+
+    def _hook(self, optimizer, args, kwargs) -> None:  # noqa: ARG002 - torch's hook signature
+        self.steps += 1
+        self.last_step_time = time.monotonic()
+
+
+def _frame_kind(filename: str, func: str) -> str:
+    f = filename.replace("\\", "/")
+    if "/torch/autograd/" in f or f.endswith("torch/_tensor.py"):
+        return "in backward (DDP's gradient all-reduce)"
+    if "/torch/distributed/" in f:
+        return f"in torch.distributed.{func}"
+    if "/torch/utils/data/" in f:
+        return "in data loading (DataLoader)"
+    return ""
+
+
+def main_thread_place() -> dict:
+    """Where the main thread is: a one-line summary for grouping, and its innermost frames."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    frames = []
+    while frame is not None:
+        frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    frames.reverse()  # outermost first
+    inner = frames[-12:]
+    where = ""
+    for filename, _, func in reversed(frames):
+        where = _frame_kind(filename, func)
+        if where:
+            break
+    user = next(((fn, ln, func) for fn, ln, func in reversed(frames)
+                 if "site-packages" not in fn and "/ddprun/" not in fn and not fn.startswith("<")), None)
+    at = f"{os.path.basename(user[0])}:{user[1]} in {user[2]}" if user else "?"
+    if not where:
+        innermost = frames[-1] if frames else ("?", 0, "?")
+        where = f"at {os.path.basename(innermost[0])}:{innermost[1]} in {innermost[2]}"
+    return {"where": where, "user_frame": at,
+            "frames": [f"{fn}:{ln} in {func}" for fn, ln, func in inner]}
+
+
+def dump_stacks(path: str) -> None:
+    """Every thread's Python stack into ``path`` (faulthandler: no extra privileges needed)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as fp:
+        faulthandler.dump_traceback(file=fp, all_threads=True)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out, run = [], []
+    for r in sorted(ranks):
+        if run and r == run[-1] + 1:
+            run.append(r)
+        else:
+            if run:
+                out.append(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)))
+            run = [r]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)))
+    return ", ".join(out)
+
+
+def _where_at(place: dict) -> str:
+    """``in backward (...) (train.py:63 in main)``; the user frame once when it is the place itself."""
+    where, user = place["where"], place["user_frame"]
+    return where if where == f"at {user}" else f"{where} ({user})"
+
+
+def hang_report(places: Mapping[int, dict], world_size: int, stalled_s: float, steps: Mapping[int, int]) -> tuple[str, str]:
+    """(one-line summary, full report) from each rank's place; the odd ranks are the minority."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for rank, place in places.items():
+        groups[place["where"]].append(rank)
+    silent = sorted(set(range(world_size)) - set(places))
+    ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1]))
+    parts = []
+    if len(ordered) > 1 or silent:
+        odd = ordered[:-1] if len(ordered) > 1 else []
+        majority_where, majority_ranks = ordered[-1]
+        for where, ranks in odd:
+            r0 = places[ranks[0]]
+            parts.append(f"rank {_ranks(ranks)} ({r0.get('host', '?')}) {_where_at(r0)}")
+        if silent:
+            parts.append(f"rank {_ranks(silent)} did not answer (frozen, or holding the GIL)")
+        many = len(majority_ranks) > 1
+        summary = (f"no rank advanced for {stalled_s:.0f} s: " + "; ".join(parts)
+                   + f" while rank{'s' if many else ''} {_ranks(majority_ranks)} {'are' if many else 'is'} "
+                   + majority_where)
+    else:
+        where, ranks = ordered[0]
+        summary = f"no rank advanced for {stalled_s:.0f} s: every rank is {_where_at(places[ranks[0]])}"
+    lines = [f"ddprun hang report: {summary}", ""]
+    for rank in sorted(places):
+        p = places[rank]
+        lines.append(f"rank {rank} ({p.get('host', '?')}), step {steps.get(rank, 0)}: {_where_at(p)}")
+        lines.extend(f"    {fr}" for fr in p["frames"][-6:])
+    for rank in silent:
+        lines.append(f"rank {rank}: no answer")
+    lines.append("Full stacks of every thread: stacks/rank-N.txt in the run directory of each node.")
+    return summary, "\n".join(lines)
