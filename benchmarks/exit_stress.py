@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.helpers import DDPRUN, EXAMPLE, TORCHRUN, free_port, run_agents  # noqa: E402
+from tests.helpers import DDPRUN, EXAMPLE, TORCHRUN, describe, free_port, run_agents  # noqa: E402
 
 
 def commands(launcher: str, run: int, steps: int, destroy: bool) -> list[list[str]]:
@@ -33,6 +33,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--timeout", type=float, default=90)
     p.add_argument("--no-destroy", action="store_true")
+    p.add_argument("--keep-failures", metavar="DIR", help="write the output of each failed run to DIR")
     args = p.parse_args()
     stats = {name: {"ok": 0, "nonzero": 0, "hung": 0, "examples": []} for name in ("ddprun", "torchrun")}
     with tempfile.TemporaryDirectory() as tmp:
@@ -45,6 +46,9 @@ def main() -> int:
                 elif any(r.returncode != 0 for r in results):
                     s["nonzero"] += 1
                     s["examples"].append([r.returncode for r in results])
+                    if args.keep_failures:
+                        Path(args.keep_failures).mkdir(parents=True, exist_ok=True)
+                        Path(args.keep_failures, f"{name}-{i}.txt").write_text(describe(results))
                 else:
                     s["ok"] += 1
             print(f"run {i + 1}/{args.runs}: " + ", ".join(

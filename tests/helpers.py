@@ -25,7 +25,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_env(**extra: str) -> dict[str, str]:
+def job_env(**extra: str) -> dict[str, str]:
     """The environment for launched jobs: one OpenMP thread per rank (2 cores are shared)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DDPRUN_", "TORCHELASTIC_"))}
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
@@ -52,7 +52,7 @@ def run_agents(cmds: list[list[str]], timeout: float, cwd: str | os.PathLike | N
                env: dict[str, str] | None = None) -> list[Finished]:
     """Start every command at once (each in its own process group), wait at most ``timeout``
     seconds for all, kill the stragglers' whole process trees, return each one's result."""
-    env = env or test_env()
+    env = env or job_env()
     t0 = time.monotonic()
     procs = [subprocess.Popen(c, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               start_new_session=True, text=True) for c in cmds]

@@ -28,6 +28,7 @@ from datetime import timedelta
 
 POLL_S = 0.5
 PLACES_WAIT_S = 5.0
+ACK_WAIT_S = 3.0
 DEFAULT_STALL_S = 300.0
 
 
@@ -141,6 +142,7 @@ class JobChannel:
             msg = stopped_message(cause)
             print(msg, file=sys.stderr, flush=True)
             write_error_file(msg)
+            self.ack_failure()
             raise SystemExit(1)
 
     def _rank0_preflight(self) -> None:
@@ -189,7 +191,23 @@ class JobChannel:
             record = {"rank": self.rank, "node_rank": self.node_rank, "host": self.host,
                       "summary": summary, "exitcode": code}
             self._store.set(self._key(f"failure/{k}"), json.dumps(record))
+            if k == 1:
+                self._await_acks()
         except Exception:  # noqa: BLE001 - the store may be gone already; the error file still holds it
+            pass
+
+    def _await_acks(self, timeout_s: float = ACK_WAIT_S) -> None:
+        """Stay (bounded) until every other rank has read the failure: this process keeps its node's
+        agent, and maybe the store the others read it from, alive meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self._store.add(self._key("acks"), 0) < self.world_size - 1:
+            time.sleep(0.05)
+
+    def ack_failure(self, store=None) -> None:
+        """Tell the failing rank this one has read its failure."""
+        try:
+            (store or self._store).add(self._key("acks"), 1)
+        except Exception:  # noqa: BLE001
             pass
 
     def first_failure(self, store=None) -> dict | None:
@@ -253,6 +271,7 @@ class JobChannel:
         msg = stopped_message(failure)
         print(msg, file=sys.stderr, flush=True)
         write_error_file(msg)
+        self.ack_failure()
         sys.stdout.flush()
         os._exit(1)
 

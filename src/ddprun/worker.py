@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
             msg = ddp_exit.stopped_message(cause)
             print(f"{msg}\n  (this rank then saw {type(e).__name__}: {first_line})", file=sys.stderr, flush=True)
             ddp_exit.write_error_file(msg)
+            channel.ack_failure()
         else:
             ddp_exit.print_user_traceback(e)
             ddp_exit.report_failure(channel, f"{type(e).__name__}: {e}", code, exc=e)

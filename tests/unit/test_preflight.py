@@ -1,0 +1,48 @@
+"""Preflight checks over node facts: each inconsistency is named with its nodes and values."""
+
+from ddprun.preflight import check
+
+
+def node(rank, host="h", **kw):
+    base = {"node_rank": rank, "host": f"{host}{rank}", "nproc": 2, "gpus": 0, "nnodes": "2:2",
+            "torch": "2.13.0", "cuda": "", "nccl": "", "python": "3.11.7", "script_sha": "abc",
+            "free_disk_gb": 50.0}
+    base.update(kw)
+    return base
+
+
+def errors(findings):
+    return [f.message for f in findings if f.level == "error"]
+
+
+def test_consistent_nodes_pass():
+    assert check([node(0), node(1)], 4) == []
+
+
+def test_different_process_counts_name_every_node_and_the_world_size():
+    (msg,) = errors(check([node(0, nproc=2), node(1, nproc=1)], 3))
+    assert "node 0 (h0) runs 2" in msg and "node 1 (h1) runs 1" in msg and "WORLD_SIZE became 3" in msg
+    assert "HINT" in msg
+
+
+def test_gpus_not_matching_processes_is_an_error():
+    (msg,) = errors(check([node(0, gpus=4, nproc=4), node(1, gpus=8, nproc=4)], 8))
+    assert "node 1 (h1) has 8 GPUs but runs 4 processes (4 GPUs idle)" in msg
+
+
+def test_version_mismatch_names_the_odd_node():
+    msgs = errors(check([node(0), node(1), node(2, torch="2.12.0")], 6))
+    assert any("torch differs" in m and "node 2 (h2) has '2.12.0'" in m for m in msgs)
+
+
+def test_nnodes_disagreement_and_duplicate_host_rank():
+    msgs = errors(check([node(0, nnodes="2:2"), node(1, nnodes="3:3")], 4))
+    assert any("--nnodes differs" in m for m in msgs)
+    msgs = errors(check([node(0, host="x"), {**node(0, host="x")}], 4))
+    assert any("same host and node rank (x0, node 0)" in m for m in msgs)
+
+
+def test_different_script_is_only_a_warning():
+    findings = check([node(0), node(1, script_sha="zzz")], 4)
+    assert errors(findings) == []
+    assert any(f.level == "warning" and "script differs" in f.message for f in findings)
