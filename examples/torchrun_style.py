@@ -56,6 +56,7 @@ def main() -> None:
             if args.fail_rank == rank and step == 3:
                 raise RuntimeError(f"injected failure on rank {rank}")
             if args.hang_rank == rank and step == 3:
+                print(f"rank {rank} hangs at step {step}", flush=True)
                 time.sleep(10**6)
             xb, yb = xb.to(device), yb.to(device)
             loss = nn.functional.mse_loss(ddp(xb), yb)
@@ -73,7 +74,8 @@ def main() -> None:
         os.makedirs(args.out, exist_ok=True)
         facts = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                                                 "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
-                                                "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS")}
+                                                "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS",
+                                                "GLOO_SOCKET_IFNAME")}
         facts.update(host=socket.gethostname(), pid=os.getpid(), device=str(device), steps=step)
         with open(os.path.join(args.out, f"rank-{rank}.json"), "w") as f:
             json.dump(facts, f)

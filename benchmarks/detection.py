@@ -1,0 +1,156 @@
+"""How fast each launcher names what is wrong, ddprun next to plain torchrun, on the same bounded
+scenarios (2 nodes on 127.0.0.1, gloo, examples/torchrun_style.py):
+
+  missing node    the second node never starts: seconds until a message names the situation
+  stalled rank    rank 3 sleeps before an all-reduce: seconds from the stall to a report naming it
+  mismatch        nodes started with --nproc-per-node 2 and 1: named, or "succeeded" on WORLD_SIZE=3?
+  second job      another job on the same endpoint: refused, or mixed/hung?
+
+    python benchmarks/detection.py [--bound 60] [--stall-timeout 10]
+
+Each scenario is cut at --bound seconds; "none within N s" means the launcher said nothing useful
+by then (torchrun's own limits: 600 s join, 30 min gloo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.helpers import DDPRUN, EXAMPLE, TORCHRUN, free_port, job_env  # noqa: E402
+
+
+class Streamed:
+    """A process whose output lines are kept with the time they arrived."""
+
+    def __init__(self, cmd: list[str], cwd: str):
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(cmd, cwd=cwd, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
+        self.lines: list[tuple[float, str]] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic() - self.t0, line.rstrip()))
+
+    def first(self, pattern: str) -> float | None:
+        rx = re.compile(pattern)
+        return next((t for t, line in list(self.lines) if rx.search(line)), None)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+
+def wait_until(cond, bound: float) -> None:
+    deadline = time.monotonic() + bound
+    while time.monotonic() < deadline and not cond():
+        time.sleep(0.1)
+
+
+def launcher(name: str, nnodes: int, nproc: int, port: int, rdzv_id: str, extra=()) -> list[str]:
+    base = [DDPRUN, "run"] if name == "ddprun" else [TORCHRUN]
+    return base + ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+                   "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id, *extra]
+
+
+def missing_node(name: str, bound: float, tmp: str) -> str:
+    p = Streamed(launcher(name, 2, 1, free_port(), f"miss-{name}") + [EXAMPLE], tmp)
+    pattern = r"nodes joined|did not join|not every node|timed out|Timeout"
+    wait_until(lambda: p.first(pattern) is not None or p.proc.poll() is not None, bound)
+    t = p.first(pattern)
+    p.kill()
+    return f"{t:.1f} s" if t is not None else f"none within {bound:.0f} s"
+
+
+def stalled_rank(name: str, bound: float, stall: float, tmp: str) -> str:
+    port, rid = free_port(), f"stall-{name}"
+    extra = ["--stall-timeout", str(stall)] if name == "ddprun" else []
+    cmd = launcher(name, 2, 2, port, rid, extra) + [EXAMPLE, "--steps", "1000", "--hang-rank", "3"]
+    procs = [Streamed(cmd, tmp), Streamed(cmd, tmp)]
+    log = Path(tmp, "runs", rid, "logs", "rank-3.log")
+    stall_at: list[float] = []
+
+    def stalled() -> bool:  # rank 3 says "hangs" on the console (torchrun) or in its log (ddprun)
+        if not stall_at:
+            t = next((p.t0 + t for p in procs for t, line in list(p.lines) if "rank 3 hangs" in line), None)
+            if t is None and log.exists() and "rank 3 hangs" in log.read_text(errors="replace"):
+                t = time.monotonic()
+            if t is not None:
+                stall_at.append(t)
+        return bool(stall_at)
+
+    wait_until(stalled, bound)
+    pattern = r"hang report|rank 3 .*(at|in) |Timeout|timed out"
+    wait_until(lambda: any(p.first(pattern) for p in procs) or all(p.proc.poll() is not None for p in procs),
+               bound + stall)
+    hits = [p.t0 + p.first(pattern) for p in procs if p.first(pattern) is not None]
+    named = any("rank 3" in line for p in procs for _, line in p.lines if "hang report" in line)
+    for p in procs:
+        p.kill()
+    if not stall_at:
+        return "rank 3 never reached its stall"
+    if not hits:
+        return f"none within {bound + stall:.0f} s of the stall"
+    return (f"{min(hits) - stall_at[0]:.1f} s after the stall (threshold {stall:.0f} s)"
+            + (", names rank 3" if named else ""))
+
+
+def mismatch(name: str, bound: float, tmp: str) -> str:
+    port = free_port()
+    procs = [Streamed(launcher(name, 2, n, port, f"mis-{name}") + [EXAMPLE, "--steps", "10"], tmp) for n in (2, 1)]
+    wait_until(lambda: all(p.proc.poll() is not None for p in procs), bound)
+    codes = [p.proc.poll() for p in procs]
+    named = any("different numbers of processes" in line for p in procs for _, line in p.lines)
+    for p in procs:
+        p.kill()
+    if named:
+        return f"named, exit codes {codes}"
+    return f"not named; exit codes {codes} (a WORLD_SIZE=3 job ran)" if codes == [0, 0] else f"exit codes {codes}"
+
+
+def second_job(name: str, bound: float, tmp: str) -> str:
+    port = free_port()
+    a = Streamed(launcher(name, 2, 1, port, f"jobA-{name}") + [EXAMPLE, "--steps", "10"], tmp)
+    time.sleep(3)
+    b = Streamed(launcher(name, 2, 1, port, f"jobB-{name}") + [EXAMPLE, "--steps", "10"], tmp)
+    wait_until(lambda: b.proc.poll() is not None, bound)
+    code = b.proc.poll()
+    refused = b.first("refused")
+    for p in (a, b):
+        p.kill()
+    if refused is not None:
+        return f"refused in {refused:.1f} s (exit {code})"
+    return f"not refused; second job {'still waiting' if code is None else f'exited {code}'} after {bound:.0f} s"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--bound", type=float, default=60)
+    p.add_argument("--stall-timeout", type=float, default=10)
+    args = p.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for scenario, fn in (("missing node", lambda n: missing_node(n, args.bound, tmp)),
+                             ("stalled rank", lambda n: stalled_rank(n, args.bound, args.stall_timeout, tmp)),
+                             ("mismatched --nproc-per-node", lambda n: mismatch(n, args.bound, tmp)),
+                             ("second job, same endpoint", lambda n: second_job(n, args.bound, tmp))):
+            res = {n: fn(n) for n in ("ddprun", "torchrun")}
+            rows.append((scenario, res))
+            print(f"{scenario:28s} ddprun: {res['ddprun']:45s} torchrun: {res['torchrun']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
