@@ -92,7 +92,7 @@ def stalled_rank(name: str, bound: float, stall: float, tmp: str) -> str:
         return bool(stall_at)
 
     wait_until(stalled, bound)
-    pattern = r"hang report|rank 3 .*(at|in) |Timeout|timed out"
+    pattern = r"hang report|[Tt]imeout|timed out"
     wait_until(lambda: any(p.first(pattern) for p in procs) or all(p.proc.poll() is not None for p in procs),
                bound + stall)
     hits = [p.t0 + p.first(pattern) for p in procs if p.first(pattern) is not None]

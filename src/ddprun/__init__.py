@@ -1,8 +1,44 @@
 """ddprun: multi-node PyTorch DDP that starts everywhere, uses every GPU, and names what is wrong.
 
-Importing ddprun is cheap: it imports neither torch's distributed stack eagerly nor lightning.
+Importing ddprun is cheap: it imports neither torch's distributed stack eagerly nor lightning. The
+training API is loaded on first use (module ``__getattr__``):
+
+    ddprun.init()       join the process group, pick this rank's device -> RankInfo
+    ddprun.rank_info()  who this process is, without initialising anything
+    ddprun.fit(...)     train an nn.Module data-parallel -> FitResult
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+_LAZY = {
+    "init": ("ddprun.runtime", "init"),
+    "rank_info": ("ddprun.runtime", "rank_info"),
+    "RankInfo": ("ddprun.runtime", "RankInfo"),
+    "fit": ("ddprun.train.loop", "fit"),
+    "FitResult": ("ddprun.train.loop", "FitResult"),
+}
+
+__all__ = ["__version__", *_LAZY]
+
+if TYPE_CHECKING:
+    from ddprun.runtime import RankInfo, init, rank_info
+    from ddprun.train.loop import FitResult, fit
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'ddprun' has no attribute {name!r}")
+    import importlib
+
+    module, attr = _LAZY[name]
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

@@ -1,0 +1,189 @@
+"""Per-step cost of ddprun.fit against the hand-written DDP loop: same model, data and launch.
+
+    python benchmarks/overhead.py [--blocks 20] [--steps 150] [--warmup 20]
+
+Everything runs under ``ddprun run --nnodes 1 --nproc-per-node 2`` (gloo, CPU). The model, data and
+batch are examples/torchrun_style.py's (MLP 16-64-1, 2048 samples, batch 16 per rank, SGD).
+
+Step time: one launch whose two ranks alternate blocks of --steps steps of each loop (fit, raw,
+raw, fit, ...; --blocks of each), so that the noise of a shared 2-core machine falls on both alike.
+The step time is the interval between two ``optimizer.step()`` calls of rank 0, taken by the same
+optimizer subclass in both loops; each block's first --warmup steps are left out (the first DDP
+forward imports torch._dynamo). Reported: the median over all steps of each loop, the median of the
+per-block-pair ratios, and the 10th percentiles (the least disturbed steps). Wall time on a machine
+whose cores other jobs share is noisy, so the training thread's CPU time per step
+(``time.thread_time``; the gloo all-reduce waits without CPU) is reported too: the loop's own cost.
+Goal: fit / hand-written <= 1.01.
+
+Peak RSS: two more launches, one loop each, ``ru_maxrss`` of each rank at its end, max over ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LR = 0.05
+
+
+def _timed_sgd(params, times: list[tuple[float, float]]):
+    """SGD that records (wall clock, this thread's CPU time) at every step() call."""
+    import torch
+
+    class TimedSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            times.append((time.perf_counter(), time.thread_time()))
+            return super().step(closure)
+
+    return TimedSGD(params, lr=LR)
+
+
+def _setup():
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2048, 16, generator=g)
+    y = x[:, :4].sum(dim=1, keepdim=True) + 0.1 * torch.randn(2048, 1, generator=g)
+    return model, TensorDataset(x, y)
+
+
+def run_fit(steps: int, batch: int, times: list) -> int:
+    from torch import nn
+
+    import ddprun
+
+    model, data = _setup()
+    ddprun.fit(model, data, loss_fn=nn.functional.mse_loss, optimizer=lambda p: _timed_sgd(p, times),
+               batch_size=batch, max_steps=steps, seed=0)
+    return ddprun.rank_info().rank
+
+
+def run_raw(steps: int, batch: int, times: list) -> int:
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    if not dist.is_initialized():  # in the interleaved launch fit's ddprun.init() made the group
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, data = _setup()
+    ddp = DDP(model)
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    loader = DataLoader(data, batch_size=batch, sampler=sampler)
+    opt = _timed_sgd(ddp.parameters(), times)
+    step, epoch = 0, 0
+    while step < steps:
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            loss = nn.functional.mse_loss(ddp(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            step += 1
+            if rank == 0 and step % 50 == 0:  # what a hand-written loop prints; fit logs every 50 too
+                print(f"step {step} loss {loss.item():.4f}", flush=True)
+            if step >= steps:
+                break
+        epoch += 1
+    return rank
+
+
+def worker(args: argparse.Namespace) -> None:
+    import resource
+
+    loops = {"fit": run_fit, "raw": run_raw}
+    if args.mode == "interleaved":
+        order = [("fit", "raw") if i % 2 == 0 else ("raw", "fit") for i in range(args.blocks)]
+        blocks = []
+        for pair in order:
+            for mode in pair:
+                times: list[tuple[float, float]] = []
+                rank = loops[mode](args.steps, args.batch_size, times)
+                pairs = list(zip(times, times[1:]))[args.warmup:]
+                blocks.append({"mode": mode, "intervals": [b[0] - a[0] for a, b in pairs],
+                               "cpu": [b[1] - a[1] for a, b in pairs]})
+        result = {"rank": rank, "blocks": blocks}
+    else:
+        times = []
+        rank = loops[args.mode](args.steps, args.batch_size, times)
+        result = {"rank": rank}
+    result["maxrss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    with open(os.path.join(args.out, f"{args.mode}-{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def launch(args: argparse.Namespace, mode: str, tmp: str, steps: int) -> list[dict]:
+    """One ``ddprun run`` of 1 node x 2 processes; each rank's JSON."""
+    from tests.helpers import DDPRUN, describe, free_port, run_agents
+
+    out = os.path.join(tmp, mode)
+    os.makedirs(out)
+    cmd = [DDPRUN, "run", "--nnodes", "1", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "--log-dir", os.path.join(tmp, "runs"), os.path.abspath(__file__), "--worker", "--mode", mode,
+           "--out", out, "--steps", str(steps), "--warmup", str(args.warmup), "--blocks", str(args.blocks),
+           "--batch-size", str(args.batch_size)]
+    results = run_agents([cmd], timeout=300, cwd=tmp)
+    if results[0].returncode != 0:
+        raise SystemExit(describe(results))
+    return [json.load(open(os.path.join(out, f"{mode}-{r}.json"))) for r in (0, 1)]
+
+
+def driver(args: argparse.Namespace) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    with tempfile.TemporaryDirectory() as tmp:
+        blocks = launch(args, "interleaved", tmp, args.steps)[0]["blocks"]
+        rss = {mode: max(r["maxrss_mib"] for r in launch(args, mode, tmp, args.steps)) for mode in ("fit", "raw")}
+    pooled = {m: [t for b in blocks if b["mode"] == m for t in b["intervals"]] for m in ("fit", "raw")}
+    cpu = {m: statistics.median([t for b in blocks if b["mode"] == m for t in b["cpu"]]) * 1e3 for m in ("fit", "raw")}
+    block_median = {m: [statistics.median(b["intervals"]) for b in blocks if b["mode"] == m] for m in ("fit", "raw")}
+    pair_ratios = [f / r for f, r in zip(block_median["fit"], block_median["raw"])]
+    fit_ms, raw_ms = statistics.median(pooled["fit"]) * 1e3, statistics.median(pooled["raw"]) * 1e3
+    print(f"1 node x 2 processes under `ddprun run` (gloo, CPU); {args.blocks} blocks of {args.steps} steps of "
+          f"each loop, alternating in one launch; first {args.warmup} steps of each block left out")
+    print("  block medians (ms): fit " + " ".join(f"{t * 1e3:.3f}" for t in block_median["fit"]))
+    print("                      raw " + " ".join(f"{t * 1e3:.3f}" for t in block_median["raw"]))
+    print(f"  median step: ddprun.fit {fit_ms:.3f} ms, hand-written DDP loop {raw_ms:.3f} ms")
+    best = {m: min(block_median[m]) * 1e3 for m in block_median}
+    print(f"  least disturbed block (lowest block median): ddprun.fit {best['fit']:.3f} ms, hand-written "
+          f"{best['raw']:.3f} ms, ratio {best['fit'] / best['raw']:.3f}")
+    p10 = {m: statistics.quantiles(pooled[m], n=10)[0] * 1e3 for m in pooled}
+    print(f"  10th percentile step: ddprun.fit {p10['fit']:.3f} ms, hand-written {p10['raw']:.3f} ms")
+    print(f"  ratio fit / hand-written = {fit_ms / raw_ms:.3f} (median, all steps), "
+          f"{statistics.median(pair_ratios):.3f} (median of block pairs), {p10['fit'] / p10['raw']:.3f} "
+          f"(10th percentiles); goal <= 1.01")
+    print(f"  training thread's CPU time per step (median): ddprun.fit {cpu['fit']:.3f} ms, hand-written "
+          f"{cpu['raw']:.3f} ms, ratio {cpu['fit'] / cpu['raw']:.3f} (the loop's own cost, whatever the load)")
+    print(f"  peak RSS (max over ranks, separate launches): ddprun.fit {rss['fit']:.0f} MiB, "
+          f"hand-written {rss['raw']:.0f} MiB")
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--blocks", type=int, default=20, help="blocks of each loop in the interleaved launch")
+    p.add_argument("--steps", type=int, default=150, help="steps per block")
+    p.add_argument("--warmup", type=int, default=20, help="steps left out at the start of each block")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=["fit", "raw", "interleaved"], help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    return driver(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

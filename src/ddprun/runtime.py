@@ -1,0 +1,285 @@
+"""This process's place in the job: ``init()`` joins the process group, ``rank_info()`` says who we are.
+
+Where the numbers come from: :func:`ddprun.cluster.detect.resolve` over the environment mapping
+(read once per call, never at import). A torchrun/``ddprun run`` worker states RANK, LOCAL_RANK,
+WORLD_SIZE, MASTER_ADDR and MASTER_PORT itself; a cluster that starts one process per rank (srun
+tasks, mpirun) states them in its own variables, which resolve() translates. When resolve() finds no
+rank (plain ``python script.py``) this is one process and no process group is created.
+
+Timeouts are two-phase (shared/DESIGN.md; torchtitan's ``init_distributed``/``set_pg_timeouts``):
+joining the process group and the first step may be slow (every node imports torch, compiles,
+loads data), so the group starts with a generous ``timeout``. After the first completed step
+:func:`use_training_timeout` tightens it to ``train_timeout`` so that a rank that dies or hangs mid-run
+is noticed within that time instead of half an hour later.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from ddprun.errors import ClusterError, ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_INIT_TIMEOUT_S = 600.0
+"""Seconds for joining the process group and for every collective until the first step completes."""
+DEFAULT_TRAIN_TIMEOUT_S = 300.0
+"""Seconds a collective may wait once training runs (torch's default: 30 min for gloo, 10 for NCCL)."""
+
+EXPORTED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Who this process is in the job. One process without a process group: rank 0 of 1."""
+
+    rank: int
+    local_rank: int
+    node_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    """``cuda:<local_rank>`` when CUDA is available (and not turned off by DDPRUN_DEVICE_KIND=cpu), else cpu."""
+    is_main: bool
+    """True on global rank 0: the one rank that prints and saves."""
+    distributed: bool = False
+    """True when a process group exists (possibly of size 1)."""
+    backend: str | None = None
+
+
+@dataclass
+class _State:
+    info: RankInfo
+    init_timeout_s: float
+    train_timeout_s: float
+    tightened: bool = False
+
+
+_state: _State | None = None
+
+
+def _node_facts():
+    """The node probe resolve() needs (the only I/O here besides torch.cuda)."""
+    import torch
+
+    from ddprun._util import cpu_count
+    from ddprun.cluster.base import NodeFacts
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return NodeFacts(hostname=socket.gethostname(), cpus=cpu_count(), cuda_devices=gpus)
+
+
+def _use_cuda(environ: Mapping[str, str]) -> bool:
+    import torch
+
+    # The launcher decided cuda|cpu for the whole job; cpu there wins over a GPU seen here.
+    return torch.cuda.is_available() and environ.get("DDPRUN_DEVICE_KIND", "cuda") != "cpu"
+
+
+def _device(local_rank: int | None, use_cuda: bool) -> torch.device:
+    import torch
+
+    if not use_cuda:
+        return torch.device("cpu")
+    if local_rank is None:  # a process group the user made without LOCAL_RANK: trust their set_device
+        return torch.device("cuda", torch.cuda.current_device())
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ConfigError(
+            "This process's local rank has no GPU of its own.",
+            seen=f"LOCAL_RANK={local_rank}, {count} visible CUDA device(s)",
+            hint="Start one process per GPU (leave --nproc-per-node out, or give at most the GPU count), "
+                 "and check CUDA_VISIBLE_DEVICES.",
+        )
+    return torch.device("cuda", local_rank)
+
+
+def _from_environ(environ: Mapping[str, str]):
+    """(ClusterSpec, RankInfo-without-process-group) from the environment; pure apart from probing."""
+    from ddprun.cluster.detect import resolve
+    from ddprun.config import LaunchConfig
+
+    spec = resolve(LaunchConfig(), environ, _node_facts())
+    use_cuda = _use_cuda(environ)
+    if spec.rank is None or spec.world_size is None:
+        return spec, RankInfo(rank=0, local_rank=0, node_rank=0, world_size=1, local_world_size=1,
+                              device=_device(0, use_cuda), is_main=True)
+    local_rank = spec.local_rank if spec.local_rank is not None else 0
+    local_world = spec.nproc_per_node or 1
+    # resolve() drops GROUP_RANK under c10d (arrival order); torchrun's ranks are node-major with the
+    # same process count on every node, so rank // local_world_size is that node rank.
+    node_rank = spec.node_rank if spec.node_rank is not None else spec.rank // local_world
+    info = RankInfo(rank=spec.rank, local_rank=local_rank, node_rank=node_rank, world_size=spec.world_size,
+                    local_world_size=local_world, device=_device(local_rank, use_cuda), is_main=spec.rank == 0)
+    return spec, info
+
+
+def _export(spec, target: MutableMapping[str, str]) -> None:
+    """Write what ``init_method="env://"`` reads, for launchers that did not (srun, mpirun).
+
+    The one place ddprun writes the environment of a running process. A value already present and
+    different is an error rather than overwritten: two launchers disagree about this process.
+    """
+    wanted = {"MASTER_ADDR": str(spec.master_addr), "MASTER_PORT": str(spec.master_port),
+              "RANK": str(spec.rank), "WORLD_SIZE": str(spec.world_size),
+              "LOCAL_RANK": str(spec.local_rank if spec.local_rank is not None else 0)}
+    clash = {k: (target[k], v) for k, v in wanted.items() if k in target and target[k] != v}
+    if clash:
+        raise ClusterError(
+            f"The {spec.environment} environment and variables already set disagree about this process.",
+            seen=", ".join(f"{k}={old} (set) vs {new} ({spec.environment})" for k, (old, new) in clash.items()),
+            hint="Unset the stale variables, or start the script under one launcher only.",
+        )
+    for k, v in wanted.items():
+        target.setdefault(k, v)
+
+
+def _info_from_group(environ: Mapping[str, str]) -> RankInfo:
+    """RankInfo for a process group somebody else created (Lightning, the user's own init)."""
+    import torch.distributed as dist
+
+    spec, env_info = _from_environ(environ)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = spec.local_rank if spec.rank is not None else None
+    device = _device(local_rank, _use_cuda(environ))
+    local_world = env_info.local_world_size if spec.rank is not None else 1
+    return RankInfo(rank=rank, local_rank=local_rank if local_rank is not None else 0,
+                    node_rank=env_info.node_rank if spec.rank is not None else 0,
+                    world_size=world, local_world_size=local_world, device=device, is_main=rank == 0,
+                    distributed=True, backend=str(dist.get_backend()))
+
+
+def init(backend: str | None = None, *, timeout: float = DEFAULT_INIT_TIMEOUT_S,
+         train_timeout: float = DEFAULT_TRAIN_TIMEOUT_S, environ: Mapping[str, str] | None = None) -> RankInfo:
+    """Join the job's process group (if it has one) and select this process's device.
+
+    ``backend``: None picks ``nccl`` on CUDA and ``gloo`` on CPU. ``timeout``: seconds for joining
+    and for collectives until :func:`use_training_timeout` is called; ``train_timeout``: seconds after
+    that. ``environ``: the environment to read, default ``os.environ`` (read now, not at import).
+
+    Under srun/mpirun (resolve() found the rank in the cluster's own variables) MASTER_ADDR,
+    MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK are exported to ``os.environ`` before
+    ``init_process_group(init_method="env://")``: the one explicit export ddprun does in a worker.
+
+    Idempotent: a second call returns the first call's RankInfo. If a process group already exists
+    (the user's, Lightning's) it is used as it is. On CUDA, ``torch.cuda.set_device`` is called.
+    """
+    global _state
+    if _state is not None:
+        return _state.info
+    if timeout <= 0 or train_timeout <= 0:
+        raise ConfigError("Process-group timeouts must be positive seconds.",
+                          seen=f"timeout={timeout}, train_timeout={train_timeout}",
+                          hint="e.g. timeout=600 (joining), train_timeout=300 (during training).")
+    environ = os.environ if environ is None else environ
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        info = _info_from_group(environ)
+        if info.device.type == "cuda":
+            torch.cuda.set_device(info.device)
+        _state = _State(info, timeout, train_timeout)
+        return info
+
+    spec, info = _from_environ(environ)
+    if spec.rank is None:
+        _state = _State(info, timeout, train_timeout)
+        return info
+    if not dist.is_available():
+        raise ConfigError("This torch build has no torch.distributed, but the job has several ranks.",
+                          seen=f"RANK={info.rank}, WORLD_SIZE={info.world_size}",
+                          hint="Install a torch build with distributed support (the PyPI wheels have it).")
+    if info.device.type == "cuda":
+        torch.cuda.set_device(info.device)
+    backend = backend or ("nccl" if info.device.type == "cuda" else "gloo")
+    _export(spec, os.environ)  # a no-op under torchrun/ddprun run, which set them all already
+    if spec.environment != "torchrun":
+        # srun/mpirun across hosts: gloo/NCCL must use the interface that reaches MASTER_ADDR, not the
+        # hostname's address (127.0.0.1 in many containers). Nothing happens on one node (netaddr.py).
+        from ddprun.netaddr import network_plan
+
+        for key, value in network_plan(spec, os.environ).worker_env.items():
+            os.environ.setdefault(key, value)
+    dist.init_process_group(backend=backend, init_method="env://", rank=info.rank, world_size=info.world_size,
+                            timeout=timedelta(seconds=timeout))
+    info = replace(info, distributed=True, backend=backend)
+    _state = _State(info, timeout, train_timeout)
+    return info
+
+
+def rank_info(environ: Mapping[str, str] | None = None) -> RankInfo:
+    """The current RankInfo, creating nothing: :func:`init`'s result once it ran, else what the
+    process group (if somebody made one) or the environment says. Plain ``python``: rank 0 of 1."""
+    if _state is not None:
+        return _state.info
+    environ = os.environ if environ is None else environ
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return _info_from_group(environ)
+    return _from_environ(environ)[1]
+
+
+def _set_timeout(seconds: float) -> bool:
+    import torch.distributed as dist
+
+    from torch.distributed import distributed_c10d as c10d
+
+    setter = getattr(c10d, "_set_pg_timeout", None)  # private in torch; absent = keep the one timeout
+    if setter is None or not dist.is_initialized():
+        return False
+    setter(timedelta(seconds=seconds))
+    return True
+
+
+def use_training_timeout() -> None:
+    """After the first completed step: barrier, then collectives use ``train_timeout``.
+
+    The barrier is why this is called once and by every rank: no rank may wait with the short
+    timeout while another is still inside the slow first step (torchtitan ``set_pg_timeouts``).
+    """
+    import torch.distributed as dist
+
+    if _state is None or _state.tightened or not (dist.is_available() and dist.is_initialized()):
+        return
+    _barrier()
+    _set_timeout(_state.train_timeout_s)
+    _state.tightened = True
+
+
+def use_init_timeout() -> None:
+    """Back to the generous timeout, locally, before work one rank does while the others wait
+    (the final checkpoint save). No collective: each rank's own waits use its own timeout."""
+    if _state is not None and _state.tightened and _set_timeout(_state.init_timeout_s):
+        _state.tightened = False
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    info = _state.info if _state is not None else None
+    if info is not None and info.device.type == "cuda" and dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[info.device.index])
+    else:
+        dist.barrier()
+
+
+def barrier() -> None:
+    """Wait for every rank; a no-op without a process group."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        _barrier()
+
+
+def _reset() -> None:
+    """Forget init()'s result (tests); does not destroy a process group."""
+    global _state
+    _state = None

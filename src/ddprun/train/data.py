@@ -1,0 +1,188 @@
+"""Samplers and DataLoader defaults for :func:`ddprun.fit` that shard correctly and don't hang.
+
+Training data is split with :class:`~torch.utils.data.DistributedSampler` (shuffle, the shared
+``seed``, ``drop_last=False``: DDP's default, which pads the last round by repeating the first
+samples so that every rank runs the same number of steps). It is used with one process too, so that
+one process with batch 4b sees the same global batches as 4 ranks with batch b.
+
+Validation data is split without padding (:class:`ShardSampler`): shards may differ by one sample,
+and the metrics are reduced as sums and counts, so nothing is counted twice.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import (DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, Sampler,
+                              SequentialSampler, TensorDataset)
+
+from ddprun._util import cpu_count
+from ddprun.errors import ConfigError
+from ddprun.runtime import RankInfo
+
+DEFAULT_MAX_WORKERS = 2
+
+
+class ShardSampler(Sampler[int]):
+    """Indices ``rank, rank + world, ...`` in order: every sample exactly once over all ranks."""
+
+    def __init__(self, n: int, rank: int, world_size: int):
+        self.n, self.rank, self.world_size = n, rank, world_size
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.n, self.world_size))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.n, self.world_size))
+
+
+def worker_bound(local_world_size: int, cpus: int | None = None) -> int:
+    """Most DataLoader workers per rank: this node's CPUs shared by its ranks (may be 0)."""
+    cpus = cpu_count() if cpus is None else cpus
+    return max(0, cpus // max(1, local_world_size))
+
+
+def choose_num_workers(requested: int | None, dataset: Any, local_world_size: int, cpus: int | None = None,
+                       warn: bool = True) -> int:
+    """``requested`` capped at :func:`worker_bound`; None = ``min(2, bound)``, or 0 for a TensorDataset.
+
+    A TensorDataset's items are slices of tensors already in memory: worker processes would only add
+    their start-up (an import of torch each) and a copy of every batch through shared memory.
+    """
+    bound = worker_bound(local_world_size, cpus)
+    if requested is None:
+        return 0 if isinstance(dataset, TensorDataset) else min(DEFAULT_MAX_WORKERS, bound)
+    if requested < 0:
+        raise ConfigError("num_workers must be 0 or more.", seen=f"num_workers={requested}",
+                          hint="Give 0 (load in the training process) or a small positive number, or leave it out.")
+    if requested > bound:
+        if warn:
+            warnings.warn(f"ddprun: num_workers={requested} per rank is more than this node's CPUs allow "
+                          f"({cpus if cpus is not None else cpu_count()} CPUs / {local_world_size} ranks); "
+                          f"using {bound}.", stacklevel=3)
+        return bound
+    return requested
+
+
+def start_method() -> str:
+    """``forkserver`` where the platform has it, else ``spawn``.
+
+    Never ``fork``: once the process group exists the process holds gloo/NCCL threads (and maybe a
+    CUDA context); a forked worker inherits their locks in whatever state they were and can hang or
+    crash. forkserver/spawn workers start from a clean interpreter (datasets must be picklable).
+    """
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+def loader_options(num_workers: int, device_type: str) -> dict[str, Any]:
+    """DataLoader keyword arguments for ``num_workers`` on a ``device_type`` ("cuda" or "cpu") rank."""
+    opts: dict[str, Any] = {"num_workers": num_workers, "pin_memory": device_type == "cuda"}
+    if num_workers > 0:
+        opts["persistent_workers"] = True  # no worker start-up (an import of torch) every epoch
+        opts["multiprocessing_context"] = start_method()
+    return opts
+
+
+@dataclass
+class Loader:
+    """A DataLoader and the sampler whose ``set_epoch`` must be called every epoch (or None)."""
+
+    loader: DataLoader
+    sampler: DistributedSampler | None
+    batch_size: int
+
+
+def _check_data(data: Any, name: str) -> None:
+    if not isinstance(data, (Dataset, DataLoader)):
+        raise ConfigError(f"{name} is neither a torch Dataset nor a DataLoader.", seen=f"{name}: {type(data).__name__}",
+                          hint="Wrap tensors in torch.utils.data.TensorDataset(x, y), or pass a DataLoader.")
+
+
+def _length(dataset: Any) -> int | None:
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
+
+
+def build_train_loader(data: Dataset | DataLoader, *, batch_size: int, info: RankInfo, seed: int,
+                       num_workers: int | None) -> Loader:
+    """The training DataLoader of this rank (module docstring).
+
+    A Dataset gets a new loader; a DataLoader is kept in one process and rebuilt around a
+    DistributedSampler when world_size > 1 (keeping its batch size, collate_fn, workers and
+    worker_init_fn; a sampler of its own is replaced, with a warning). An IterableDataset is used as
+    it is: it must shard itself by :func:`ddprun.rank_info` and give every rank as many batches.
+    """
+    _check_data(data, "train_data")
+    warn = info.is_main
+    user_loader = data if isinstance(data, DataLoader) else None
+    dataset = user_loader.dataset if user_loader is not None else data
+    if user_loader is not None and user_loader.batch_size is not None:
+        batch_size = user_loader.batch_size
+    if _length(dataset) == 0:
+        raise ConfigError("train_data is empty.", seen=f"len(train_data) = 0 ({type(dataset).__name__})",
+                          hint="Check the data path and any filtering that built the dataset.")
+
+    if isinstance(dataset, IterableDataset):
+        if user_loader is not None:
+            return Loader(user_loader, None, batch_size)
+        workers = choose_num_workers(num_workers, dataset, info.local_world_size, warn=warn)
+        return Loader(DataLoader(dataset, batch_size=batch_size, **loader_options(workers, info.device.type)),
+                      None, batch_size)
+
+    if user_loader is not None and info.world_size == 1:
+        return Loader(user_loader, None, batch_size)
+
+    shuffle = True
+    kwargs: dict[str, Any] = {}
+    if user_loader is not None:
+        sampler_kind = type(user_loader.sampler)
+        if user_loader.batch_size is None or sampler_kind not in (RandomSampler, SequentialSampler):
+            if warn:
+                own = type(user_loader.batch_sampler or user_loader.sampler).__name__
+                warnings.warn(f"ddprun: train_data's own sampler ({own}) is replaced by a DistributedSampler "
+                              f"(shuffle, seed={seed}) so that every rank sees its own part of the data.",
+                              stacklevel=3)
+        shuffle = sampler_kind is not SequentialSampler
+        kwargs = {"collate_fn": user_loader.collate_fn, "worker_init_fn": user_loader.worker_init_fn,
+                  "drop_last": user_loader.drop_last, "timeout": user_loader.timeout}
+        if num_workers is None:
+            num_workers = user_loader.num_workers
+    sampler = DistributedSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=shuffle, seed=seed,
+                                 drop_last=False)
+    workers = choose_num_workers(num_workers, dataset, info.local_world_size, warn=warn)
+    # The loader's generator only seeds worker processes (the sampler has its own seed): seed + rank,
+    # so that random augmentation differs between ranks but is reproducible.
+    generator = torch.Generator().manual_seed(seed + info.rank)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, generator=generator,
+                        **loader_options(workers, info.device.type), **kwargs)
+    return Loader(loader, sampler, batch_size)
+
+
+def build_val_loader(data: Dataset | DataLoader, *, batch_size: int, info: RankInfo,
+                     num_workers: int | None) -> DataLoader:
+    """The validation DataLoader of this rank: every sample once over all ranks, in order."""
+    _check_data(data, "val_data")
+    user_loader = data if isinstance(data, DataLoader) else None
+    dataset = user_loader.dataset if user_loader is not None else data
+    if user_loader is not None and (info.world_size == 1 or isinstance(dataset, IterableDataset)):
+        return user_loader
+    if user_loader is not None:
+        batch_size = user_loader.batch_size or batch_size
+        kwargs = {"collate_fn": user_loader.collate_fn, "worker_init_fn": user_loader.worker_init_fn}
+        if num_workers is None:
+            num_workers = user_loader.num_workers
+    else:
+        kwargs = {}
+    workers = choose_num_workers(num_workers, dataset, info.local_world_size, warn=False)
+    sampler = None
+    if not isinstance(dataset, IterableDataset):
+        sampler = ShardSampler(len(dataset), info.rank, info.world_size)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **loader_options(workers, info.device.type),
+                      **kwargs)

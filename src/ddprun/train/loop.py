@@ -1,0 +1,585 @@
+"""``fit``: data-parallel training of a plain ``nn.Module``, the loop nanoGPT writes by hand.
+
+What happens on every rank, in order:
+  1. arguments checked (ConfigError with a HINT, on every rank, before any collective);
+  2. :func:`ddprun.init` joins the process group (none under plain ``python``);
+  3. loaders built (:mod:`ddprun.train.data`), the model moved to this rank's device, the optimizer
+     and scheduler made from their factories;
+  4. the model wrapped in DDP when world_size > 1; DDP's constructor broadcasts rank 0's parameters
+     and buffers, so fit neither reseeds nor broadcasts anything itself;
+  5. steps: forward/backward per micro-batch (``no_sync`` on all but the last of each group of
+     ``grad_accum``), then clip, optimizer step, scheduler step. The only collective of a step is
+     DDP's gradient all-reduce; once, after step 1, a barrier switches to the training timeout;
+  6. after every epoch (and at the end) validation on the plain module, one all_reduce of sums and
+     counts;
+  7. rank 0 saves the final checkpoint atomically; a barrier makes every rank wait for the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddprun import runtime
+from ddprun.errors import ConfigError
+from ddprun.runtime import RankInfo
+from ddprun.train import checkpoint as ckpt
+from ddprun.train.data import build_train_loader, build_val_loader
+from ddprun.train.metrics import MetricsLog
+from ddprun.train.progress import Progress
+
+PRECISIONS = {"32": "32", "32-true": "32", "bf16": "bf16", "bf16-mixed": "bf16", "16": "16", "16-mixed": "16"}
+
+
+@dataclass
+class FitResult:
+    """What :func:`fit` returns, the same on every rank (except ``checkpoint``: rank 0 only)."""
+
+    train_loss: float | None
+    """Mean loss over the last logging window (≤ ``log_every`` steps), averaged over ranks."""
+    val_metrics: dict[str, float]
+    """``val_loss`` and ``val_<name>`` of the last validation, over all ranks; empty without val_data."""
+    steps: int
+    """Optimizer steps taken."""
+    epochs: int
+    """Epochs completed (a run stopped by ``max_steps`` mid-epoch does not count that epoch)."""
+    model: nn.Module
+    """The trained model, unwrapped (no DDP), on this rank's device."""
+    run_dir: str
+    checkpoint: str | None = None
+    """Path of the final checkpoint (rank 0; None on other ranks)."""
+    history: list[dict[str, float]] = field(default_factory=list)
+    """Validation results per epoch, in order."""
+
+
+# -- argument checks ------------------------------------------------------------------------------
+
+def _int_at_least(name: str, value: Any, low: int, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{name} must be an integer >= {low}" + (" or None." if optional else "."),
+                          seen=f"{name}={value!r}", hint=f"Give e.g. {name}={max(low, 1)}.")
+
+
+def _check_callable(name: str, value: Any, signature: str) -> None:
+    if value is not None and not callable(value):
+        raise ConfigError(f"{name} must be a callable {signature}.", seen=f"{name}: {type(value).__name__}",
+                          hint=f"Pass a function or lambda: {signature}.")
+
+
+def _check_args(model: Any, *, loss_fn, training_step, optimizer, scheduler, epochs, max_steps, batch_size,
+                grad_accum, precision, grad_clip, seed, val_metrics, log_every) -> str:
+    """Every check that needs no process group; returns the normalised precision."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        raise ConfigError("fit() got a model already wrapped in DistributedDataParallel.",
+                          seen=f"model: DistributedDataParallel({type(model.module).__name__})",
+                          hint="Pass the plain module (model.module); fit() wraps it when world_size > 1.")
+    if not isinstance(model, nn.Module):
+        raise ConfigError("fit() trains a torch.nn.Module.", seen=f"model: {type(model).__name__}",
+                          hint="Pass an nn.Module (a LightningModule goes through ddprun's Lightning adapter).")
+    if training_step is None and loss_fn is None:
+        raise ConfigError("fit() needs a way to compute the loss.", seen="loss_fn=None, training_step=None",
+                          hint="Give loss_fn=torch.nn.functional.cross_entropy (batches of (inputs, targets)), "
+                               "or training_step=lambda model, batch: <scalar loss>.")
+    if training_step is not None and loss_fn is not None:
+        raise ConfigError("fit() got both loss_fn and training_step.", seen="loss_fn and training_step both given",
+                          hint="Give one: training_step computes the loss itself (it may call your loss_fn).")
+    _check_callable("loss_fn", loss_fn, "(outputs, targets) -> scalar loss")
+    _check_callable("training_step", training_step, "(model, batch) -> scalar loss")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        _check_callable("optimizer", optimizer, "params -> torch.optim.Optimizer")
+    _check_callable("scheduler", scheduler, "optimizer -> LR scheduler")
+    _int_at_least("epochs", epochs, 1, optional=True)
+    _int_at_least("max_steps", max_steps, 1, optional=True)
+    _int_at_least("batch_size", batch_size, 1)
+    _int_at_least("grad_accum", grad_accum, 1)
+    _int_at_least("log_every", log_every, 1)
+    _int_at_least("seed", seed, 0)
+    if grad_clip is not None and (isinstance(grad_clip, bool) or not isinstance(grad_clip, (int, float))
+                                  or not grad_clip > 0):
+        raise ConfigError("grad_clip must be a positive max gradient norm, or None.", seen=f"grad_clip={grad_clip!r}",
+                          hint="e.g. grad_clip=1.0.")
+    if val_metrics is not None:
+        if not isinstance(val_metrics, Mapping) or not all(isinstance(k, str) and callable(f)
+                                                           for k, f in val_metrics.items()):
+            raise ConfigError("val_metrics must map names to callables (outputs, targets) -> value(s).",
+                              seen=f"val_metrics: {val_metrics!r}",
+                              hint="e.g. val_metrics={'accuracy': lambda out, y: (out.argmax(1) == y).float()}.")
+    key = str(precision)
+    if key not in PRECISIONS:
+        raise ConfigError("Unknown precision.", seen=f"precision={precision!r}",
+                          hint="Use '32' (default), 'bf16' (autocast to bfloat16) or '16' (float16, CUDA only).")
+    return PRECISIONS[key]
+
+
+# -- setup --------------------------------------------------------------------------------------
+
+def _unwrap(model: nn.Module, info: RankInfo) -> nn.Module:
+    if isinstance(model, nn.DataParallel):
+        if info.is_main:
+            warnings.warn("ddprun: the model is wrapped in nn.DataParallel; fit() unwraps it and trains "
+                          "model.module with DDP, one process per device (DataParallel is never used).", stacklevel=3)
+        return model.module
+    return model
+
+
+def _amp(precision: str, device: torch.device) -> tuple[Callable[[], Any], Any]:
+    """(autocast context factory, GradScaler or None) for ``precision`` on ``device``."""
+    if precision == "32":
+        null = contextlib.nullcontext()
+        return (lambda: null), None
+    if precision == "16":
+        if device.type != "cuda":
+            raise ConfigError("precision='16' (float16 with a GradScaler) needs CUDA.", seen=f"device {device}",
+                              hint="Use precision='bf16' on CPU, or '32'.")
+        return (lambda: torch.autocast("cuda", dtype=torch.float16)), torch.amp.GradScaler("cuda")
+    return (lambda: torch.autocast(device.type, dtype=torch.bfloat16)), None
+
+
+def _make_optimizer(optimizer: Any, model: nn.Module) -> torch.optim.Optimizer:
+    if optimizer is None:
+        return torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    opt = optimizer(model.parameters())
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise ConfigError("The optimizer factory did not return a torch.optim.Optimizer.",
+                          seen=f"optimizer(params) returned {type(opt).__name__}",
+                          hint="Pass e.g. optimizer=lambda params: torch.optim.SGD(params, lr=0.1).")
+    return opt
+
+
+def _make_scheduler(scheduler: Any, opt: torch.optim.Optimizer) -> Any:
+    if scheduler is None:
+        return None
+    sched = scheduler(opt)
+    if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ConfigError("fit() steps the scheduler every optimizer step without a metric; ReduceLROnPlateau "
+                          "needs one.", seen="scheduler(optimizer) returned ReduceLROnPlateau",
+                          hint="Use a step-based scheduler (e.g. CosineAnnealingLR, OneCycleLR), or write the loop "
+                               "yourself with ddprun.init().")
+    if not hasattr(sched, "step") or not hasattr(sched, "state_dict"):
+        raise ConfigError("The scheduler factory did not return an LR scheduler.",
+                          seen=f"scheduler(optimizer) returned {type(sched).__name__}",
+                          hint="Pass e.g. scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 100).")
+    return sched
+
+
+def _run_dir(run_dir: str | None, info: RankInfo) -> str:
+    """``run_dir``, else DDPRUN_RUN_DIR, else ``runs/<timestamp>`` chosen by rank 0 for every rank."""
+    if run_dir:
+        return os.path.abspath(run_dir)
+    env_dir = os.environ.get("DDPRUN_RUN_DIR")
+    if env_dir:
+        return env_dir
+    from ddprun.config import DEFAULT_RUNS_ROOT
+    from ddprun.launch import new_run_id
+
+    chosen = [os.path.abspath(os.path.join(DEFAULT_RUNS_ROOT, new_run_id()))]
+    if info.distributed and info.world_size > 1:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(chosen, src=0)  # once, at setup: ranks' clocks may straddle a second
+    return chosen[0]
+
+
+# -- the step -----------------------------------------------------------------------------------
+
+def _to_device(batch: Any, device: torch.device, non_blocking: bool) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(b, device, non_blocking) for b in batch)
+    if isinstance(batch, Mapping):
+        return {k: _to_device(v, device, non_blocking) for k, v in batch.items()}
+    return batch
+
+
+def _batch_len(batch: Any) -> int:
+    while isinstance(batch, (list, tuple)) and batch:
+        batch = batch[0]
+    if isinstance(batch, Mapping) and batch:
+        return _batch_len(next(iter(batch.values())))
+    return int(batch.shape[0]) if isinstance(batch, torch.Tensor) and batch.ndim > 0 else 1
+
+
+def _pair(batch: Any) -> tuple[Any, Any]:
+    if isinstance(batch, (list, tuple)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise ConfigError("With loss_fn, every batch must be a pair (inputs, targets).",
+                      seen=f"batch: {type(batch).__name__}" + (f" of {len(batch)}" if isinstance(batch, (list, tuple))
+                                                               else ""),
+                      hint="Give training_step=lambda model, batch: <scalar loss> for other batch layouts.")
+
+
+def _scalar(loss: Any, where: str) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+        raise ConfigError(f"{where} must return a scalar loss tensor.",
+                          seen=f"got {type(loss).__name__}" + (f" of shape {tuple(loss.shape)}"
+                                                               if isinstance(loss, torch.Tensor) else ""),
+                          hint="Reduce it, e.g. loss.mean(), or use the default reduction='mean' of torch losses.")
+    return loss
+
+
+def _micro_batches(loader: Any, sized: bool, grad_accum: int) -> Iterator[tuple[Any, int, bool, int]]:
+    """Yield ``(batch, divisor, last_in_group, group_len)`` over one epoch.
+
+    Each micro-batch loss is divided by ``divisor``. With a known length that is the exact size of
+    its group (the last group of an epoch may be short). Without one (an IterableDataset) one batch
+    is held back to know which is last, the divisor is ``grad_accum``, and a short last group shows
+    as ``group_len < divisor``: the caller rescales its gradients. ``group_len`` is exact when
+    ``last_in_group``.
+    """
+    if sized and grad_accum == 1:
+        for batch in loader:
+            yield batch, 1, True, 1
+        return
+    if sized:
+        n = len(loader)
+        for i, batch in enumerate(loader):
+            start = i - i % grad_accum
+            size = min(grad_accum, n - start)
+            yield batch, size, i - start == size - 1, size
+        return
+    it = iter(loader)
+    try:
+        pending = next(it)
+    except StopIteration:
+        return
+    k = 0  # micro-batches of the current group yielded so far
+    for batch in it:
+        k += 1
+        yield pending, grad_accum, k == grad_accum, k
+        k %= grad_accum
+        pending = batch
+    yield pending, grad_accum, True, k + 1
+
+
+def _optimizer_step(opt: torch.optim.Optimizer, sched: Any, scaler: Any, params: list, grad_clip: float | None) -> None:
+    """Clip (after unscaling), step, zero the gradients, step the scheduler."""
+    if scaler is not None:
+        if grad_clip is not None:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        scaler.step(opt)
+        scaler.update()
+    else:
+        if grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    if sched is not None:
+        sched.step()
+
+
+def _total_steps(batches: int | None, grad_accum: int, epochs: int | None, max_steps: int | None) -> int | None:
+    """Optimizer steps the run will take, when known (for the progress bar)."""
+    total = math.ceil(batches / grad_accum) * epochs if batches is not None and epochs is not None else None
+    if max_steps is not None:
+        total = min(total, max_steps) if total is not None else max_steps
+    return total
+
+
+# -- validation ---------------------------------------------------------------------------------
+
+def _validate(module: nn.Module, loader: Any, info: RankInfo, *, loss_fn, training_step, metrics: Mapping,
+              amp: Callable[[], Any]) -> dict[str, float]:
+    """Loss and metrics over every rank's shard: sums and counts, one all_reduce."""
+    device = info.device
+    names = list(metrics)
+    sums = torch.zeros(2 + 2 * len(names), dtype=torch.float64, device=device)
+    was_training = module.training
+    module.eval()
+    with torch.no_grad():
+        for batch in loader:
+            if device.type != "cpu":
+                batch = _to_device(batch, device, non_blocking=True)
+            n = _batch_len(batch)
+            out = None
+            with amp():
+                if training_step is not None:
+                    loss = _scalar(training_step(module, batch), "training_step")
+                else:
+                    x, y = _pair(batch)
+                    out = module(x)
+                    loss = _scalar(loss_fn(out, y), "loss_fn")
+                if names and out is None:
+                    x, y = _pair(batch)
+                    out = module(x)
+            sums[0] += loss.detach().double() * n
+            sums[1] += n
+            for j, name in enumerate(names):
+                value = torch.as_tensor(metrics[name](out, y), device=device).double()
+                if value.ndim == 0:  # a batch mean: weight by the batch size
+                    sums[2 + 2 * j] += value * n
+                    sums[3 + 2 * j] += n
+                else:  # per-sample values
+                    sums[2 + 2 * j] += value.sum()
+                    sums[3 + 2 * j] += value.numel()
+    module.train(was_training)
+    if info.distributed and info.world_size > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(sums)
+    totals = sums.tolist()
+    result = {"val_loss": totals[0] / totals[1] if totals[1] else math.nan}
+    for j, name in enumerate(names):
+        count = totals[3 + 2 * j]
+        result[f"val_{name}"] = totals[2 + 2 * j] / count if count else math.nan
+    return result
+
+
+# -- fit ----------------------------------------------------------------------------------------
+
+def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any, *, step: int,
+                   epoch: int, batches_done: int, seed: int, world_size: int) -> dict[str, Any]:
+    """Everything a later run needs to resume (checkpoint.save adds the format version).
+
+    ``sampler``: the epoch to continue and how many micro-batches of it this rank already took; with
+    the same seed and world size the DistributedSampler yields the same order, so resuming skips
+    ``batches_done`` batches. RNG states are rank 0's (the process that saves).
+    """
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "grad_scaler": scaler.state_dict() if scaler is not None else None,
+        "step": step,
+        "epoch": epoch,
+        "sampler": {"epoch": epoch, "batches_done": batches_done, "seed": seed, "num_replicas": world_size},
+        "rng": ckpt.rng_state(),
+    }
+
+
+def fit(model: nn.Module, train_data: Any, *, val_data: Any = None, loss_fn: Callable | None = None,
+        training_step: Callable | None = None, optimizer: Callable | torch.optim.Optimizer | None = None,
+        scheduler: Callable | None = None, epochs: int | None = None, max_steps: int | None = None,
+        batch_size: int = 32, grad_accum: int = 1, precision: str = "32", grad_clip: float | None = None,
+        seed: int = 0, num_workers: int | None = None, val_metrics: Mapping[str, Callable] | None = None,
+        checkpoint_dir: str | None = None, run_dir: str | None = None, log_every: int = 50) -> FitResult:
+    """Train ``model`` data-parallel over every rank of the job (one process: no process group).
+
+    Data:
+      train_data, val_data: a torch ``Dataset`` (fit builds the DataLoader) or a ``DataLoader``
+        (kept in one process; rebuilt around a DistributedSampler when world_size > 1, keeping its
+        batch size, collate_fn and workers, with a warning if it had a sampler of its own).
+        Training batches: DistributedSampler(shuffle=True, seed=seed, drop_last=False) — DDP's
+        default, which repeats a few samples so every rank has as many batches; ``set_epoch`` every
+        epoch. Validation: each sample once, no padding. See :mod:`ddprun.train.data`.
+      batch_size: samples per rank per micro-batch; the global batch is
+        ``batch_size * world_size * grad_accum``.
+      num_workers: DataLoader workers per rank, at most CPUs // processes on this node; None =
+        min(2, that), 0 for a TensorDataset. Workers start by forkserver (spawn where absent), so the
+        dataset must be picklable. Their RNG is seeded from ``seed + rank`` (augmentation differs
+        between ranks, reproducibly); with 0 workers, augmentation uses the global torch RNG, which
+        fit leaves alone.
+
+    The step:
+      loss_fn: ``(outputs, targets) -> scalar`` for batches ``(inputs, targets)``; or
+      training_step: ``(model, batch) -> scalar loss``. It gets the DDP-wrapped model while
+        training (call it; don't go through ``.module``) and the plain module in validation.
+      optimizer: a factory ``params -> Optimizer`` (default AdamW, lr 1e-3); an Optimizer over the
+        model's parameters is accepted too. scheduler: a factory ``optimizer -> scheduler``,
+        stepped once per optimizer step, without arguments.
+      grad_accum: micro-batches per optimizer step; gradients are all-reduced only on the last one
+        (``no_sync`` before); each micro-batch loss is divided by the group's size.
+      precision: "32"; "bf16" (autocast to bfloat16, CUDA or CPU); "16" (float16 autocast with a
+        GradScaler, CUDA only). Lightning's "bf16-mixed"/"16-mixed"/"32-true" are accepted.
+      grad_clip: max total gradient norm (after unscaling), or None.
+      epochs, max_steps: stop after ``epochs`` passes or ``max_steps`` optimizer steps, whichever
+        comes first; epochs=None means 1, or unbounded when max_steps is given.
+      seed: the sampler's shuffle seed (the same on every rank) and, plus the rank, the DataLoader
+        workers' seed. fit never reseeds the global RNG: build the model after seeding, identically
+        on every rank, or rely on DDP, whose constructor copies rank 0's parameters to every rank.
+
+    Output (rank 0 only prints and writes):
+      run_dir: given, else $DDPRUN_RUN_DIR (``ddprun run``), else runs/<timestamp>.
+      log_every: every this many steps rank 0 reads its own loss (mean over those steps, not reduced
+        over ranks: no extra collective), writes a metrics.csv row and a progress line; the bar
+        itself advances every step on a terminal. ``FitResult.train_loss`` is the one value averaged
+        over ranks, with one all_reduce at the end.
+      checkpoint_dir: where the final checkpoint goes (default run_dir/checkpoints): model,
+        optimizer, scheduler, step, epoch, sampler position, RNG states; see :mod:`ddprun.train.checkpoint`.
+
+    Process group: fit calls :func:`ddprun.init` (joining with a 600 s timeout, then 300 s per
+    collective from step 2); call ``ddprun.init(timeout=..., train_timeout=...)`` first to change
+    them. Per step there is no collective besides DDP's gradient all-reduce. fit does not destroy the
+    process group. Returns a :class:`FitResult`.
+    """
+    prec = _check_args(model, loss_fn=loss_fn, training_step=training_step, optimizer=optimizer, scheduler=scheduler,
+                       epochs=epochs, max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum,
+                       precision=precision, grad_clip=grad_clip, seed=seed, val_metrics=val_metrics,
+                       log_every=log_every)
+    info = runtime.init()
+    device = info.device
+    module = _unwrap(model, info)
+    amp, scaler = _amp(prec, device)
+    train = build_train_loader(train_data, batch_size=batch_size, info=info, seed=seed, num_workers=num_workers)
+    val_loader = None
+    if val_data is not None:
+        val_loader = build_val_loader(val_data, batch_size=batch_size, info=info, num_workers=num_workers)
+    metrics = dict(val_metrics or {})
+
+    module.to(device)
+    if not any(p.requires_grad for p in module.parameters()):
+        raise ConfigError("The model has no trainable parameters.",
+                          seen=f"{type(module).__name__}: {sum(1 for _ in module.parameters())} parameters, "
+                               "none with requires_grad", hint="Unfreeze at least one parameter.")
+    opt = _make_optimizer(optimizer, module)
+    sched = _make_scheduler(scheduler, opt)
+    run_dir = _run_dir(run_dir, info)
+    ddp = module
+    if info.world_size > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+    is_ddp = ddp is not module
+
+    loader, sampler = train.loader, train.sampler
+    sized = sampler is not None or not isinstance(loader.dataset, torch.utils.data.IterableDataset)
+    if epochs is None:
+        epochs = 1 if max_steps is None else None
+    total = _total_steps(len(loader) if sized else None, grad_accum, epochs, max_steps)
+
+    log = MetricsLog(run_dir, ["val_loss", *(f"val_{n}" for n in metrics)], enabled=info.is_main)
+    progress = Progress(total, enabled=info.is_main)
+    non_blocking = device.type == "cuda"
+    on_cpu = device.type == "cpu"
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    step = epoch = batches_done = 0
+    window_losses: list[torch.Tensor] = []  # each step's loss, detached; read (.item()) only when logging
+    group_losses: list[torch.Tensor] = []
+    null = contextlib.nullcontext()
+    window_steps = window_samples = 0
+    last_window = None
+    val_result: dict[str, float] = {}
+    history: list[dict[str, float]] = []
+    val_step = -1
+    done = False
+    window_t0 = time.perf_counter()
+
+    def flush_window() -> None:
+        nonlocal window_steps, window_samples, window_t0, last_window
+        now = time.perf_counter()
+        elapsed = max(now - window_t0, 1e-9)
+        last_window = torch.stack(window_losses).mean()
+        window_losses.clear()
+        if info.is_main:  # the only read of the loss; other ranks keep theirs for the final mean
+            loss_value = last_window.item()
+            rate = window_samples * info.world_size / elapsed
+            log.write(step, epoch, {"loss": loss_value, "samples_per_s": rate, "step_time_s": elapsed / window_steps})
+            progress.log(step, epoch, loss_value, rate)
+        window_steps = window_samples = 0
+        window_t0 = now
+
+    def validate(during_epoch: int) -> None:
+        nonlocal val_result, val_step
+        val_result = _validate(module, val_loader, info, loss_fn=loss_fn, training_step=training_step,
+                               metrics=metrics, amp=amp)
+        val_step = step
+        history.append(val_result)
+        log.write(step, during_epoch, val_result)
+        progress.message(_format_val(step, during_epoch, val_result))
+
+    try:
+        ddp.train()
+        while not done and (epochs is None or epoch < epochs):
+            if sampler is not None:
+                sampler.set_epoch(epoch)
+            batches_done = 0
+            for batch, divisor, last, group_len in _micro_batches(loader, sized, grad_accum):
+                if not on_cpu:
+                    batch = _to_device(batch, device, non_blocking)
+                window_samples += _batch_len(batch)
+                with null if (last or not is_ddp) else ddp.no_sync():
+                    with amp():
+                        if training_step is not None:
+                            loss = _scalar(training_step(ddp, batch), "training_step")
+                        else:
+                            x, y = _pair(batch)
+                            loss = _scalar(loss_fn(ddp(x), y), "loss_fn")
+                    if divisor > 1:
+                        loss = loss / divisor
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
+                batches_done += 1
+                if grad_accum == 1:
+                    window_losses.append(loss.detach())
+                else:
+                    group_losses.append(loss.detach())
+                    if not last:
+                        continue
+                    group_loss = torch.stack(group_losses).sum()
+                    group_losses.clear()
+                    if group_len < divisor:  # an unsized epoch's short last group: undo part of 1/divisor
+                        for p in params:
+                            if p.grad is not None:
+                                p.grad.mul_(divisor / group_len)
+                        group_loss = group_loss * (divisor / group_len)
+                    window_losses.append(group_loss)
+                _optimizer_step(opt, sched, scaler, params, grad_clip)
+                step += 1
+                window_steps += 1
+                if step == 1:
+                    runtime.use_training_timeout()
+                progress.advance(step)
+                if step % log_every == 0:
+                    flush_window()
+                if max_steps is not None and step >= max_steps:
+                    done = True
+                    break
+            if batches_done == 0:
+                raise ConfigError("An epoch of train_data gave no batches.", seen=f"epoch {epoch}, rank {info.rank}",
+                                  hint="Check the dataset, or that an IterableDataset yields data on every rank.")
+            if not done or (sized and batches_done == len(loader)):  # the epoch ran to its end
+                epoch += 1
+                batches_done = 0
+                if val_loader is not None:
+                    validate(epoch - 1)
+        if window_steps:
+            flush_window()
+        if val_loader is not None and val_step != step:
+            validate(epoch if batches_done else epoch - 1)
+        train_loss = _mean_over_ranks(last_window, info)
+
+        runtime.use_init_timeout()  # the others now wait for rank 0's save: give it the long timeout
+        path = None
+        if info.is_main:
+            state = training_state(module, opt, sched, scaler, step=step, epoch=epoch, batches_done=batches_done,
+                                   seed=seed, world_size=info.world_size)
+            path = ckpt.save(checkpoint_dir or os.path.join(run_dir, "checkpoints"), state)
+            progress.message(f"checkpoint: {path}")
+        runtime.barrier()  # no rank returns (and maybe exits) before the checkpoint exists
+    finally:
+        progress.close()
+        log.close()
+    return FitResult(train_loss=train_loss, val_metrics=val_result, steps=step, epochs=epoch, model=module,
+                     run_dir=run_dir, checkpoint=path, history=history)
+
+
+def _mean_over_ranks(value: torch.Tensor | None, info: RankInfo) -> float | None:
+    if value is None:
+        return None
+    if info.distributed and info.world_size > 1:
+        import torch.distributed as dist
+
+        value = value.detach().clone()
+        dist.all_reduce(value)
+        value /= info.world_size
+    return float(value.item())
+
+
+def _format_val(step: int, epoch: int, result: Mapping[str, float]) -> str:
+    return f"validation at step {step} (epoch {epoch}): " + "  ".join(f"{k} {v:.4f}" for k, v in result.items())

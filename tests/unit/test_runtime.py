@@ -1,0 +1,106 @@
+"""ddprun.init()/rank_info(): who this process is, from an environment mapping; a process group only
+when the launcher (or cluster) says there are ranks."""
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddprun import runtime
+from ddprun.errors import ClusterError, ConfigError
+from tests.helpers import free_port
+
+
+@pytest.fixture(autouse=True)
+def clean_state():
+    saved = dict(os.environ)
+    runtime._reset()
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    runtime._reset()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def torchrun_env(rank=0, local_rank=0, world=1, local_world=1, group_rank=0, port=29500):
+    return {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(local_world), "GROUP_RANK": str(group_rank),
+            "GROUP_WORLD_SIZE": str(world // local_world), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "t"}
+
+
+def test_import_ddprun_is_cheap():
+    code = ("import sys, ddprun; bad = [m for m in sys.modules if m.startswith(('torch', 'lightning'))]; "
+            "assert not bad, bad; ddprun.fit; assert 'torch.distributed' in sys.modules; "
+            "assert not any(m.startswith('lightning') for m in sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_plain_python_is_one_process_without_a_group():
+    info = runtime.init(environ={})
+    assert (info.rank, info.local_rank, info.node_rank, info.world_size, info.local_world_size) == (0, 0, 0, 1, 1)
+    assert info.is_main and not info.distributed and info.device == torch.device("cpu")
+    assert not dist.is_initialized()
+    assert runtime.init(environ={}) is info  # idempotent
+    assert runtime.rank_info() is info
+
+
+def test_rank_info_reads_the_environment_without_initialising():
+    info = runtime.rank_info(torchrun_env(rank=3, local_rank=1, world=4, local_world=2, group_rank=1))
+    assert (info.rank, info.local_rank, info.node_rank, info.world_size, info.local_world_size) == (3, 1, 1, 4, 2)
+    assert not info.is_main and not info.distributed
+    assert not dist.is_initialized()
+
+
+def test_rank_info_node_rank_follows_the_node_major_rule_under_c10d():
+    # resolve() drops GROUP_RANK under c10d; the node rank is rank // processes per node
+    info = runtime.rank_info(torchrun_env(rank=5, local_rank=1, world=6, local_world=2, group_rank=2))
+    assert info.node_rank == 2
+
+
+def test_a_broken_torchrun_environment_is_named():
+    env = torchrun_env()
+    del env["MASTER_PORT"]
+    with pytest.raises(ClusterError, match="HINT"):
+        runtime.rank_info(env)
+
+
+def test_init_in_a_torchrun_worker_of_one_joins_a_gloo_group_and_is_idempotent():
+    env = torchrun_env(port=free_port())
+    os.environ.update(env)
+    info = runtime.init(timeout=30, train_timeout=20)
+    assert dist.is_initialized() and dist.get_world_size() == 1
+    assert info.distributed and info.backend == "gloo" and info.is_main
+    assert runtime.init() is info
+    runtime.use_training_timeout()  # barrier of one, then the shorter timeout
+    assert runtime._state.tightened
+    runtime.use_init_timeout()
+    assert not runtime._state.tightened
+
+
+def test_init_uses_an_existing_process_group():
+    port = free_port()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    info = runtime.init(environ={})
+    assert info.distributed and info.world_size == 1 and info.rank == 0 and info.backend == "gloo"
+
+
+def test_init_exports_what_env_init_needs_for_per_process_clusters():
+    spec = SimpleNamespace(environment="slurm", master_addr="node1", master_port=29500, rank=3, world_size=8,
+                           local_rank=1)
+    target = {"RANK": "3"}
+    runtime._export(spec, target)
+    assert target == {"MASTER_ADDR": "node1", "MASTER_PORT": "29500", "RANK": "3", "WORLD_SIZE": "8",
+                      "LOCAL_RANK": "1"}
+    with pytest.raises(ClusterError, match="RANK=2 \\(set\\) vs 3 \\(slurm\\)"):
+        runtime._export(spec, {"RANK": "2"})
+
+
+def test_bad_timeouts_are_config_errors():
+    with pytest.raises(ConfigError, match="HINT"):
+        runtime.init(timeout=0, environ={})

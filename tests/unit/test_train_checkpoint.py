@@ -1,0 +1,75 @@
+"""Checkpoints are written atomically, found through `latest`, and read with weights_only=True."""
+
+import io
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from ddprun.errors import ConfigError
+from ddprun.train import checkpoint
+from ddprun.train.metrics import MetricsLog, columns
+from ddprun.train.progress import Progress
+
+
+def test_save_then_load_latest(tmp_path):
+    p1 = checkpoint.save(str(tmp_path), {"step": 10, "model": {"w": torch.ones(2)}})
+    p2 = checkpoint.save(str(tmp_path), {"step": 20, "model": {"w": torch.zeros(2)}})
+    assert (tmp_path / "latest").read_text().strip() == "step-00000020.pt"
+    assert checkpoint.latest(str(tmp_path)) == p2 and os.path.exists(p1)
+    state = checkpoint.load(str(tmp_path))
+    assert state["step"] == 20 and torch.equal(state["model"]["w"], torch.zeros(2))
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000010.pt", "step-00000020.pt"]
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temp(tmp_path):
+    target = tmp_path / "f"
+    checkpoint.write_atomic(str(target), lambda f: f.write(b"old"))
+
+    def broken(f):
+        f.write(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        checkpoint.write_atomic(str(target), broken)
+    assert target.read_bytes() == b"old" and os.listdir(tmp_path) == ["f"]
+
+
+def test_rng_states_survive_a_weights_only_load(tmp_path):
+    torch.manual_seed(1), random.seed(2), np.random.seed(3)
+    checkpoint.save(str(tmp_path), {"step": 1, "rng": checkpoint.rng_state()})
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(9), random.seed(9), np.random.seed(9)
+    checkpoint.restore_rng(checkpoint.load(str(tmp_path))["rng"])
+    got = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
+
+
+def test_missing_and_newer_checkpoints_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
+        checkpoint.load(str(tmp_path))
+    torch.save({"format_version": checkpoint.FORMAT_VERSION + 1, "step": 1}, tmp_path / "x.pt")
+    with pytest.raises(ConfigError, match="HINT"):
+        checkpoint.load(str(tmp_path / "x.pt"))
+
+
+def test_metrics_csv_header_and_disabled_ranks(tmp_path):
+    assert columns(["val_loss"]) == ["step", "epoch", "loss", "val_loss", "samples_per_s", "step_time_s"]
+    log = MetricsLog(str(tmp_path / "off"), ["val_loss"], enabled=False)
+    log.write(1, 0, {"loss": 1.0})
+    log.close()
+    assert not (tmp_path / "off").exists()
+
+
+def test_progress_without_a_terminal_prints_plain_lines():
+    out = io.StringIO()
+    p = Progress(100, enabled=True, stream=out)
+    p.advance(1)
+    p.log(50, 0, 0.25, 1234.5)
+    p.close()
+    assert out.getvalue() == "step 50/100  epoch 0  loss 0.2500  samples/s 1234.5\n"
+    quiet = io.StringIO()
+    Progress(100, enabled=False, stream=quiet).log(50, 0, 0.25, 1.0)
+    assert quiet.getvalue() == ""

@@ -1,0 +1,101 @@
+"""DataLoader defaults that don't hang, and samplers that shard the way DDP equivalence needs."""
+
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, SequentialSampler, TensorDataset
+
+from ddprun.errors import ConfigError
+from ddprun.runtime import RankInfo
+from ddprun.train.data import (ShardSampler, build_train_loader, build_val_loader, choose_num_workers,
+                               loader_options, worker_bound)
+
+
+def rank(r=0, world=1, local_world=1, device="cpu"):
+    return RankInfo(rank=r, local_rank=r % local_world, node_rank=r // local_world, world_size=world,
+                    local_world_size=local_world, device=torch.device(device), is_main=r == 0)
+
+
+class Squares(Dataset):
+    def __len__(self):
+        return 50
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i)]), torch.tensor([float(i * i)])
+
+
+def tensors(n=48):
+    return TensorDataset(torch.arange(n).float().unsqueeze(1), torch.arange(n).float())
+
+
+def test_worker_bound_shares_cpus_between_local_ranks():
+    assert worker_bound(2, cpus=16) == 8
+    assert worker_bound(4, cpus=2) == 0
+
+
+def test_default_workers_and_caps():
+    assert choose_num_workers(None, Squares(), 2, cpus=16) == 2
+    assert choose_num_workers(None, Squares(), 2, cpus=2) == 1
+    assert choose_num_workers(None, tensors(), 1, cpus=16) == 0  # in-memory tensors: no worker processes
+    assert choose_num_workers(3, Squares(), 1, cpus=16) == 3
+    with pytest.warns(UserWarning, match="using 1"):
+        assert choose_num_workers(8, Squares(), 2, cpus=2) == 1
+    with pytest.raises(ConfigError, match="HINT"):
+        choose_num_workers(-1, Squares(), 1, cpus=4)
+
+
+def test_loader_options_never_fork_and_pin_only_on_cuda():
+    assert loader_options(0, "cpu") == {"num_workers": 0, "pin_memory": False}
+    opts = loader_options(2, "cuda")
+    assert opts["pin_memory"] and opts["persistent_workers"]
+    assert opts["multiprocessing_context"] in ("forkserver", "spawn")
+
+
+def test_a_dataset_gets_a_distributed_sampler_even_in_one_process():
+    built = build_train_loader(tensors(), batch_size=8, info=rank(), seed=5, num_workers=None)
+    s = built.sampler
+    assert isinstance(s, DistributedSampler) and s.shuffle and s.seed == 5 and not s.drop_last
+    assert s.num_replicas == 1 and built.loader.num_workers == 0 and built.batch_size == 8
+
+
+def test_four_ranks_of_batch_b_see_one_process_batch_4b():
+    data, b = tensors(64), 4
+    one = build_train_loader(data, batch_size=4 * b, info=rank(), seed=3, num_workers=0)
+    one.sampler.set_epoch(1)
+    ranks = []
+    for r in range(4):
+        built = build_train_loader(data, batch_size=b, info=rank(r, 4, 2), seed=3, num_workers=0)
+        built.sampler.set_epoch(1)
+        ranks.append([x.squeeze(1).tolist() for x, _ in built.loader])
+    for k, (x, _) in enumerate(one.loader):
+        union = sorted(v for r in range(4) for v in ranks[r][k])
+        assert union == sorted(x.squeeze(1).tolist())
+
+
+def test_a_user_loader_is_kept_in_one_process_and_resharded_in_many():
+    user = DataLoader(tensors(), batch_size=6, sampler=SequentialSampler(range(48)))
+    assert build_train_loader(user, batch_size=32, info=rank(), seed=0, num_workers=None).loader is user
+    custom = DataLoader(tensors(), batch_size=6, sampler=list(range(48)))
+    with pytest.warns(UserWarning, match="replaced by a DistributedSampler"):
+        built = build_train_loader(custom, batch_size=32, info=rank(0, 2, 2), seed=0, num_workers=None)
+    assert built.batch_size == 6 and built.sampler.num_replicas == 2 and len(built.loader) == 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # shuffle=True is no sampler of its own: no warning
+        build_train_loader(DataLoader(tensors(), batch_size=6, shuffle=True), batch_size=32, info=rank(0, 2, 2),
+                           seed=0, num_workers=None)
+
+
+def test_validation_shards_cover_every_sample_once_without_padding():
+    shards = [list(ShardSampler(10, r, 3)) for r in range(3)]
+    assert sorted(i for s in shards for i in s) == list(range(10))
+    assert [len(s) for s in shards] == [4, 3, 3]
+    loader = build_val_loader(tensors(10), batch_size=4, info=rank(2, 3, 3), num_workers=None)
+    assert [x.squeeze(1).tolist() for x, _ in loader] == [[2.0, 5.0, 8.0]]
+
+
+def test_not_a_dataset_is_a_config_error():
+    with pytest.raises(ConfigError, match="TensorDataset"):
+        build_train_loader([1, 2, 3], batch_size=2, info=rank(), seed=0, num_workers=None)
+    with pytest.raises(ConfigError, match="empty"):
+        build_train_loader(tensors(0), batch_size=2, info=rank(), seed=0, num_workers=None)

@@ -1,0 +1,176 @@
+"""ddprun.fit in one process (no process group): it trains, logs, checkpoints, and refuses bad input."""
+
+import csv
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+import ddprun
+from ddprun import runtime
+from ddprun.errors import ConfigError
+from ddprun.train import checkpoint
+
+
+@pytest.fixture(autouse=True)
+def one_process(monkeypatch):
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "DDPRUN_RUN_DIR"):
+        monkeypatch.delenv(k, raising=False)
+    runtime._reset()
+    yield
+    runtime._reset()
+
+
+def regression(n=64, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = x[:, :2].sum(dim=1, keepdim=True)
+    return TensorDataset(x, y)
+
+
+def mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def sgd(lr=0.05):
+    return lambda params: torch.optim.SGD(params, lr=lr)
+
+
+def fit(tmp_path, model=None, data=None, **kw):
+    kw.setdefault("loss_fn", nn.functional.mse_loss)
+    kw.setdefault("run_dir", str(tmp_path / "run"))
+    return ddprun.fit(model if model is not None else mlp(), data if data is not None else regression(), **kw)
+
+
+def test_fit_trains_logs_and_checkpoints(tmp_path):
+    data = regression(256)
+    before = nn.functional.mse_loss(mlp()(data.tensors[0]), data.tensors[1]).item()
+    res = fit(tmp_path, data=data, val_data=regression(40, seed=2), epochs=10, batch_size=32, log_every=20,
+              optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
+              val_metrics={"mae": lambda out, y: (out - y).abs().mean(dim=1)})
+    assert res.steps == 80 and res.epochs == 10 and len(res.history) == 10
+    assert res.train_loss < before / 3
+    assert res.val_metrics["val_loss"] < before / 3 and res.val_metrics["val_mae"] > 0
+    assert isinstance(res.model, nn.Sequential)
+
+    with open(tmp_path / "run" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["step", "epoch", "loss", "val_loss", "val_mae", "samples_per_s", "step_time_s"]
+    train_rows = [r for r in rows if r["loss"]]
+    assert [int(r["step"]) for r in train_rows] == [20, 40, 60, 80]
+    assert all(float(r["samples_per_s"]) > 0 and float(r["step_time_s"]) > 0 for r in train_rows)
+    assert len([r for r in rows if r["val_loss"]]) == 10
+
+    ckdir = tmp_path / "run" / "checkpoints"
+    assert sorted(os.listdir(ckdir)) == ["latest", "step-00000080.pt"]  # no temp file left behind
+    assert res.checkpoint == str(ckdir / "step-00000080.pt")
+    state = torch.load(res.checkpoint, weights_only=True)
+    assert state["format_version"] == checkpoint.FORMAT_VERSION
+    assert state["step"] == 80 and state["epoch"] == 10
+    assert state["sampler"] == {"epoch": 10, "batches_done": 0, "seed": 0, "num_replicas": 1}
+    assert set(state["rng"]) >= {"torch", "python"}
+    for k, v in res.model.state_dict().items():
+        assert torch.equal(state["model"][k], v)
+    assert checkpoint.load(str(ckdir))["step"] == 80
+
+
+def test_run_dir_defaults_to_the_launcher_run_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDPRUN_RUN_DIR", str(tmp_path / "from-env"))
+    res = ddprun.fit(mlp(), regression(), loss_fn=nn.functional.mse_loss, max_steps=2)
+    assert res.run_dir == str(tmp_path / "from-env")
+    assert (tmp_path / "from-env" / "metrics.csv").exists()
+
+
+def test_data_parallel_is_unwrapped_with_a_warning(tmp_path):
+    inner = mlp()
+    with pytest.warns(UserWarning, match="DataParallel"):
+        res = fit(tmp_path, model=nn.DataParallel(inner), max_steps=2)
+    assert res.model is inner
+
+
+def params_after(tmp_path, name, **kw):
+    res = fit(tmp_path / name, optimizer=sgd(), **kw)
+    return [p.detach().clone() for p in res.model.parameters()]
+
+
+@pytest.mark.parametrize("n", [64, 72])  # 72: the last group of micro-batches is short (1 of 4)
+def test_grad_accumulation_equals_the_big_batch(tmp_path, n):
+    data = regression(n)
+    big = params_after(tmp_path, "big", data=data, batch_size=32, epochs=2)
+    small = params_after(tmp_path, "small", data=data, batch_size=8, grad_accum=4, epochs=2)
+    for a, b in zip(big, small):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class Stream(IterableDataset):
+    def __init__(self, data):
+        self.data = data
+
+    def __iter__(self):
+        return iter(zip(*self.data.tensors))
+
+
+def test_grad_accumulation_without_a_length_rescales_the_short_last_group(tmp_path):
+    data = regression(40)  # 5 micro-batches of 8: groups of 4 and 1
+    sized = params_after(tmp_path, "sized", data=DataLoader(data, batch_size=8), grad_accum=4, epochs=2)
+    stream = params_after(tmp_path, "stream", data=DataLoader(Stream(data), batch_size=8), grad_accum=4, epochs=2)
+    for a, b in zip(sized, stream):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_max_steps_runs_past_one_epoch_and_the_scheduler_steps_per_step(tmp_path):
+    seen = {}
+
+    def make_sched(opt):
+        seen["opt"] = opt
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    res = fit(tmp_path, data=regression(64), batch_size=32, max_steps=5, optimizer=sgd(0.1), scheduler=make_sched)
+    assert res.steps == 5 and res.epochs == 2  # 2 steps per epoch: epochs 0, 1 done, 2 started
+    assert seen["opt"].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 5)
+    state = checkpoint.load(res.checkpoint)
+    assert state["scheduler"]["last_epoch"] == 5
+    assert state["sampler"]["epoch"] == 2 and state["sampler"]["batches_done"] == 1
+
+
+def test_training_step_bf16_and_grad_clip(tmp_path):
+    def step(model, batch):
+        x, y = batch
+        return nn.functional.mse_loss(model(x).float(), y)
+
+    res = fit(tmp_path, loss_fn=None, training_step=step, precision="bf16-mixed", grad_clip=0.5, max_steps=3,
+              val_data=regression(16))
+    assert res.steps == 3 and "val_loss" in res.val_metrics
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"batch_size": 0}, "batch_size must be an integer >= 1"),
+    ({"grad_accum": 1.5}, "grad_accum"),
+    ({"max_steps": -1}, "max_steps"),
+    ({"precision": "fp8"}, "Unknown precision"),
+    ({"precision": "16"}, "needs CUDA"),
+    ({"loss_fn": None}, "needs a way to compute the loss"),
+    ({"training_step": lambda m, b: 0}, "both loss_fn and training_step"),
+    ({"optimizer": 0.1}, "optimizer must be a callable"),
+    ({"grad_clip": 0}, "grad_clip"),
+    ({"val_metrics": ["acc"]}, "val_metrics"),
+    ({"loss_fn": lambda out, y: (out - y) ** 2}, "scalar loss"),
+    ({"optimizer": lambda params: "adam"}, "did not return a torch.optim.Optimizer"),
+    ({"scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau}, "ReduceLROnPlateau"),
+])
+def test_bad_arguments_are_config_errors_with_a_hint(tmp_path, kwargs, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        fit(tmp_path, **{"max_steps": 1, **kwargs})
+    assert "HINT:" in str(err.value)
+
+
+def test_bad_model_and_data_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="nn.Module"):
+        fit(tmp_path, model=lambda x: x)
+    with pytest.raises(ConfigError, match="neither a torch Dataset nor a DataLoader"):
+        fit(tmp_path, data=[(torch.zeros(8), torch.zeros(1))])
+    with pytest.raises(ConfigError, match="pair"):
+        fit(tmp_path, data=TensorDataset(torch.zeros(4, 8)), max_steps=1)
