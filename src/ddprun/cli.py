@@ -130,28 +130,19 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
 
 
 def _node_addresses(hostname: str) -> tuple[str, ...]:
-    """This node's addresses: its name resolved, and each interface's IPv4 address (Linux ioctl, cheap).
+    """This node's addresses: its name resolved, and every interface's addresses (netaddr).
 
     Best effort: whatever fails is left out, so a node without DNS still starts.
     """
+    from ddprun.netaddr import interface_addresses
+
     found: list[str] = []
     try:
         found += [str(info[4][0]) for info in socket.getaddrinfo(hostname, None)]
     except (OSError, UnicodeError):
         pass
-    try:
-        import fcntl
-        import struct
-
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            for _, name in socket.if_nameindex():
-                try:  # SIOCGIFADDR: the interface's IPv4 address, bytes 20-24 of struct ifreq
-                    ifreq = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
-                    found.append(socket.inet_ntoa(ifreq[20:24]))
-                except OSError:
-                    pass
-    except (ImportError, OSError, AttributeError):
-        pass
+    for addrs in interface_addresses().values():
+        found += addrs
     return tuple(dict.fromkeys(found))
 
 
@@ -172,12 +163,23 @@ def cmd_plan(cfg: LaunchConfig, args: argparse.Namespace, environ: Mapping[str, 
     from ddprun.plan import make_plan
     from ddprun.ranktable import render_plan
 
-    spec = resolve(cfg, environ, probe_node(environ))
+    spec = resolve(cfg, environ, probe_node(environ), launcher=True)
     plan = make_plan(spec.max_nodes, spec.nproc_per_node, spec.device)
+    net_lines: list[str] = []
+    if args.explain:  # probes this node's network (and may resolve names): only when asked
+        from ddprun.netaddr import network_plan
+
+        try:
+            net = network_plan(spec, environ, cfg.local_addr, cfg.rdzv_conf)
+            net_lines = net.explain()
+        except DdprunError as e:  # `plan` may run on a login node: say it, `run` would fail with it
+            net_lines = [f"network: `ddprun run` on this node would fail: {e}"]
     if args.json:
         out = plan.to_json()
         out["environment"] = spec.environment
         out["sources"] = dict(spec.sources)
+        if net_lines:
+            out["network"] = net_lines
         print(json.dumps(out, indent=2))
         return 0
     title = (f"ddprun plan: {spec.max_nodes} node(s) x {spec.nproc_per_node} = {plan.world_size} processes "
@@ -186,7 +188,7 @@ def cmd_plan(cfg: LaunchConfig, args: argparse.Namespace, environ: Mapping[str, 
     if spec.node_rank is None and spec.max_nodes > 1:
         print("Node ranks follow rendezvous arrival order (c10d); the run prints the table it got.")
     if args.explain:
-        print("\n".join(explain(spec)))
+        print("\n".join(explain(spec) + net_lines))
     return 0
 
 
@@ -205,7 +207,7 @@ def cmd_run(cfg: LaunchConfig, environ: Mapping[str, str]) -> int:
                  "or unset RANK/LOCAL_RANK/WORLD_SIZE.",
         )
     node = probe_node(environ)
-    spec = resolve(cfg, environ, node)
+    spec = resolve(cfg, environ, node, launcher=True)
     for note in spec.notes:
         print(f"ddprun: note: {note}", file=sys.stderr)
     return launch(cfg, spec, environ, node.hostname).exit_code

@@ -78,6 +78,8 @@ class ClusterSpec:
     local_rank: int | None = None
     world_size: int | None = None
     notes: tuple[str, ...] = ()
+    ifname: str | None = None
+    """The network interface the cluster names for this job (SageMaker), else None; see netaddr.py."""
 
     @property
     def rdzv_endpoint(self) -> str:

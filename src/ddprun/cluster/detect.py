@@ -20,7 +20,7 @@ from ddprun.cluster.sagemaker import SageMakerEnvironment
 from ddprun.cluster.slurm import SlurmEnvironment
 from ddprun.cluster.torchrun import TorchrunEnvironment
 from ddprun.config import LaunchConfig
-from ddprun.errors import ConfigError
+from ddprun.errors import ClusterError, ConfigError
 
 DEFAULT_MASTER_PORT = 29500
 RDZV_BACKENDS = ("c10d", "static", "etcd", "etcd-v2")
@@ -169,12 +169,19 @@ def _overlay_flags(reading: Reading, cfg: LaunchConfig, node: NodeFacts) -> Read
 
 
 def resolve(cfg: LaunchConfig, environ: Mapping[str, str], node: NodeFacts,
-            env: ClusterEnvironment | None = None) -> ClusterSpec:
-    """Detect the environment, overlay the flags, fill defaults, validate. Pure."""
+            env: ClusterEnvironment | None = None, *, launcher: bool = False) -> ClusterSpec:
+    """Detect the environment, overlay the flags, fill defaults, validate. Pure.
+
+    ``launcher``: True for ``ddprun run``/``plan`` (this process starts the node's workers), False for
+    a process that is itself a rank (``ddprun.init()``). See :func:`one_agent_per_node`.
+    """
     notes: list[str] = []
     if env is None:
         env, notes = choose(cfg, environ)
-    facts = _overlay_flags(env.read(environ, node), cfg, node)
+    reading = env.read(environ, node)
+    if launcher:
+        reading = one_agent_per_node(reading, env.name)
+    facts = _overlay_flags(reading, cfg, node)
 
     if "min_nodes" not in facts:
         facts["min_nodes"] = facts["max_nodes"] = Fact(1, "default: one node")
@@ -252,8 +259,46 @@ def resolve(cfg: LaunchConfig, environ: Mapping[str, str], node: NodeFacts,
         rdzv_backend=backend, run_id=get("run_id"), device=get("device"),
         sources={k: f.source for k, f in facts.items()},
         rank=get("rank"), local_rank=get("local_rank"), world_size=get("world_size"),
-        notes=tuple(notes),
+        notes=tuple(notes), ifname=get("ifname"),
     )
+
+
+PER_PROCESS_KEYS = ("rank", "local_rank", "world_size")
+
+LAUNCHERS = {"mpi": "mpirun", "slurm": "srun"}
+
+AGENT_HINTS = {
+    "mpi": "Start one `ddprun run` per node: mpirun -N 1 (or --map-by ppr:1:node) ddprun run train.py; "
+           "or run the script itself under mpirun (mpirun -np N python train.py) with ddprun.init() in it.",
+    "slurm": "Start one `ddprun run` per node: srun --ntasks-per-node=1 ddprun run train.py; "
+             "or run the script itself under srun (srun python train.py) with ddprun.init() in it.",
+}
+
+
+def one_agent_per_node(reading: Reading, env_name: str) -> Reading:
+    """``ddprun run`` under a launcher that starts one process per rank (mpirun, srun tasks).
+
+    One process on this node (local size 1): that process is this node's agent, so the task rank is
+    the node rank (it already is: rank // 1), and the per-process values are dropped so that
+    --nproc-per-node or ddprun's default (every GPU) says how many workers it starts. Several
+    processes on this node: each would start a whole node's workers, so ClusterError.
+    """
+    if "rank" not in reading or env_name == "torchrun":
+        return reading
+    nproc = reading["nproc_per_node"]
+    if nproc.value > 1:
+        raise ClusterError(
+            f"`ddprun run` was started {nproc.value} times on this node by {LAUNCHERS.get(env_name, env_name)}: "
+            "each would start a whole node's workers.",
+            seen=f"{nproc.source}; this process: {reading['rank'].source}, {reading['local_rank'].source}",
+            hint=AGENT_HINTS.get(env_name, "Start one `ddprun run` per node, or run the script itself with "
+                                           "ddprun.init() in it."),
+        )
+    out = {k: v for k, v in reading.items() if k not in (*PER_PROCESS_KEYS, "nproc_per_node")}
+    if "node_rank" in out:
+        rank = out["node_rank"]
+        out["node_rank"] = Fact(rank.value, f"{rank.source} (one `ddprun run` per node: the task rank is the node rank)")
+    return out
 
 
 def _check_per_process(facts: Reading, env_name: str) -> None:

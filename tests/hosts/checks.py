@@ -1,0 +1,42 @@
+"""Assertions shared by the two-host tests."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from pathlib import Path
+
+import torch
+
+from tests.helpers import describe
+
+
+def check_trained(out: Path, results, hosts) -> list[dict]:
+    """4 ranks, 2 per host on its own hostname and node rank, equal parameters; the facts."""
+    assert results and all(r.returncode == 0 for r in results), describe(results)
+    facts = [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
+    assert sorted(int(f["RANK"]) for f in facts) == [0, 1, 2, 3], describe(results)
+    assert {f["WORLD_SIZE"] for f in facts} == {"4"}
+    by_host: dict[str, set[int]] = {}
+    for f in facts:
+        by_host.setdefault(f["host"], set()).add(int(f["RANK"]))
+        assert f["NODE_RANK"] == f["GROUP_RANK"] and int(f["RANK"]) == int(f["NODE_RANK"]) * 2 + int(f["LOCAL_RANK"])
+    assert set(by_host) == {h.name for h in hosts}
+    node_ranks = {h: {f["NODE_RANK"] for f in facts if f["host"] == h} for h in by_host}
+    assert all(len(v) == 1 for v in node_ranks.values()) and len({next(iter(v)) for v in node_ranks.values()}) == 2
+    for f in facts:  # gloo used the link between the hosts, not loopback
+        assert f["GLOO_SOCKET_IFNAME"] == "eth0", f
+    ref = torch.load(out / "params-0.pt", weights_only=True)
+    for rank in (1, 2, 3):
+        other = torch.load(out / f"params-{rank}.pt", weights_only=True)
+        assert all(torch.equal(ref[k], other[k]) for k in ref), f"rank {rank} params differ from rank 0"
+    return facts
+
+
+def not_loopback(addr: str) -> bool:
+    if addr in ("localhost",):
+        return False
+    try:
+        return not ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return True  # a host name such as algo-1, resolved on the host that uses it
