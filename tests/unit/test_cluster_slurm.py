@@ -17,7 +17,7 @@ def job(**extra):
         "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[01-05,07]", "SLURM_JOB_NUM_NODES": "6",
         "SLURM_NNODES": "6", "SLURM_NODEID": "2", "SLURM_PROCID": "2", "SLURM_LOCALID": "0",
         "SLURM_NTASKS": "6", "SLURM_NTASKS_PER_NODE": "1", "SLURM_TASKS_PER_NODE": "1(x6)",
-        "SLURM_GPUS_ON_NODE": "4", "CUDA_VISIBLE_DEVICES": "0,1,2,3",
+        "SLURM_GPUS_ON_NODE": "4", "CUDA_VISIBLE_DEVICES": "0,1,2,3", "SLURM_STEP_ID": "0",
     }
     env.update(extra)
     return {k: v for k, v in env.items() if v is not None}
@@ -164,3 +164,65 @@ def test_multi_node_without_node_id_says_use_srun():
 def test_non_numeric_job_id_is_an_error():
     with pytest.raises(ClusterError, match="SLURM_JOB_ID='abc'"):
         read(job(SLURM_JOB_ID="abc"))
+
+
+def test_slurm_gpus_torch_cannot_see_still_set_the_processes_and_the_device_stays_cpu():
+    """A node whose GPUs SLURM allocated but torch does not see (no driver; a test bed's fake gres)."""
+    cpu_node = NodeFacts(hostname="gpu03", cpus=8, cuda_devices=0)
+    spec = resolve(LaunchConfig(), job(SLURM_GPUS_ON_NODE="2", CUDA_VISIBLE_DEVICES="0,1"), cpu_node, launcher=True)
+    assert (spec.nproc_per_node, spec.device) == (2, "cpu")
+    assert spec.sources["nproc_per_node"] == "SLURM_GPUS_ON_NODE=2"
+    assert any("SLURM_GPUS_ON_NODE=2, but torch sees no CUDA device on gpu03: 2 process(es) per node run on cpu" in n
+               for n in spec.notes), spec.notes
+    # the GPUs are visible: no note
+    assert not resolve(LaunchConfig(), job(), NODE, launcher=True).notes
+
+
+def test_sbatch_template_is_the_five_by_four_job():
+    from ddprun.cluster.slurm import sbatch_script
+
+    text = sbatch_script("train.py", ["--lr", "1e-3", "--name", "a b"])
+    lines = text.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    directives = [line.removeprefix("#SBATCH ") for line in lines if line.startswith("#SBATCH ")]
+    assert directives == ["--job-name=ddprun", "--nodes=5", "--ntasks-per-node=1", "--gpus-per-node=4",
+                          "--cpus-per-task=32", "--time=01:00:00", "--output=%x-%j.out"]
+    # every directive comes before the first command, or sbatch ignores it
+    first_command = next(i for i, line in enumerate(lines) if line and not line.startswith("#"))
+    assert all(i < first_command for i, line in enumerate(lines) if line.startswith("#SBATCH"))
+    assert 'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"' in lines
+    assert lines[-1] == "srun ddprun run train.py --lr 1e-3 --name 'a b'"
+    assert "5 nodes x 4 GPUs = 20 processes" in text
+
+
+def test_sbatch_template_flags_and_errors(capsys):
+    from ddprun.cli import main
+    from ddprun.errors import ConfigError
+    from ddprun.cluster.slurm import sbatch_script
+
+    assert main(["slurm-template", "--nodes", "2", "--gpus-per-node", "2", "--cpus-per-task", "6", "--time", "0:30:00",
+                 "--partition", "gpu", "--job-name", "exp1", "fit.py", "--epochs", "3"]) == 0
+    out = capsys.readouterr().out
+    for d in ("--job-name=exp1", "--nodes=2", "--gpus-per-node=2", "--cpus-per-task=6", "--time=0:30:00",
+              "--partition=gpu"):
+        assert f"#SBATCH {d}\n" in out
+    assert out.endswith("srun ddprun run fit.py --epochs 3\n")
+    with pytest.raises(ConfigError, match="--gpus-per-node must be at least 1") as e:
+        sbatch_script(gpus_per_node=0)
+    assert "HINT" in str(e.value)
+
+
+def test_batch_script_of_a_multi_task_job_is_refused_not_left_waiting():
+    """sbatch -N2: the batch script has SLURM_NODEID=0 and the job's counts, but no SLURM_STEP_ID."""
+    for env in (job(SLURM_STEP_ID=None), per_process(SLURM_STEP_ID=None, SLURM_NODEID="0", SLURM_PROCID="0",
+                                                    SLURM_LOCALID="0")):
+        with pytest.raises(ClusterError) as e:
+            read(env)
+        msg = str(e.value)
+        assert "not running in an srun step" in msg and "SLURM_STEP_ID=<unset>" in msg
+        assert "HINT" in msg and "srun ddprun run train.py" in msg
+    # the older spelling counts as a step; a one-task job needs no step
+    assert read(job(SLURM_STEP_ID=None, SLURM_STEPID="3"))["node_rank"].value == 2
+    one = dict(SLURM_JOB_NODELIST="gpu01", SLURM_JOB_NUM_NODES="1", SLURM_NNODES="1", SLURM_NODEID="0",
+               SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_TASKS_PER_NODE="1", SLURM_STEP_ID=None)
+    assert read(job(**one))["nproc_per_node"].value == 4

@@ -137,7 +137,8 @@ def test_ddprun_run_several_times_per_node_is_refused_with_a_hint():
     msg = str(e.value)
     assert "started 2 times on this node by mpirun" in msg and "ppr:1:node" in msg and "ddprun.init()" in msg
     slurm = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0",
-             "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4"}
+             "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4",
+             "SLURM_STEP_ID": "0"}
     with pytest.raises(ClusterError, match="ntasks-per-node=1"):
         resolve(LaunchConfig(), slurm, NODE, launcher=True)
 

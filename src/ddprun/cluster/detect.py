@@ -194,6 +194,11 @@ def resolve(cfg: LaunchConfig, environ: Mapping[str, str], node: NodeFacts,
             facts["nproc_per_node"] = Fact(1, "default on a node without GPUs")
     device = "cuda" if node.cuda_devices else "cpu"
     facts.setdefault("device", Fact(device, f"{node.cuda_devices} CUDA devices visible"))
+    allocated = facts.get("allocated_gpus")  # GPUs the scheduler gave this node (SLURM gres)
+    if allocated is not None and not node.cuda_devices:
+        notes.append(f"{allocated.source}, but torch sees no CUDA device on {node.hostname}: "
+                     f"{facts['nproc_per_node'].value} process(es) per node run on cpu "
+                     "(if this node has GPUs, check nvidia-smi and that torch is a CUDA build).")
 
     if "master_addr" not in facts:
         if multi_node:

@@ -3,16 +3,19 @@
 Detected when SLURM_JOB_ID and SLURM_JOB_NODELIST (or SLURM_NODELIST) are present, unless an MPI
 launcher started this process (see :func:`ddprun.cluster.mpi.started_by_mpi_launcher`): under
 ``mpirun`` inside an allocation, the SLURM task variables describe mpirun's daemon, not this process.
-Kept simple on purpose: an interactive ``salloc`` shell or the batch script itself also detects as
-SLURM, so start ``ddprun run`` through ``srun`` (one task per node, or one per GPU) when the job spans
-several nodes. Job-level variables are read (SLURM_JOB_NUM_NODES, SLURM_JOB_NODELIST): one step is
-expected to cover the whole allocation.
+An interactive ``salloc`` shell or the batch script itself also detects as SLURM; there, a job of
+more than one task is a ClusterError (no SLURM_STEP_ID: not started by ``srun``), since one process
+would wait for the others until a timeout. Job-level variables are read (SLURM_JOB_NUM_NODES,
+SLURM_JOB_NODELIST): one step is expected to cover the whole allocation.
 
 Two launch styles, told apart by the tasks per node (SLURM_TASKS_PER_NODE, else
 SLURM_NTASKS_PER_NODE, else one):
 
 * one task per node: ddprun starts the node's processes itself. node_rank = SLURM_NODEID,
   nproc_per_node = SLURM_GPUS_ON_NODE, else the entries of CUDA_VISIBLE_DEVICES, else ddprun's default.
+  SLURM's count wins even where torch sees no CUDA device (a node whose GPUs SLURM allocated but the
+  driver does not show, or a test bed's fake gres): the processes then run on cpu, and the reading's
+  ``allocated_gpus`` lets resolve() say so in a note.
 * several tasks per node: SLURM started one process per rank. rank = SLURM_PROCID,
   local_rank = SLURM_LOCALID, world_size = SLURM_NTASKS, nproc_per_node = tasks on this node. The
   tasks must be even across nodes, match the GPUs per node when SLURM_GPUS_ON_NODE is set, and be
@@ -25,14 +28,15 @@ concurrent jobs on one master node rarely collide. MASTER_PORT in the environmen
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import shlex
+from collections.abc import Mapping, Sequence
 
 import hostlist
 
 from ddprun.cluster._values import check_rank_rule, count, env_int, env_port
 from ddprun.cluster.base import ClusterEnvironment, Fact, NodeFacts, Reading
 from ddprun.cluster.mpi import started_by_mpi_launcher
-from ddprun.errors import ClusterError
+from ddprun.errors import ClusterError, ConfigError
 
 PORT_BASE = 20000
 PORT_SPAN = 20000
@@ -98,6 +102,22 @@ def _visible_gpus(environ: Mapping[str, str]) -> Fact | None:
     return None
 
 
+def _check_in_step(environ: Mapping[str, str], nnodes: Fact, counts: list[int], counts_src: str) -> None:
+    """A job of several tasks needs ddprun inside an srun step (which sets SLURM_STEP_ID).
+
+    The batch script and an salloc shell carry the job's variables too (the batch script even
+    SLURM_NODEID=0): started there, one process would wait for nodes or ranks that never start.
+    """
+    if sum(counts) > 1 and "SLURM_STEP_ID" not in environ and "SLURM_STEPID" not in environ:
+        raise ClusterError(
+            f"ddprun is not running in an srun step, but the SLURM job has {count(sum(counts), 'task')}: "
+            "started from the batch script (or an salloc shell) it runs once, and the other tasks never start.",
+            seen=f"SLURM_STEP_ID=<unset>, {nnodes.source}, {counts_src}",
+            hint="Start it with srun: `srun ddprun run train.py` (one task per node), or `srun python train.py` "
+                 "for a script that calls ddprun.init()/ddprun.fit() (one task per GPU).",
+        )
+
+
 class SlurmEnvironment(ClusterEnvironment):
     name = "slurm"
 
@@ -111,6 +131,7 @@ class SlurmEnvironment(ClusterEnvironment):
         nodelist_key, hosts = _nodelist(environ)
         nnodes = _nnodes(environ, nodelist_key, hosts)
         counts, counts_src = _tasks_per_node(environ, nnodes.value)
+        _check_in_step(environ, nnodes, counts, counts_src)
         reading: Reading = {
             "min_nodes": nnodes,
             "max_nodes": nnodes,
@@ -141,8 +162,10 @@ class SlurmEnvironment(ClusterEnvironment):
                                seen=f"SLURM_NODEID={node_id}, {nnodes.source}",
                                hint="Start ddprun with srun over the whole allocation.")
 
+        gpus = _visible_gpus(environ)
+        if gpus is not None:
+            reading["allocated_gpus"] = gpus
         if max(counts) == 1:
-            gpus = _visible_gpus(environ)
             if gpus is not None:
                 reading["nproc_per_node"] = gpus
             return reading
@@ -199,3 +222,55 @@ class SlurmEnvironment(ClusterEnvironment):
             "local_rank": Fact(local_rank, f"SLURM_LOCALID={local_rank}"),
             "world_size": world,
         }
+
+
+TEMPLATE_CPUS_PER_GPU = 8
+"""--cpus-per-task in the sbatch template when none is given: per GPU, for its process and its
+DataLoader workers (the one task on a node runs all of the node's processes)."""
+
+
+def sbatch_script(script: str = "train.py", args: Sequence[str] = (), *, nodes: int = 5, gpus_per_node: int = 4,
+                  cpus_per_task: int | None = None, time: str = "01:00:00", partition: str | None = None,
+                  job_name: str = "ddprun") -> str:
+    """A ready-to-submit sbatch script: ``nodes`` x ``gpus_per_node`` processes, one ``ddprun run`` per node.
+
+    One task per node (``--ntasks-per-node=1``): each ``ddprun run`` reads the topology from SLURM
+    and starts one process per GPU, so the ``srun`` line has no topology flags. ``cpus_per_task``:
+    the CPUs of that one task, default ``TEMPLATE_CPUS_PER_GPU`` x ``gpus_per_node``; passed on to
+    srun through SRUN_CPUS_PER_TASK (srun 22.05+ does not inherit it from sbatch). ``script`` and
+    ``args`` are shell-quoted. Pure; ConfigError for counts below 1.
+    """
+    for flag, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node), ("--cpus-per-task", cpus_per_task)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be at least 1.", seen=f"{flag} {value}",
+                              hint="The template is for GPU jobs: e.g. --nodes 5 --gpus-per-node 4.")
+    cpus = cpus_per_task if cpus_per_task is not None else TEMPLATE_CPUS_PER_GPU * gpus_per_node
+    world = nodes * gpus_per_node
+    directives = [f"--job-name={job_name}", f"--nodes={nodes}", "--ntasks-per-node=1",
+                  f"--gpus-per-node={gpus_per_node}", f"--cpus-per-task={cpus}", f"--time={time}"]
+    if partition:
+        directives.append(f"--partition={partition}")
+    directives.append("--output=%x-%j.out")
+    command = shlex.join(["srun", "ddprun", "run", script, *args])
+    return "\n".join([
+        "#!/bin/bash",
+        f"# ddprun under SLURM: {count(nodes, 'node')} x {count(gpus_per_node, 'GPU')} = {world} processes. "
+        "Submit with: sbatch THIS_FILE",
+        "#",
+        "# srun starts one `ddprun run` per node. Each reads the job from SLURM: the nodes",
+        "# (SLURM_JOB_NUM_NODES, SLURM_JOB_NODELIST), its node rank (SLURM_NODEID), the rendezvous host",
+        "# (the first host of the nodelist) and port (20000 + SLURM_JOB_ID % 20000), and the processes",
+        "# per node (SLURM_GPUS_ON_NODE: one per GPU). The run directory is runs/slurm-<job id>.",
+        "# SLURM older than 19.05 has no --gpus-per-node: use --gres=gpu:N instead.",
+        *(f"#SBATCH {d}" for d in directives),
+        "",
+        "# sbatch passes on the environment it was submitted from: activate the one with ddprun and",
+        "# torch before submitting, or here (e.g. source .venv/bin/activate).",
+        "",
+        "# srun (SLURM 22.05 and later) does not take --cpus-per-task from sbatch; without this every",
+        "# node's processes would share one CPU.",
+        'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"',
+        "",
+        command,
+        "",
+    ])

@@ -1,0 +1,191 @@
+"""ddprun under a real SLURM (conftest.py: node1, node2 as separate hosts, real slurmctld/slurmd/munge).
+
+The launch styles a SLURM user has: a batch script whose step is ``srun ddprun run`` (one task per
+node, no topology flags: everything comes from SLURM), ``srun python script.py`` with
+``ddprun.init()`` (one task per rank), a Lightning Trainer through ``ddprun run``, the
+``ddprun slurm-template`` script submitted as it is, and the allocations that cannot work: each
+ends in bounded time with ddprun's error naming the values and a HINT.
+
+2 shared cores run every rank of both nodes, so the jobs are small and run one at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import DDPRUN, EXAMPLE, REPO
+
+pytestmark = pytest.mark.slurm
+
+SCRIPTS = Path(__file__).parent / "scripts"
+INIT_TRAIN = str(SCRIPTS / "init_train.py")
+LIGHTNING_TRAINER = str(SCRIPTS / "lightning_trainer.py")
+PYTHON = str(Path(DDPRUN).parent / "python")
+STEPS = ["--steps", "8"]
+
+
+def facts(out: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
+
+
+def params_equal(out: Path, ranks) -> None:
+    ref = torch.load(out / "params-0.pt", weights_only=True)
+    for rank in ranks:
+        other = torch.load(out / f"params-{rank}.pt", weights_only=True)
+        assert ref.keys() == other.keys() and all(torch.equal(ref[k], other[k]) for k in ref), \
+            f"rank {rank} params differ from rank 0"
+
+
+def batch_script(tmp_path: Path, body: str) -> Path:
+    script = tmp_path / "job.sbatch"
+    script.write_text(f"#!/bin/bash\n{body}\n")
+    return script
+
+
+def check_per_node_run(job, out: Path, nproc: int, nodes=("node1", "node2")) -> list[dict]:
+    """torchrun_style.py ran under one `ddprun run` per node: every rank's facts follow SLURM's job."""
+    got = facts(out)
+    world = nproc * len(nodes)
+    assert sorted(int(f["RANK"]) for f in got) == list(range(world))
+    port = str(20000 + job.job_id % 20000)
+    for f in got:
+        rank, local, node = int(f["RANK"]), int(f["LOCAL_RANK"]), int(f["NODE_RANK"])
+        assert f["GROUP_RANK"] == f["NODE_RANK"] and rank == node * nproc + local and 0 <= local < nproc, f
+        assert (f["WORLD_SIZE"], f["LOCAL_WORLD_SIZE"]) == (str(world), str(nproc)), f
+        assert f["host"] == nodes[node], f  # node rank = SLURM_NODEID = place in SLURM_JOB_NODELIST
+        assert (f["MASTER_ADDR"], f["MASTER_PORT"]) == ("node1", port), f
+        assert f["TORCHELASTIC_RUN_ID"] == f"slurm-{job.job_id}" and f["GLOO_SOCKET_IFNAME"] == "eth0", f
+        assert f["device"] == "cpu" and f["OMP_NUM_THREADS"] == "1", f
+    params_equal(out, range(1, world))
+    return got
+
+
+def test_repo_is_visible_to_the_nodes(slurm, tmp_path):
+    """The nodes share this filesystem: jobs run the repo's venv (what every other test relies on)."""
+    job = slurm.srun(["-N2", "--ntasks-per-node=1", PYTHON, "-c",
+                      "import ddprun, socket; print(socket.gethostname(), ddprun.__file__)"], timeout=30, cwd=tmp_path)
+    assert job.returncode == 0, slurm.describe(job)
+    lines = sorted(job.output.split("\n"))
+    assert [line.split()[0] for line in lines if line] == ["node1", "node2"], slurm.describe(job)
+    assert all(str(REPO / "src" / "ddprun") in line for line in lines if line), slurm.describe(job)
+
+
+@pytest.mark.timeout(120)
+def test_sbatch_one_ddprun_per_node_reads_everything_from_slurm(slurm, tmp_path):
+    out = tmp_path / "out"
+    script = batch_script(tmp_path, f"srun {DDPRUN} run {EXAMPLE} {' '.join(STEPS)} --out {out} --destroy")
+    job = slurm.sbatch(script, ["-N2", "--ntasks-per-node=1"], timeout=90, cwd=tmp_path)
+    assert job.returncode == 0 and job.job_id, slurm.describe(job)
+    check_per_node_run(job, out, nproc=1)  # CPU nodes, no GPU asked for: one process per node
+    assert f"static rendezvous at node1:{20000 + job.job_id}" in job.output, slurm.describe(job)
+    assert "2/2 ranks on 2 node(s)" in job.output, slurm.describe(job)
+    plan = json.loads((tmp_path / "runs" / f"slurm-{job.job_id}" / "plan.json").read_text())
+    assert sorted((r["rank"], r["host"]) for r in plan["ranks"]) == [(0, "node1"), (1, "node2")]
+
+
+@pytest.mark.timeout(120)
+def test_srun_one_task_per_rank_with_ddprun_init(slurm, tmp_path):
+    out = tmp_path / "out"
+    job = slurm.srun(["-N2", "--ntasks-per-node=2", PYTHON, INIT_TRAIN, "--out", str(out), "--steps", "5"],
+                     timeout=90, cwd=tmp_path)
+    assert job.returncode == 0, slurm.describe(job)
+    got = facts(out)
+    assert sorted(f["rank"] for f in got) == [0, 1, 2, 3], slurm.describe(job)
+    for f in got:
+        assert f["rank"] == int(f["SLURM_PROCID"]) == f["group_rank"], f
+        assert f["local_rank"] == int(f["SLURM_LOCALID"]) and f["node_rank"] == int(f["SLURM_NODEID"]), f
+        assert f["host"] == ("node1", "node2")[f["node_rank"]] and f["rank"] == f["node_rank"] * 2 + f["local_rank"], f
+        assert (f["world_size"], f["local_world_size"], f["group_size"]) == (4, 2, 4), f
+        assert (f["device"], f["backend"], f["steps"]) == ("cpu", "gloo", 5), f
+        job_id = int(f["SLURM_JOB_ID"])
+        assert (f["MASTER_ADDR"], f["MASTER_PORT"]) == ("node1", str(20000 + job_id % 20000)), f
+        assert f["GLOO_SOCKET_IFNAME"] == "eth0", f  # gloo on the link between the nodes, not loopback
+    params_equal(out, (1, 2, 3))
+
+
+@pytest.mark.timeout(180)
+def test_lightning_trainer_under_srun_ddprun_run_uses_every_rank(slurm, tmp_path):
+    pytest.importorskip("lightning.pytorch")
+    out = tmp_path / "out"
+    script = batch_script(tmp_path, f"srun {DDPRUN} run {LIGHTNING_TRAINER} --max-steps 5 --out {out}")
+    job = slurm.sbatch(script, ["-N2", "--ntasks-per-node=1", "--gres=gpu:2"], timeout=150, cwd=tmp_path)
+    assert job.returncode == 0, slurm.describe(job)
+    got = facts(out)
+    assert sorted(f["global_rank"] for f in got) == [0, 1, 2, 3], slurm.describe(job)
+    for f in got:
+        assert (f["world_size"], f["num_nodes"], f["devices"]) == (4, 2, 2), f
+        assert f["global_rank"] == f["node_rank"] * 2 + f["local_rank"], f
+        assert f["host"] == ("node1", "node2")[f["node_rank"]] and f["SLURM_NODEID"] == str(f["node_rank"]), f
+        assert f["steps"] == 5 and f["global_step"] == 5 and f["cluster_environment"] == "DdprunEnvironment", f
+    params_equal(out, (1, 2, 3))
+
+
+BAD_ALLOCATIONS = {
+    "uneven tasks": (
+        ["-n3", "-N2", PYTHON, INIT_TRAIN, "--out", "unused"],
+        ["SLURM gave the nodes different numbers of tasks", "SLURM_TASKS_PER_NODE=2,1", "--ntasks-per-node"]),
+    "tasks per node differ from gpus": (
+        ["-N2", "--ntasks-per-node=3", "--gres=gpu:2", PYTHON, INIT_TRAIN, "--out", "unused"],
+        ["SLURM tasks per node differ from GPUs per node", "SLURM_TASKS_PER_NODE=3(x2)", "SLURM_GPUS_ON_NODE=2",
+         "--ntasks-per-node=2"]),
+    "ddprun run once per task": (
+        ["-N2", "--ntasks-per-node=2", DDPRUN, "run", EXAMPLE],
+        ["`ddprun run` was started 2 times on this node by srun", "SLURM_TASKS_PER_NODE=2(x2)",
+         "srun --ntasks-per-node=1 ddprun run"]),
+}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("case", list(BAD_ALLOCATIONS))
+def test_bad_allocations_fail_fast_with_a_hint(slurm, tmp_path, case):
+    args, expected = BAD_ALLOCATIONS[case]
+    job = slurm.srun(args, timeout=60, cwd=tmp_path)
+    assert job.returncode not in (0, None), slurm.describe(job)
+    assert job.wall_s < 45, slurm.describe(job)
+    assert "HINT:" in job.output, slurm.describe(job)
+    for text in expected:
+        assert text in job.output, (text, slurm.describe(job))
+    assert not (tmp_path / "unused").exists()
+
+
+@pytest.mark.timeout(90)
+def test_starting_ddprun_in_the_batch_script_without_srun_is_refused_at_once(slurm, tmp_path):
+    """The most common SLURM mistake: the batch script runs on the first node only, outside any step.
+    Without the check `ddprun run` there waits for node2 until the join timeout, and the script with
+    ddprun.init() trains alone as one process (with several tasks per node: rank 0 waits for ranks
+    that never start)."""
+    script = batch_script(tmp_path, f"{DDPRUN} run {EXAMPLE} --out unused; echo ddprun-rc=$?\n"
+                                    f"{PYTHON} {INIT_TRAIN} --out unused; echo init-rc=$?")
+    job = slurm.sbatch(script, ["-N2", "--ntasks-per-node=1"], timeout=60, cwd=tmp_path)
+    assert job.returncode == 0 and job.wall_s < 45, slurm.describe(job)
+    assert "ddprun-rc=2" in job.output and "init-rc=1" in job.output, slurm.describe(job)
+    assert job.output.count("ddprun is not running in an srun step, but the SLURM job has 2 tasks") == 2, \
+        slurm.describe(job)
+    assert job.output.count("HINT: Start it with srun") == 2 and "SLURM_TASKS_PER_NODE=1(x2)" in job.output
+    assert not (tmp_path / "unused").exists()
+
+
+@pytest.mark.timeout(150)
+def test_slurm_template_submitted_as_printed(slurm, tmp_path):
+    """`ddprun slurm-template`, scaled to the test bed (2 nodes x 2 GPUs), submitted unchanged.
+
+    The nodes' GPUs are fake: SLURM_GPUS_ON_NODE=2 sets 2 processes per node, torch sees no CUDA
+    device, so they run on cpu and `ddprun run` says so in a note. (--gres=gpu:2 is the Lightning test's.)"""
+    out = tmp_path / "out"
+    printed = subprocess.run([DDPRUN, "slurm-template", "--nodes", "2", "--gpus-per-node", "2", "--cpus-per-task", "2",
+                              "--time", "00:05:00", "--partition", "debug", "--job-name", "tpl-test",
+                              EXAMPLE, *STEPS, "--out", str(out), "--destroy"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    script = tmp_path / "job.sbatch"
+    script.write_text(printed)
+    job = slurm.sbatch(script, timeout=120, cwd=tmp_path, as_written=True)
+    assert job.returncode == 0 and job.job_id, slurm.describe(job)
+    check_per_node_run(job, out, nproc=2)
+    assert "2 node(s) x 2 process(es) on cpu" in job.output, slurm.describe(job)
+    assert "SLURM_GPUS_ON_NODE=2, but torch sees no CUDA device on node1" in job.output, slurm.describe(job)
+    assert (tmp_path / f"tpl-test-{job.job_id}.out").exists()  # the template's own --output
