@@ -1,0 +1,379 @@
+"""LightningModule on many nodes: a Trainer configured from the live launch.
+
+Three ways in:
+
+    ddprun.fit(lit_module, train_loader, max_steps=1000)          # ddprun builds and drives the Trainer
+    Trainer(**ddprun.lightning.trainer_kwargs(), max_steps=1000)  # your own Trainer, launch's topology
+    Trainer(devices=4, num_nodes=5, ...)                           # unmodified script under ``ddprun run``
+
+The third works because ``ddprun run`` gives workers torchrun's environment, which Lightning reads
+through its TorchElasticEnvironment; when its devices x num_nodes disagree with the launch, every rank
+fails at once with one line naming both sides (:mod:`ddprun.lightning_errors`, and the
+:class:`LaunchCheck` callback for the case Lightning lets through: a single-device Trainer, no
+process group, under a multi-rank launch, i.e. every rank silently training its own copy).
+
+Which cluster environment: :class:`DdprunEnvironment`, reading ddprun's resolved
+:class:`~ddprun.runtime.RankInfo`. Lightning's TorchElasticEnvironment would do under ``ddprun run``
+and torchrun, but under srun/mpirun (one process per rank) Lightning would pick SLURMEnvironment
+(which checks srun's own variables and derives another port) or MPIEnvironment (needs mpi4py),
+while ddprun has already resolved the ranks and master address from those launchers' variables. One
+environment that reports what ddprun resolved keeps ddprun and Lightning agreeing everywhere.
+
+This module imports lightning (the optional extra ``ddprun[lightning]``); ``import ddprun`` does not
+import this module.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.plugins.environments import ClusterEnvironment
+    from lightning.pytorch.strategies import DDPStrategy
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError("ddprun.lightning needs Lightning: pip install 'ddprun[lightning]'") from e
+
+from ddprun import runtime
+from ddprun.errors import ConfigError
+from ddprun.lightning_errors import TrainerMismatch, launch_shape
+from ddprun.runtime import RankInfo
+from ddprun.train.loop import PRECISIONS, FitResult, _int_at_least, _run_dir
+
+__all__ = ["DdprunEnvironment", "LaunchCheck", "LightningFitResult", "fit_lightning", "trainer_kwargs"]
+
+LIGHTNING_PRECISION = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}
+
+
+class DdprunEnvironment(ClusterEnvironment):
+    """Lightning's view of the ranks ddprun resolved (torchrun, ``ddprun run``, srun, mpirun, ...).
+
+    The ranks are the launcher's: the setters Lightning calls are ignored. ``validate_settings``
+    refuses a Trainer whose devices or devices x num_nodes differ from the launch."""
+
+    def __init__(self, info: RankInfo | None = None):
+        super().__init__()
+        self._info = info or runtime.rank_info()
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True  # every rank is already running; Lightning must not start more
+
+    @property
+    def main_address(self) -> str:
+        return os.environ.get("MASTER_ADDR") or str(runtime._from_environ(os.environ)[0].master_addr)
+
+    @property
+    def main_port(self) -> int:
+        port = os.environ.get("MASTER_PORT")
+        return int(port) if port else int(runtime._from_environ(os.environ)[0].master_port)
+
+    @staticmethod
+    def detect() -> bool:
+        return False  # chosen explicitly (trainer_kwargs / fit), never by Lightning's auto-detection
+
+    def world_size(self) -> int:
+        return self._info.world_size
+
+    def set_world_size(self, size: int) -> None:
+        pass
+
+    def global_rank(self) -> int:
+        return self._info.rank
+
+    def set_global_rank(self, rank: int) -> None:
+        pass
+
+    def local_rank(self) -> int:
+        return self._info.local_rank
+
+    def node_rank(self) -> int:
+        return self._info.node_rank
+
+    def validate_settings(self, num_devices: int, num_nodes: int) -> None:
+        info = self._info
+        if num_devices != info.local_world_size or num_devices * num_nodes != info.world_size:
+            raise TrainerMismatch(num_devices, num_nodes, _shape_environ(info))
+
+
+def _shape_environ(info: RankInfo) -> dict[str, str]:
+    """The launch's shape as TrainerMismatch reads it, from a RankInfo (srun/mpirun set no torchrun vars)."""
+    return {"WORLD_SIZE": str(info.world_size), "LOCAL_WORLD_SIZE": str(info.local_world_size)}
+
+
+def _nodes(info: RankInfo) -> int:
+    if info.world_size % info.local_world_size:
+        raise ConfigError("Lightning needs the same number of processes on every node.",
+                          seen=f"WORLD_SIZE={info.world_size} is not a multiple of this node's {info.local_world_size}",
+                          hint="Start as many processes on every node (--nproc-per-node, or srun --ntasks-per-node).")
+    return info.world_size // info.local_world_size
+
+
+def trainer_kwargs(info: RankInfo | None = None, *, backend: str | None = None) -> dict[str, Any]:
+    """``accelerator``, ``devices``, ``num_nodes`` and ``strategy`` for ``lightning.pytorch.Trainer``.
+
+    From the live launch: devices = processes on this node (LOCAL_WORLD_SIZE), num_nodes =
+    WORLD_SIZE / LOCAL_WORLD_SIZE, accelerator "gpu" when this rank's device is CUDA else "cpu",
+    strategy a ``DDPStrategy`` over :class:`DdprunEnvironment` with process-group ``backend``
+    (None: nccl on CUDA, gloo on CPU). One process (plain ``python``): devices=1, strategy "auto".
+    ``info``: default :func:`ddprun.rank_info` (creates nothing; the Trainer makes the process group
+    unless :func:`ddprun.init` ran first, which also applies ddprun's network settings across hosts
+    under srun/mpirun).
+    """
+    info = info or runtime.rank_info()
+    accelerator = "gpu" if info.device.type == "cuda" else "cpu"
+    if info.world_size == 1:
+        return {"accelerator": accelerator, "devices": 1, "num_nodes": 1, "strategy": "auto"}
+    backend = backend or ("nccl" if accelerator == "gpu" else "gloo")
+    return {"accelerator": accelerator, "devices": info.local_world_size, "num_nodes": _nodes(info),
+            "strategy": DDPStrategy(cluster_environment=DdprunEnvironment(info), process_group_backend=backend)}
+
+
+# -- callbacks ----------------------------------------------------------------------------------
+
+class LaunchCheck(Callback):
+    """Fails ``fit`` on every rank when the Trainer's world size is not the launch's.
+
+    Lightning checks devices x num_nodes only in its DDP launcher; a Trainer that resolves to one
+    device (``Trainer(devices=1)`` with the default strategy) under a multi-rank launch makes no
+    process group and every rank trains alone. Added to every Trainer inside a ``ddprun run`` worker
+    by Lightning's ``lightning.pytorch.callbacks_factory`` entry point
+    (:func:`ddprun.lightning_errors.callbacks_factory`). Only ``fit``: a single-device
+    ``Trainer.test`` on one rank is common and fine."""
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        shape = launch_shape(os.environ)
+        if stage != "fit" or shape is None or trainer.world_size == shape[2]:
+            return
+        note = "no process group: every rank would train its own copy" if trainer.world_size == 1 else ""
+        raise TrainerMismatch(trainer.num_devices, trainer.num_nodes, os.environ, note)
+
+
+class _TrainingTimeout(Callback):
+    """After the first optimizer step: ddprun's training timeout for collectives (one barrier, once,
+    on every rank: :func:`ddprun.runtime.use_training_timeout`)."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if not self.done and trainer.global_step >= 1:
+            self.done = True
+            runtime.use_training_timeout()
+
+
+# -- fit ----------------------------------------------------------------------------------------
+
+@dataclass
+class LightningFitResult(FitResult):
+    """:class:`~ddprun.FitResult` of a LightningModule; ``history`` stays empty (see the CSV log)."""
+
+    trainer: Any = None
+    """The ``lightning.pytorch.Trainer`` that ran."""
+
+
+_FIT_ARGS = {"ckpt_path": "resume", "max_epochs": "epochs", "max_steps": "max_steps", "precision": "precision",
+             "accumulate_grad_batches": "grad_accum", "gradient_clip_val": "grad_clip",
+             "log_every_n_steps": "log_every", "default_root_dir": "run_dir"}
+_NOT_FOR_LIGHTNING = ("loss_fn", "training_step", "optimizer", "scheduler", "val_metrics")
+
+
+def _check(model: Any, train_data: Any, val_data: Any, datamodule: Any, trainer_kw: Any, unused: Mapping[str, Any],
+           numbers: Mapping[str, Any]) -> None:
+    """Every check that needs no process group (ConfigError with a HINT, on every rank alike)."""
+    given = [name for name in _NOT_FOR_LIGHTNING if unused.get(name) is not None]
+    if given:
+        raise ConfigError("fit() got arguments for a plain nn.Module with a LightningModule.",
+                          seen=f"{', '.join(given)} given for {type(model).__name__}",
+                          hint="The LightningModule's training_step, validation_step and configure_optimizers "
+                               "define them: leave these out.")
+    if datamodule is not None and not isinstance(datamodule, pl.LightningDataModule):
+        raise ConfigError("datamodule must be a LightningDataModule.", seen=f"datamodule: {type(datamodule).__name__}",
+                          hint="Pass train_data/val_data (Datasets or DataLoaders) instead, or a LightningDataModule.")
+    if (train_data is None) == (datamodule is None) or (datamodule is not None and val_data is not None):
+        raise ConfigError("fit() with a LightningModule needs either train_data (and maybe val_data) or a datamodule.",
+                          seen=f"train_data={'given' if train_data is not None else None}, "
+                               f"val_data={'given' if val_data is not None else None}, "
+                               f"datamodule={type(datamodule).__name__ if datamodule is not None else None}",
+                          hint="ddprun.fit(model, train_loader, val_data=val_loader), or "
+                               "ddprun.fit(model, datamodule=dm).")
+    if trainer_kw is not None and not isinstance(trainer_kw, Mapping):
+        raise ConfigError("trainer_kwargs must be a dict of lightning.pytorch.Trainer arguments.",
+                          seen=f"trainer_kwargs: {type(trainer_kw).__name__}",
+                          hint="e.g. trainer_kwargs={'max_time': '00:01:00'}.")
+    clash = sorted(k for k in (trainer_kw or {}) if k in _FIT_ARGS)
+    if clash:
+        raise ConfigError("trainer_kwargs repeats arguments fit() has itself.", seen=f"trainer_kwargs keys {clash}",
+                          hint="Give them to fit: " + ", ".join(f"{k} -> {_FIT_ARGS[k]}=" for k in clash) + ".")
+    _int_at_least("epochs", numbers["epochs"], 1, optional=True)
+    _int_at_least("max_steps", numbers["max_steps"], 1, optional=True)
+    _int_at_least("batch_size", numbers["batch_size"], 1)
+    _int_at_least("grad_accum", numbers["grad_accum"], 1)
+    _int_at_least("log_every", numbers["log_every"], 1)
+    _int_at_least("seed", numbers["seed"], 0)
+    _int_at_least("checkpoint_every", numbers["checkpoint_every"], 1, optional=True)
+    if str(numbers["precision"]) not in PRECISIONS:
+        raise ConfigError("Unknown precision.", seen=f"precision={numbers['precision']!r}",
+                          hint="Use '32' (default), 'bf16' or '16' (CUDA only); Lightning's '32-true', "
+                               "'bf16-mixed', '16-mixed' are accepted.")
+
+
+def _launch_args(info: RankInfo, trainer_kw: Mapping[str, Any]) -> dict[str, Any]:
+    """trainer_kwargs() of the live launch; the user's accelerator/devices/num_nodes must agree with it."""
+    launch = trainer_kwargs(info)
+    devices, nodes = trainer_kw.get("devices", launch["devices"]), trainer_kw.get("num_nodes", launch["num_nodes"])
+    if (devices, nodes) != (launch["devices"], launch["num_nodes"]):
+        raise TrainerMismatch(devices, nodes, _shape_environ(info))
+    if trainer_kw.get("accelerator", launch["accelerator"]) not in (launch["accelerator"], "auto"):
+        raise ConfigError("trainer_kwargs' accelerator differs from the device this rank was given.",
+                          seen=f"accelerator={trainer_kw['accelerator']!r}, rank device {info.device}",
+                          hint="Leave accelerator out; ddprun run --device cpu|cuda chooses it for the job.")
+    return launch
+
+
+def fit_lightning(model: pl.LightningModule, train_data: Any = None, *, val_data: Any = None, datamodule: Any = None,
+                  epochs: int | None = None, max_steps: int | None = None, batch_size: int = 32, grad_accum: int = 1,
+                  precision: str = "32", grad_clip: float | None = None, seed: int = 0, num_workers: int | None = None,
+                  checkpoint_dir: str | None = None, run_dir: str | None = None, log_every: int = 50,
+                  checkpoint_every: int | None = None, resume: bool | str = "auto",
+                  trainer_kwargs: Mapping[str, Any] | None = None, **nn_module_only: Any) -> LightningFitResult:
+    """What ``ddprun.fit`` does with a LightningModule: build a ``lightning.pytorch.Trainer`` for the
+    live launch and run ``trainer.fit``. Arguments mean what they mean for ``ddprun.fit``, mapped:
+
+      epochs -> max_epochs (None: 1, or unbounded with max_steps), max_steps, grad_accum ->
+      accumulate_grad_batches, grad_clip -> gradient_clip_val, log_every -> log_every_n_steps,
+      precision "32"/"bf16"/"16" -> "32-true"/"bf16-mixed"/"16-mixed", run_dir -> default_root_dir.
+
+    Data: train_data/val_data are Datasets or DataLoaders. Training batches are sharded by ddprun
+    as in ``ddprun.fit`` (DistributedSampler seeded with ``seed``, batch_size and num_workers as
+    there), which Lightning keeps. Validation is sharded by Lightning (DistributedSampler without
+    shuffling, padded so that every rank runs as many validation steps: ``self.log(...,
+    sync_dist=True)`` per step must not hang). Or a ``datamodule`` (LightningDataModule): its loaders
+    are Lightning's, sharded by Lightning.
+
+    Defaults (each replaced by the same key in ``trainer_kwargs``): a DDPStrategy over
+    :class:`DdprunEnvironment` (gloo on CPU, nccl on CUDA) when world_size > 1; ``logger``
+    CSVLogger(run_dir, name="lightning_logs"); a ModelCheckpoint(run_dir/checkpoints or
+    ``checkpoint_dir``, save_last=True) unless ``callbacks`` has one or enable_checkpointing=False.
+    ``trainer_kwargs``: any other Trainer arguments (callbacks are added to ddprun's). accelerator,
+    devices and num_nodes come from the launch; given there, they must agree with it.
+
+    Checkpoints and restarts: ``checkpoint_every`` N also saves every N optimizer steps (default:
+    Lightning's, at every epoch end); ``resume`` "auto" continues from ``last.ckpt`` in the
+    checkpoint directory when there is one (what a worker group restarted by ``--max-restarts``
+    finds), True requires it, False starts anew, a path is passed to ``trainer.fit(ckpt_path=...)``.
+
+    The process group is :func:`ddprun.init`'s (two-phase timeouts; Lightning reuses it). ``seed``
+    does not reseed the global RNG (call ``lightning.seed_everything`` before building the model).
+    Returns a :class:`LightningFitResult`; ``checkpoint`` is the last checkpoint's path on rank 0.
+    """
+    _check(model, train_data, val_data, datamodule, trainer_kwargs, nn_module_only,
+           {"epochs": epochs, "max_steps": max_steps, "batch_size": batch_size, "grad_accum": grad_accum,
+            "log_every": log_every, "seed": seed, "precision": precision, "checkpoint_every": checkpoint_every})
+    unknown = sorted(set(nn_module_only) - set(_NOT_FOR_LIGHTNING))
+    if unknown:
+        raise TypeError(f"fit_lightning() got unexpected keyword arguments {unknown}")
+    user = dict(trainer_kwargs or {})
+    info = runtime.init()
+    settings = _launch_args(info, user)
+    run_dir = _run_dir(run_dir, info)
+
+    train_loader = val_loader = None
+    if train_data is not None:
+        from ddprun.train.data import build_train_loader
+
+        train_loader = build_train_loader(train_data, batch_size=batch_size, info=info, seed=seed,
+                                          num_workers=num_workers).loader
+        if val_data is not None:
+            val_loader = _val_loader(val_data, batch_size, info, num_workers)
+
+    callbacks = user.pop("callbacks", None) or []
+    callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+    ckpt_dir = checkpoint_dir or os.path.join(run_dir, "checkpoints")
+    if user.get("enable_checkpointing", True) and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=checkpoint_every))
+    callbacks.append(_TrainingTimeout())
+    if epochs is None:
+        epochs = 1 if max_steps is None else -1  # -1: Lightning's "unbounded"
+    settings.update(
+        max_epochs=epochs, max_steps=max_steps if max_steps is not None else -1,
+        precision=LIGHTNING_PRECISION[PRECISIONS[str(precision)]], accumulate_grad_batches=grad_accum,
+        gradient_clip_val=grad_clip, log_every_n_steps=log_every, default_root_dir=run_dir,
+        logger=CSVLogger(run_dir, name="lightning_logs"),
+    )
+    settings.update(user)
+    settings["callbacks"] = callbacks
+    trainer = pl.Trainer(**settings)
+    trainer.fit(model, train_dataloaders=train_loader, val_dataloaders=val_loader, datamodule=datamodule,
+                ckpt_path=_agreed(_resume_path(resume, ckpt_dir), info))
+    return _result(trainer, model, run_dir, info)
+
+
+def _resume_path(resume: bool | str | os.PathLike, ckpt_dir: str) -> str | None:
+    """``trainer.fit``'s ckpt_path for fit's ``resume`` (the same value on every rank)."""
+    if resume is False:
+        return None
+    if resume not in ("auto", True) and not isinstance(resume, (str, os.PathLike)):
+        raise ConfigError("resume must be 'auto', True, False, or a checkpoint file or directory.",
+                          seen=f"resume={resume!r}", hint="Leave it at 'auto', give False to start anew, or a path.")
+    path = os.path.join(ckpt_dir, "last.ckpt") if resume in ("auto", True) else os.fspath(resume)
+    if os.path.isdir(path):
+        path = os.path.join(path, "last.ckpt")
+    if os.path.exists(path):
+        return path
+    if resume == "auto":
+        return None
+    raise ConfigError("There is no checkpoint to resume from.", seen=f"resume={resume!r}: {path} does not exist",
+                      hint="Give resume='auto' (start anew when there is none) or the path of a Lightning .ckpt file.")
+
+
+def _agreed(path: str | None, info: RankInfo) -> str | None:
+    """``path`` if every rank found its checkpoint, None if none did; else a ConfigError (on every
+    rank: one all_gather_object at setup), since ranks resuming from different states would diverge."""
+    if not (info.distributed and info.world_size > 1):
+        return path
+    import torch.distributed as dist
+
+    found: list[Any] = [None] * info.world_size
+    dist.all_gather_object(found, path is not None)
+    if all(found) or not any(found):
+        return path
+    raise ConfigError("Only some ranks can see the checkpoint to resume from.",
+                      seen=f"ranks with it: {[r for r, f in enumerate(found) if f]}, "
+                           f"without: {[r for r, f in enumerate(found) if not f]}",
+                      hint="Put checkpoint_dir (or the run dir) on storage every node shares, or give resume=False.")
+
+
+def _val_loader(data: Any, batch_size: int, info: RankInfo, num_workers: int | None) -> Any:
+    """A DataLoader as given; a Dataset in a new one with ddprun's worker defaults. Not sharded here."""
+    from torch.utils.data import DataLoader, Dataset
+
+    from ddprun.train.data import choose_num_workers, loader_options
+
+    if isinstance(data, DataLoader):
+        return data
+    if not isinstance(data, Dataset):
+        raise ConfigError("val_data is neither a torch Dataset nor a DataLoader.",
+                          seen=f"val_data: {type(data).__name__}",
+                          hint="Wrap tensors in torch.utils.data.TensorDataset(x, y), or pass a DataLoader.")
+    workers = choose_num_workers(num_workers, data, info.local_world_size, warn=False)
+    return DataLoader(data, batch_size=batch_size, **loader_options(workers, info.device.type))
+
+
+def _result(trainer: pl.Trainer, model: pl.LightningModule, run_dir: str, info: RankInfo) -> LightningFitResult:
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
+    train_loss = next((metrics[k] for k in ("train_loss", "loss", "train_loss_epoch") if k in metrics), None)
+    ckpt = trainer.checkpoint_callback
+    path = (ckpt.last_model_path or ckpt.best_model_path or None) if ckpt is not None and info.is_main else None
+    loop = trainer.fit_loop
+    # Lightning counts an epoch stopped by max_steps as completed; FitResult.epochs does not.
+    epochs = loop.epoch_progress.current.completed - (0 if loop.epoch_loop.batch_progress.is_last_batch else 1)
+    return LightningFitResult(
+        train_loss=train_loss, val_metrics={k: v for k, v in metrics.items() if k.startswith("val")},
+        steps=trainer.global_step, epochs=max(0, epochs), model=model,
+        run_dir=run_dir, checkpoint=path, trainer=trainer)

@@ -1,0 +1,55 @@
+"""A plain Lightning script: Lightning's own BoringModel, a Trainer built by hand, no ddprun import.
+
+    torchrun|ddprun run ... boring_unmodified.py --devices 2 --num-nodes 2 [--strategy ddp] [--out DIR]
+
+--out: each rank writes rank-<global rank>.json (what its Trainer saw, steps it ran) at the end of
+fit, so a test can count the ranks that trained. --stamp FILE: rank 0 appends time.time() at its first
+training batch (benchmarks/lightning_first_step.py). Arguments only choose the Trainer's settings.
+"""
+
+import argparse
+import json
+import os
+import time
+
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+
+class Facts(Callback):
+    def __init__(self, out, stamp):
+        self.out, self.stamp, self.steps = out, stamp, 0
+
+    def on_train_batch_start(self, trainer, *args):
+        if self.steps == 0 and self.stamp and trainer.global_rank == 0:
+            with open(self.stamp, "a") as fp:
+                fp.write(f"{time.time()}\n")
+        self.steps += 1
+
+    def on_fit_end(self, trainer, pl_module):
+        if self.out:
+            os.makedirs(self.out, exist_ok=True)
+            facts = {"global_rank": trainer.global_rank, "local_rank": trainer.local_rank,
+                     "node_rank": trainer.node_rank, "world_size": trainer.world_size, "steps": self.steps,
+                     "global_step": trainer.global_step, "strategy": type(trainer.strategy).__name__}
+            with open(os.path.join(self.out, f"rank-{trainer.global_rank}.json"), "w") as fp:
+                json.dump(facts, fp)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--num-nodes", type=int, default=2)
+    p.add_argument("--strategy", default="ddp")
+    p.add_argument("--max-steps", type=int, default=8)
+    p.add_argument("--out")
+    p.add_argument("--stamp")
+    args = p.parse_args()
+    trainer = Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=args.strategy,
+                      max_steps=args.max_steps, limit_val_batches=2, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[Facts(args.out, args.stamp)])
+    trainer.fit(BoringModel())
+
+
+if __name__ == "__main__":
+    main()

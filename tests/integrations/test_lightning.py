@@ -1,0 +1,227 @@
+"""Real Lightning (2.x, CPU, gloo): ddprun.fit with a LightningModule, trainer_kwargs(), an unmodified
+Lightning script under `ddprun run`, and a Trainer that disagrees with the launch.
+
+Two `ddprun run` agents on 127.0.0.1 are two nodes. Every Lightning process imports lightning
+(seconds on 2 shared cores): the multi-process tests are few and small.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+import torch
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from ddprun import runtime  # noqa: E402
+from ddprun.errors import ConfigError  # noqa: E402
+from tests.helpers import ddprun_nodes, describe, run_agents  # noqa: E402
+
+pytestmark = pytest.mark.integrations
+
+SCRIPTS = Path(__file__).parent / "scripts"
+FIT = str(SCRIPTS / "lightning_fit.py")
+BORING = str(SCRIPTS / "boring_unmodified.py")
+
+
+def facts(out: Path, pattern: str = "rank-*.json") -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob(pattern))]
+
+
+# -- in this process ------------------------------------------------------------------------------
+
+@pytest.fixture
+def clean_runtime(monkeypatch):
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "DDPRUN_RUN_DIR"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("DDPRUN_DEVICE_KIND", "cpu")
+    runtime._reset()
+    yield monkeypatch
+    runtime._reset()
+
+
+def test_trainer_kwargs_follow_the_launch(clean_runtime):
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from ddprun.lightning import DdprunEnvironment, trainer_kwargs
+    from ddprun.lightning_errors import TrainerMismatch
+
+    assert trainer_kwargs() == {"accelerator": "cpu", "devices": 1, "num_nodes": 1, "strategy": "auto"}
+    for key, value in {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+                       "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511",
+                       "TORCHELASTIC_RUN_ID": "t"}.items():
+        clean_runtime.setenv(key, value)
+    kw = trainer_kwargs()
+    assert (kw["accelerator"], kw["devices"], kw["num_nodes"]) == ("cpu", 2, 2)
+    strategy = kw["strategy"]
+    assert isinstance(strategy, DDPStrategy) and strategy.process_group_backend == "gloo"
+    env = strategy.cluster_environment
+    assert isinstance(env, DdprunEnvironment) and env.creates_processes_externally
+    assert (env.global_rank(), env.local_rank(), env.node_rank(), env.world_size()) == (3, 1, 1, 4)
+    assert (env.main_address, env.main_port) == ("127.0.0.1", 29511)
+    env.validate_settings(num_devices=2, num_nodes=2)
+    with pytest.raises(TrainerMismatch, match=r"devices=2 x num_nodes=1 = 2; launch LOCAL_WORLD_SIZE=2 x 2"):
+        env.validate_settings(num_devices=2, num_nodes=1)
+    with pytest.raises(TrainerMismatch):  # the product agrees, but local rank 1 would have no device
+        env.validate_settings(num_devices=1, num_nodes=4)
+
+
+def test_the_entry_point_checks_every_trainer_in_a_multi_rank_ddprun_worker(clean_runtime):
+    from importlib.metadata import entry_points
+
+    from ddprun.lightning import LaunchCheck
+
+    clean_runtime.setenv("DDPRUN_RUN_DIR", "/tmp/run")
+    clean_runtime.setenv("WORLD_SIZE", "4")
+    clean_runtime.setenv("LOCAL_WORLD_SIZE", "2")
+    (ep,) = [e for e in entry_points(group="lightning.pytorch.callbacks_factory") if e.name == "ddprun"]
+    callbacks = ep.load()()
+    assert [type(c) for c in callbacks] == [LaunchCheck]
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.layer(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def tiny_data(n: int = 32) -> torch.utils.data.TensorDataset:
+    x = torch.randn(n, 4)
+    return torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+
+
+def test_fit_with_a_lightning_module_in_one_process_writes_into_the_run_dir(clean_runtime, tmp_path):
+    import ddprun
+    from ddprun.lightning import LightningFitResult
+
+    quiet = {"enable_progress_bar": False, "enable_model_summary": False}
+    result = ddprun.fit(Tiny(), tiny_data(), batch_size=8, max_steps=5, run_dir=str(tmp_path / "run"),
+                        log_every=1, trainer_kwargs=quiet)
+    assert isinstance(result, LightningFitResult)
+    assert result.steps == 5 and result.epochs == 1 and result.train_loss is not None
+    assert result.trainer.max_steps == 5 and result.trainer.world_size == 1
+    assert Path(result.checkpoint) == tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert Path(result.checkpoint).exists()
+    assert (tmp_path / "run" / "lightning_logs" / "version_0" / "metrics.csv").exists()
+    # the same run dir again (a restarted worker group): resume="auto" continues from last.ckpt
+    again = ddprun.fit(Tiny(), tiny_data(), batch_size=8, max_steps=7, run_dir=str(tmp_path / "run"),
+                       trainer_kwargs=quiet)
+    assert again.steps == 7 and again.trainer.ckpt_path == result.checkpoint
+
+
+def test_fit_with_a_lightning_module_refuses_what_does_not_apply(clean_runtime):
+    import ddprun
+    from ddprun.lightning_errors import TrainerMismatch
+
+    with pytest.raises(ConfigError, match="loss_fn"):
+        ddprun.fit(Tiny(), tiny_data(), loss_fn=torch.nn.functional.mse_loss)
+    with pytest.raises(ConfigError, match="either train_data"):
+        ddprun.fit(Tiny())
+    with pytest.raises(ConfigError, match=r"max_steps -> max_steps="):
+        ddprun.fit(Tiny(), tiny_data(), trainer_kwargs={"max_steps": 3})
+    with pytest.raises(TrainerMismatch, match="devices=2 x num_nodes=1"):
+        ddprun.fit(Tiny(), tiny_data(), trainer_kwargs={"devices": 2})
+    with pytest.raises(ConfigError, match="datamodule"):
+        ddprun.fit(torch.nn.Linear(4, 1), tiny_data(), datamodule=object())
+
+
+# -- two nodes ------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(150)
+def test_fit_lightning_module_on_two_nodes_of_two(tmp_path):
+    out = tmp_path / "out"
+    results = run_agents(ddprun_nodes(2, 2, [FIT, "--out", str(out), "--steps", "6"], rdzv_id="lit2x2"),
+                         timeout=130, cwd=tmp_path)
+    assert [r.returncode for r in results] == [0, 0], describe(results)
+    ranks = facts(out)
+    assert sorted((f["global_rank"], f["node_rank"], f["local_rank"]) for f in ranks) == \
+        [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+    assert {(f["world_size"], f["train_steps"], f["steps"]) for f in ranks} == {(4, 6, 6)}
+    assert {(f["strategy"], f["environment"]) for f in ranks} == {("DDPStrategy", "DdprunEnvironment")}
+    run_dir = tmp_path / "runs" / "lit2x2"
+    assert {f["run_dir"] for f in ranks} == {str(run_dir)}
+    assert [f["checkpoint"] for f in ranks] == [str(run_dir / "checkpoints" / "last.ckpt"), None, None, None]
+    assert (run_dir / "checkpoints" / "last.ckpt").exists()
+    assert (run_dir / "lightning_logs" / "version_0" / "metrics.csv").exists()
+    ref = torch.load(out / "params-0.pt", weights_only=True)
+    for rank in (1, 2, 3):
+        other = torch.load(out / f"params-{rank}.pt", weights_only=True)
+        assert all(torch.equal(ref[k], other[k]) for k in ref), f"rank {rank} weights differ from rank 0"
+    for r in results:
+        assert "Traceback" not in r.output, describe(results)
+
+
+@pytest.mark.timeout(150)
+def test_datamodule_setup_runs_on_every_rank(tmp_path):
+    out = tmp_path / "out"
+    results = run_agents(ddprun_nodes(2, 1, [FIT, "--out", str(out), "--datamodule", "--steps", "20"],
+                                      rdzv_id="litdm"), timeout=130, cwd=tmp_path)
+    assert [r.returncode for r in results] == [0, 0], describe(results)
+    assert sorted((s["rank"], s["stage"]) for s in facts(out, "setup-*.json")) == [(0, "fit"), (1, "fit")]
+    ranks = facts(out)
+    assert sorted((f["global_rank"], f["node_rank"]) for f in ranks) == [(0, 0), (1, 1)]
+    # 16 batches per rank and epoch (Lightning's DistributedSampler): 20 steps went into epoch 2 and
+    # validated once, the same value on both ranks (sync_dist)
+    assert {f["steps"] for f in ranks} == {20} and len({f["val_metrics"]["val_loss"] for f in ranks}) == 1
+
+
+@pytest.mark.timeout(150)
+def test_unmodified_lightning_script_uses_every_rank(tmp_path):
+    out = tmp_path / "out"
+    cmd = [BORING, "--devices", "2", "--num-nodes", "2", "--strategy", "ddp", "--max-steps", "5", "--out", str(out)]
+    results = run_agents(ddprun_nodes(2, 2, cmd, rdzv_id="boring"), timeout=130, cwd=tmp_path)
+    assert [r.returncode for r in results] == [0, 0], describe(results)
+    ranks = facts(out)
+    assert sorted((f["global_rank"], f["node_rank"], f["local_rank"]) for f in ranks) == \
+        [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+    assert {(f["world_size"], f["steps"], f["strategy"]) for f in ranks} == {(4, 5, "DDPStrategy")}
+
+
+def rendezvous_time(run_dir: Path) -> float:
+    """When the last node joined the c10d rendezvous (epoch seconds), from the agents' log."""
+    log = next((run_dir / "logs").glob("agent-*.log")).read_text(errors="replace")
+    stamps = re.findall(r"^(\S+ \S+) INFO \S+: The node \S+ has joined round", log, re.M)
+    return max(datetime.strptime(s, "%Y-%m-%d %H:%M:%S,%f").timestamp() for s in stamps)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("trainer, seen", [
+    # devices too small, default strategy: Lightning picks one device and no process group
+    (["--devices", "1", "--num-nodes", "1", "--strategy", "auto"], "Trainer devices=1 x num_nodes=1 = 1"),
+    # num_nodes wrong: Lightning's own check under torchelastic (a ValueError on every rank)
+    (["--devices", "2", "--num-nodes", "1", "--strategy", "ddp"], "Trainer devices=2 x num_nodes=1 = 2"),
+], ids=["devices-1-auto", "num-nodes-1-ddp"])
+def test_a_trainer_that_disagrees_with_the_launch_fails_every_node_with_one_message(tmp_path, trainer, seen):
+    start = time.time()
+    results = run_agents(ddprun_nodes(2, 2, [BORING, *trainer], rdzv_id="mismatch"), timeout=100, cwd=tmp_path)
+    end = start + max(r.wall_s for r in results)
+    assert all(r.returncode not in (0, None) for r in results), describe(results)
+    launch = "launch LOCAL_WORLD_SIZE=2 x 2 node(s) = WORLD_SIZE=4"
+    for r in results:
+        assert seen in r.output and launch in r.output, describe(results)
+        assert "HINT: build the Trainer with Trainer(**ddprun.lightning.trainer_kwargs(), ...), or pass " \
+               "devices=2, num_nodes=2." in r.output
+        assert r.output.count("Traceback") == 0, describe(results)
+    # Not on every node: when the agent hosting the rendezvous store exits first, the other agent can
+    # end in torch's RendezvousConnectionError (the launcher's "rendezvous ... failed" line) instead
+    # of its failure summary; seen about once in 20 runs (launch.py, outside this test's subject).
+    assert any("ddprun: the job failed." in r.output for r in results), describe(results)
+    # the bound is Lightning's import on every rank (2 shared cores, 4 processes), not a wait
+    after_rendezvous = end - rendezvous_time(tmp_path / "runs" / "mismatch")
+    print(f"rendezvous -> both agents exited: {after_rendezvous:.1f} s")
+    assert after_rendezvous < 30, describe(results)
