@@ -55,6 +55,11 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     _flag(g, "--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S,
           help=f"seconds with no rank making an optimizer step before every rank's stack is collected, the "
                f"hang report printed and the job ended (default {DEFAULT_STALL_TIMEOUT_S:.0f}; 0 = off)")
+    _flag(g, "--straggler-margin", type=float, default=0.2,
+          help="name a rank whose data wait / compute / step exceeds the other ranks' median by this fraction "
+               "(default 0.2 = 20%%)")
+    _flag(g, "--straggler-windows", type=int, default=3,
+          help="... for this many consecutive 2-second windows (default 3)")
     g.add_argument("-r", "--redirects", default="0",
                    help="accepted for torchrun compatibility: ddprun always writes logs/rank-N.log")
     g.add_argument("-t", "--tee", default="0",
@@ -82,6 +87,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_topology_flags(plan)
     plan.add_argument("--json", action="store_true", help="print JSON")
     plan.add_argument("--explain", action="store_true", help="print where every number came from")
+
+    report = sub.add_parser("report", help="(re)write RUN_DIR/report.html; --compare OTHER_RUN_DIR overlays a run")
+    report.add_argument("run_dir", metavar="RUN_DIR")
+    report.add_argument("--compare", metavar="OTHER_RUN_DIR")
+    report.add_argument("-o", "--output", help="where to write the HTML (default RUN_DIR/report.html)")
+
+    tpl = sub.add_parser("slurm-template", help="print a ready-to-submit sbatch script: one `ddprun run` per node, "
+                                                "one process per GPU")
+    tpl.add_argument("--nodes", type=int, default=5, help="nodes (default 5)")
+    tpl.add_argument("--gpus-per-node", type=int, default=4, help="GPUs per node = processes per node (default 4)")
+    tpl.add_argument("--cpus-per-task", type=int, default=None,
+                     help="CPUs of each node's one task, for all its processes (default 8 per GPU)")
+    tpl.add_argument("--time", default="01:00:00", help="time limit (default 01:00:00)")
+    tpl.add_argument("--partition", help="partition (default: the cluster's default)")
+    tpl.add_argument("--job-name", default="ddprun", help="job name (default ddprun)")
+    tpl.add_argument("script", nargs="?", default="train.py", metavar="SCRIPT",
+                     help="training script (default train.py)")
+    tpl.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS")
 
     demo = sub.add_parser("demo", help="2 simulated nodes x 2 processes on this machine (gloo)")
     demo.add_argument("--nnodes", type=int, default=2)
@@ -117,6 +140,11 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     if args.join_timeout <= 0:
         raise ConfigError("--join-timeout must be positive.", seen=f"--join-timeout {args.join_timeout}",
                           hint="Give seconds, e.g. --join-timeout 120.")
+    margin, windows = getattr(args, "straggler_margin", 0.2), getattr(args, "straggler_windows", 3)
+    if margin <= 0 or windows < 1:
+        raise ConfigError("--straggler-margin must be > 0 and --straggler-windows >= 1.",
+                          seen=f"--straggler-margin {margin}, --straggler-windows {windows}",
+                          hint="e.g. --straggler-margin 0.2 --straggler-windows 3.")
     return LaunchConfig(
         entry=entry, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
         master_addr=args.master_addr, master_port=args.master_port, rdzv_backend=args.rdzv_backend,
@@ -126,6 +154,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         start_method=getattr(args, "start_method", "spawn"), log_dir=getattr(args, "log_dir", None),
         run_dir=getattr(args, "run_dir", None), redirects=getattr(args, "redirects", "0"),
         tee=getattr(args, "tee", "0"), hostfile=args.hostfile, stall_timeout=stall, doctor=doctor,
+        straggler_margin=margin, straggler_windows=windows,
     )
 
 
@@ -213,6 +242,16 @@ def cmd_run(cfg: LaunchConfig, environ: Mapping[str, str]) -> int:
     return launch(cfg, spec, environ, node.hostname).exit_code
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from ddprun.report import write_report
+
+    for d in filter(None, (args.run_dir, args.compare)):
+        if not os.path.isdir(d):
+            raise ConfigError("Not a run directory.", seen=d, hint="Give runs/<run id> (it holds plan.json, metrics.csv).")
+    print(write_report(args.run_dir, compare=args.compare, out=args.output))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     environ = dict(os.environ)
@@ -222,6 +261,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_demo(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, steps=args.steps,
                             log_dir=args.log_dir)
+        if args.command == "slurm-template":
+            from ddprun.cluster.slurm import sbatch_script
+
+            print(sbatch_script(args.script, args.script_args, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                                cpus_per_task=args.cpus_per_task, time=args.time, partition=args.partition,
+                                job_name=args.job_name), end="")
+            return 0
+        if args.command == "report":
+            return cmd_report(args)
         cfg = config_from_args(args)
         if args.command == "plan":
             return cmd_plan(cfg, args, environ)

@@ -66,6 +66,10 @@ class LaunchConfig:
     """Local ranks whose output is also shown on the console (torchrun's --tee); rank 0 always is."""
     stall_timeout: float = DEFAULT_STALL_TIMEOUT_S
     """Seconds without any rank's optimizer step before the hang report and a non-zero exit; 0 = off."""
+    straggler_margin: float = 0.2
+    """A rank is a straggler when a part of its step exceeds the others' median by this fraction."""
+    straggler_windows: int = 3
+    """... in this many consecutive telemetry windows (2 s each)."""
     doctor: bool = False
     """Rank 0 prints the preflight facts table even when every check passes."""
     start_method: str = "spawn"

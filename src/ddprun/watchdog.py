@@ -18,6 +18,8 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
+from ddprun.telemetry import TIMER
+
 
 class StepCounter:
     """Counts optimizer steps in this process (any torch optimizer, via the global hook)."""
@@ -36,6 +38,7 @@ class StepCounter:
     def _hook(self, optimizer, args, kwargs) -> None:  # noqa: ARG002 - torch's hook signature
         self.steps += 1
         self.last_step_time = time.monotonic()
+        TIMER.on_optimizer_step()
 
 
 def _frame_kind(filename: str, func: str) -> str:

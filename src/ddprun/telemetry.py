@@ -1,0 +1,60 @@
+"""Per-rank step timing, recorded in the worker and summarised per window for the job channel.
+
+``ddprun.fit`` records each step split into data wait (blocked on the next batch), forward +
+backward compute, time blocked in the gradient all-reduce, and the optimizer step. For unmodified
+scripts the optimizer step hook records the interval between steps only. Recording appends one
+tuple to a list (no collective, no I/O); the job channel's monitor thread drains it every window
+and publishes the medians through the store (the same channel as the watchdog's progress).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import time
+
+FIELDS = ("step", "data", "compute", "allreduce", "optim")
+"""Seconds per step: interval, data wait, forward+backward, blocked in all-reduce, optimizer."""
+
+
+class StepTimer:
+    """Step records of this process. ``detailed`` is set by fit so the optimizer hook stays quiet."""
+
+    def __init__(self) -> None:
+        self._records: list[tuple[float, ...]] = []
+        self._lock = threading.Lock()
+        self.detailed = False
+        self._last_hook_t: float | None = None
+
+    def record(self, step: float, data: float = math.nan, compute: float = math.nan,
+               allreduce: float = math.nan, optim: float = math.nan) -> None:
+        with self._lock:
+            self._records.append((step, data, compute, allreduce, optim))
+
+    def on_optimizer_step(self) -> None:
+        """From torch's global optimizer step hook: the step interval, when fit is not timing."""
+        now = time.perf_counter()
+        if not self.detailed and self._last_hook_t is not None:
+            self.record(now - self._last_hook_t)
+        self._last_hook_t = now
+
+    def drain(self) -> list[tuple[float, ...]]:
+        with self._lock:
+            out, self._records = self._records, []
+        return out
+
+
+TIMER = StepTimer()
+
+
+def summarize(records: list[tuple[float, ...]]) -> dict[str, float] | None:
+    """Median of each field over a window's records (NaN fields left out); None for no records."""
+    if not records:
+        return None
+    out: dict[str, float] = {"n": float(len(records))}
+    for i, name in enumerate(FIELDS):
+        values = [r[i] for r in records if not math.isnan(r[i])]
+        if values:
+            out[name] = statistics.median(values)
+    return out

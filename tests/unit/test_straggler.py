@@ -1,0 +1,52 @@
+"""Straggler detection: named once after K slow windows, never on a healthy spread."""
+
+from ddprun.straggler import StragglerDetector
+from ddprun.telemetry import StepTimer, summarize
+
+HOSTS = {0: "a", 1: "a", 2: "b", 3: "b"}
+
+
+def window(data=(0.001, 0.001, 0.001, 0.001), compute=(0.01, 0.01, 0.01, 0.01)):
+    return {r: {"step": 0.02, "data": data[r], "compute": compute[r]} for r in range(4)}
+
+
+def test_slow_data_is_named_once_after_k_windows_with_host_and_numbers():
+    det = StragglerDetector(margin=0.2, k=3)
+    slow = window(data=(0.001, 0.001, 0.001, 0.040))
+    assert det.update(slow, HOSTS, now=0) == []
+    assert det.update(slow, HOSTS, now=1) == []
+    (event,) = det.update(slow, HOSTS, now=2)
+    assert (event.rank, event.host, event.what) == (3, "b", "data")
+    assert event.message() == ("rank 3 (b) is 3900% slower: data wait 40.0 ms vs 1.0 ms median of the other ranks")
+    assert det.update(slow, HOSTS, now=3) == []  # rate-limited
+
+
+def test_a_streak_broken_by_a_normal_window_starts_again():
+    det = StragglerDetector(k=3)
+    slow, ok = window(compute=(0.01, 0.03, 0.01, 0.01)), window()
+    for w in (slow, slow, ok, slow, slow):
+        assert det.update(w, HOSTS, now=0) == []
+    (event,) = det.update(slow, HOSTS, now=0)
+    assert event.rank == 1 and event.what == "compute"
+
+
+def test_small_absolute_differences_are_noise():
+    det = StragglerDetector(margin=0.2, k=1, min_abs_s=0.005)
+    # 60% slower, but only 0.6 ms: scheduling noise on a tiny step
+    assert det.update(window(compute=(0.001, 0.001, 0.001, 0.0016)), HOSTS, now=0) == []
+
+
+def test_step_timer_summary_and_hook_intervals():
+    t = StepTimer()
+    t.record(0.02, data=0.001, compute=0.015)
+    t.record(0.03, data=0.003, compute=0.02)
+    s = summarize(t.drain())
+    assert s == {"n": 2.0, "step": 0.025, "data": 0.002, "compute": 0.0175}
+    assert summarize(t.drain()) is None
+    t.on_optimizer_step()
+    t.on_optimizer_step()
+    (rec,) = t.drain()
+    assert rec[0] >= 0
+    t.detailed = True  # fit times its own steps: the hook records nothing
+    t.on_optimizer_step()
+    assert t.drain() == []
