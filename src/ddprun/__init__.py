@@ -5,7 +5,10 @@ training API is loaded on first use (module ``__getattr__``):
 
     ddprun.init()       join the process group, pick this rank's device -> RankInfo
     ddprun.rank_info()  who this process is, without initialising anything
-    ddprun.fit(...)     train an nn.Module data-parallel -> FitResult
+    ddprun.fit(...)     train an nn.Module (or a LightningModule: ddprun.lightning) data-parallel -> FitResult
+
+``ddprun.lightning`` (the ``ddprun[lightning]`` extra) imports lightning; import it yourself for
+``trainer_kwargs()``.
 """
 
 from __future__ import annotations

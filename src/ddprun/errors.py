@@ -39,3 +39,9 @@ class LaunchError(DdprunError):
     """The launch failed: a worker failed, a node did not join, or the job was refused."""
 
     exit_code = 1
+
+
+class CheckpointError(DdprunError):
+    """A checkpoint could not be written (disk full, no permission), or the one asked for is damaged."""
+
+    exit_code = 1

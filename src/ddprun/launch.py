@@ -82,24 +82,34 @@ def summarize_failures(failures: Mapping[int, object], run_dir: str, host: str) 
         msg = getattr(f, "message", "") or ""
         if isinstance(msg, dict):  # torch keeps the error file's JSON object when it has extraInfo
             msg = str(msg.get("message", ""))
-        if msg.startswith("To enable traceback"):
-            msg = ""
+        if msg.startswith("To enable traceback") or (msg.startswith("Signal ") and "received by PID" in msg):
+            msg = ""  # torch's text when the worker wrote no error file: nothing of its own to say
         if msg.startswith(STOPPED_MARK):
             stopped.append(rank)
             cause = cause or msg[len("ddprun: "):]
-        elif f.exitcode == -15:  # SIGTERM from the agent after a local rank failed
+        elif f.exitcode == -15 and not msg:  # SIGTERM from the agent after a local rank failed
             stopped.append(rank)
         else:
             roots.append((rank, f, msg))
-    lines = []
+    # Ranks that failed alike (same exit, same message: e.g. every rank refusing one bad Trainer
+    # setting) are one line; the log tail of the first only, none with rank 0 (followed on the console).
+    groups: dict[tuple, list] = {}
     for rank, f, msg in roots:
         how = f"was killed by {f.signal_name()}" if f.exitcode < 0 else f"exited with code {f.exitcode}"
-        lines.append(f"ddprun: rank {rank} (local rank {f.local_rank} on {host}) {how}" + (f": {msg}" if msg else ""))
-        if rank == 0:  # its output was followed on this console already
+        if f.exitcode == -15 and msg:  # it had reported its error; the agent's SIGTERM came while it waited
+            how = "failed"
+        groups.setdefault((how, msg) if msg else (how, rank), []).append((rank, f, how, msg))
+    lines = []
+    for members in groups.values():
+        rank, _, how, msg = members[0]
+        pl = "s" if len(members) > 1 else ""
+        ranks, local = ", ".join(str(m[0]) for m in members), ", ".join(str(m[1].local_rank) for m in members)
+        lines.append(f"ddprun: rank{pl} {ranks} (local rank{pl} {local} on {host}) {how}" + (f": {msg}" if msg else ""))
+        if any(m[0] == 0 for m in members):
             continue
         for log in (early_log_path(run_dir, rank), rank_log_path(run_dir, rank)):
             tail = tail_lines(log, 8)
-            if tail:
+            if tail and tail[-1].strip() != f"ddprun: {msg}":  # a log ending in its one-line error adds nothing
                 lines.append(f"  last lines of {os.path.relpath(log)}:")
                 lines.extend(f"    [rank{rank}] {line}" for line in tail)
     if stopped:
@@ -150,6 +160,18 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
 
     if cfg.entry is None:
         raise LaunchError("Nothing to run.", hint="Give a script: ddprun run train.py, or a module: ddprun run -m pkg.train")
+    # --- network (netaddr.py): is_host, the address other nodes reach, the gloo/NCCL interface ------
+    # Before stderr goes to the agent log, so that a ClusterError reaches the console. Single node and
+    # loopback rendezvous: nothing changes. The user's --rdzv-conf goes over ours.
+    from dataclasses import replace
+
+    from ddprun.netaddr import network_plan
+
+    net = network_plan(spec, environ, cfg.local_addr, cfg.rdzv_conf)
+    cfg = replace(cfg, local_addr=net.local_addr, rdzv_conf={**net.rdzv_conf, **cfg.rdzv_conf})
+    if net.summary():
+        print(net.summary(), file=console or sys.stdout, flush=True)
+    # --- end network; net.worker_env is added to worker_env below ---------------------------------
     t0 = time.monotonic()
     run_id = spec.run_id or new_run_id()
     run_dir = run_dir_for(cfg, run_id)
@@ -178,6 +200,9 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
         "DDPRUN_STALL_TIMEOUT": str(cfg.stall_timeout),
         "DDPRUN_NNODES": f"{spec.min_nodes}:{spec.max_nodes}",
         "DDPRUN_JOB_TOKEN": token,
+        "DDPRUN_STRAGGLER_MARGIN": str(cfg.straggler_margin),
+        "DDPRUN_STRAGGLER_WINDOWS": str(cfg.straggler_windows),
+        **net.worker_env,
     }
     if cfg.doctor:
         worker_env["DDPRUN_DOCTOR"] = "1"
@@ -190,8 +215,11 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
     if spec.rdzv_backend == "c10d" and spec.max_nodes > 1:
         watcher = JoinWatcher(spec.master_addr, master_port, run_id, token, spec.max_nodes, cfg.join_timeout,
                               err_console)
+    from ddprun.attempt import AttemptIds  # one attempt id per worker-group start, the same on every node
+
+    attempts = AttemptIds(spec.rdzv_backend, spec.master_addr, master_port, run_id)
     logs_specs = RankLogsSpecs(run_dir, follower, parse_local_ranks(cfg.tee, spec.nproc_per_node), worker_env,
-                               on_workers_start=watcher.stop if watcher else None)
+                               on_workers_start=watcher.stop if watcher else None, attempt_id=attempts.current)
     rdzv_configs: dict = dict(cfg.rdzv_conf)
     rdzv_configs.setdefault("timeout", int(cfg.join_timeout))
     rdzv_configs.setdefault("join_timeout", int(cfg.join_timeout))

@@ -28,8 +28,11 @@ def remove_empty_early_logs(run_dir: str) -> None:
     logs = os.path.join(run_dir, "logs")
     for name in os.listdir(logs) if os.path.isdir(logs) else ():
         path = os.path.join(logs, name)
-        if name.endswith(".early.log") and os.path.getsize(path) == 0:
-            os.unlink(path)
+        try:
+            if name.endswith(".early.log") and os.path.getsize(path) == 0:
+                os.unlink(path)
+        except FileNotFoundError:  # a run dir on a shared file system: another node removed it first
+            pass
 
 
 def tail_lines(path: str, n: int = 15) -> list[str]:
@@ -103,9 +106,13 @@ class RankLogsSpecs(LogsSpecs):
     """torch LogsSpecs naming each worker's log by global rank, with ddprun's worker variables."""
 
     def __init__(self, run_dir: str, follower: LogFollower | None, tee_local_ranks: set[int],
-                 worker_env: Mapping[str, str], on_workers_start: Callable[[], None] | None = None):
+                 worker_env: Mapping[str, str], on_workers_start: Callable[[], None] | None = None,
+                 attempt_id: Callable[[str], str] | None = None):
         super().__init__(log_dir=run_dir)
         self._on_workers_start = on_workers_start
+        # restart count -> the job-wide attempt id (ddprun.attempt.AttemptIds.current), asked once per start
+        self._attempt_id = attempt_id
+        self._starts = 0
         self._run_dir = run_dir
         self._follower = follower
         self._tee_local = tee_local_ranks
@@ -121,19 +128,25 @@ class RankLogsSpecs(LogsSpecs):
         logs_dir = os.path.join(self._run_dir, "logs")
         os.makedirs(logs_dir, exist_ok=True)
         stdouts, stderrs, errors, follow = {}, {}, {}, {}
+        self._starts += 1
+        attempt = None
+        if self._attempt_id is not None and envs:
+            attempt = self._attempt_id(next(iter(envs.values())).get("TORCHELASTIC_RESTART_COUNT", "0"))
         for local_rank, env in envs.items():
             rank = env["RANK"]
-            restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
             path = rank_log_path(self._run_dir, rank)
-            if restart > 0 and os.path.exists(path):
-                # keep every attempt's log: the failed one explains the restart
-                os.replace(path, os.path.join(logs_dir, f"rank-{rank}.attempt-{restart - 1}.log"))
+            if self._starts > 1 and os.path.exists(path):
+                # keep every attempt's log: the failed one explains the restart. Counted here, not by
+                # TORCHELASTIC_RESTART_COUNT, which a membership-change restart does not advance.
+                os.replace(path, os.path.join(logs_dir, f"rank-{rank}.attempt-{self._starts - 2}.log"))
             error_file = os.path.join(logs_dir, f"rank-{rank}.error.json")
             if os.path.exists(error_file):
                 os.unlink(error_file)
             env.update(self._worker_env)
             env["NODE_RANK"] = env["GROUP_RANK"]
             env["DDPRUN_MERGE_STDERR"] = "1"
+            if attempt is not None:
+                env["DDPRUN_ATTEMPT"] = attempt
             env["TORCHELASTIC_ERROR_FILE"] = error_file
             stdouts[local_rank] = path
             # The worker joins stderr to stdout as its first act; this file keeps only what a

@@ -8,7 +8,9 @@ handlers and flushes files but skips interpreter and C++ static teardown: that t
 healthy gloo/NCCL workers abort with SIGABRT ("terminate called without an active exception").
 
 A rank that fails records a failure in the store; the other ranks' job monitor stops them within a
-second, naming that rank, instead of leaving them in a collective until the 30-minute timeout.
+second, naming that rank, instead of leaving them in a collective until the 30-minute timeout. An
+error every rank raises alike (a Lightning Trainer that disagrees with the launch, see
+:mod:`ddprun.lightning_errors`) is reported as one line without a traceback.
 """
 
 from __future__ import annotations
@@ -45,12 +47,23 @@ def _run_user_code(argv: list[str]) -> None:
         runpy.run_path(script, run_name="__main__")
 
 
+def _known_failure(e: BaseException) -> str | None:
+    """The one-line summary of an error whose traceback adds nothing (ddprun.lightning_errors), else None."""
+    try:
+        from ddprun.lightning_errors import translate
+
+        return translate(e)
+    except Exception:  # noqa: BLE001 - a failing translation must not hide the user's error
+        return None
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("NODE_RANK", os.environ.get("GROUP_RANK", "0"))
     _merge_stderr_into_stdout()
 
     from ddprun import exit as ddp_exit
+    from ddprun.attempt import namespace_process_groups
     from ddprun.jobstore import JobChannel, JobRefused
 
     script = None if (argv and argv[0] == "-m") else (argv[0] if argv else None)
@@ -66,6 +79,9 @@ def main(argv: list[str] | None = None) -> None:
         except SystemExit as e:  # preflight failed; already reported
             ddp_exit.hard_exit(ddp_exit.exit_code_of(e))
         channel.start_monitor()
+    # Each attempt's process group in its own part of the agent's store, which outlives attempts:
+    # without it a restarted group reads the dead group's gloo/NCCL keys (ddprun.attempt).
+    namespace_process_groups(os.environ)
 
     code = 0
     try:
@@ -77,7 +93,17 @@ def main(argv: list[str] | None = None) -> None:
     except BaseException as e:  # noqa: BLE001 - every failure must be recorded before exiting
         code = 1
         cause = channel.first_failure() if channel is not None else None
-        if cause is not None and cause["rank"] != channel.rank:
+        known = _known_failure(e)
+        if known is not None:
+            # Every rank raised this same configuration error (Lightning vs the launch): the same one
+            # line from each, no tracebacks, so the launcher prints it once with the ranks' numbers.
+            print(f"ddprun: {known}", file=sys.stderr, flush=True)
+            if cause is not None and cause["rank"] != channel.rank:
+                ddp_exit.write_error_file(known, e)
+                channel.ack_failure()
+            else:
+                ddp_exit.report_failure(channel, known, code, exc=e)
+        elif cause is not None and cause["rank"] != channel.rank:
             # A peer failed first and this rank's error (usually "connection closed by peer") is
             # its echo: one line here, the root cause named, no second wall of traceback.
             first_line = (str(e).splitlines() or [""])[0][:200]

@@ -21,7 +21,8 @@ def test_save_then_load_latest(tmp_path):
     assert checkpoint.latest(str(tmp_path)) == p2 and os.path.exists(p1)
     state = checkpoint.load(str(tmp_path))
     assert state["step"] == 20 and torch.equal(state["model"]["w"], torch.zeros(2))
-    assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000010.pt", "step-00000020.pt"]
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000010.meta.json", "step-00000010.pt",
+                                            "step-00000020.meta.json", "step-00000020.pt"]
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temp(tmp_path):

@@ -65,13 +65,16 @@ def test_fit_trains_logs_and_checkpoints(tmp_path):
     assert len([r for r in rows if r["val_loss"]]) == 10
 
     ckdir = tmp_path / "run" / "checkpoints"
-    assert sorted(os.listdir(ckdir)) == ["latest", "step-00000080.pt"]  # no temp file left behind
+    # no temp file and no shared-directory marker left behind
+    assert sorted(os.listdir(ckdir)) == ["latest", "step-00000080.meta.json", "step-00000080.pt"]
     assert res.checkpoint == str(ckdir / "step-00000080.pt")
     state = torch.load(res.checkpoint, weights_only=True)
     assert state["format_version"] == checkpoint.FORMAT_VERSION
     assert state["step"] == 80 and state["epoch"] == 10
-    assert state["sampler"] == {"epoch": 10, "batches_done": 0, "seed": 0, "num_replicas": 1}
-    assert set(state["rng"]) >= {"torch", "python"}
+    assert state["sampler"] == {"epoch": 10, "batches_done": 0, "samples_done": 0, "seed": 0, "num_replicas": 1,
+                                "batch_size": 32}
+    assert len(state["rng"]) == 1 and set(state["rng"][0]) >= {"torch", "python"}
+    assert len(state["history"]) == 10
     for k, v in res.model.state_dict().items():
         assert torch.equal(state["model"][k], v)
     assert checkpoint.load(str(ckdir))["step"] == 80

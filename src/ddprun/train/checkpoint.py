@@ -1,38 +1,59 @@
-"""Atomic checkpoints: what a training state is, how it is written, found and read back.
+"""Atomic checkpoints: how one is written, verified, found, read back and pruned (one directory).
 
 Layout of a checkpoint directory::
 
-    step-00000120.pt   one file per saved step (torch.save of a dict of tensors and plain values)
-    latest             the file name of the newest complete checkpoint, written last
+    step-00000120.pt         torch.save of a dict of tensors and plain values
+    step-00000120.meta.json  {"file", "step", "bytes", "sha256"} of that file, as it was written
+    latest                   the file name of the newest complete checkpoint, written last
 
-Writing: a temp file in the same directory, flushed and fsynced, then ``os.replace`` (atomic on
-POSIX), then the directory fsynced; ``latest`` is updated the same way only after that. A crash at
-any point leaves either the old or the new checkpoint whole, and ``latest`` never names a partial
-file. Reading uses ``torch.load(weights_only=True)``: a checkpoint can hold tensors and plain Python
-values only, never arbitrary pickled objects (numpy RNG state is stored as a tensor for that reason).
+Writing: a temp file in the same directory (hashed while written), flushed and fsynced, then
+``os.replace`` (atomic on POSIX), then the directory fsynced; the meta file the same way; ``latest``
+only after both. A crash at any point leaves the previous checkpoint whole and ``latest`` naming it.
+A failed write (disk full) removes its temp file and raises :class:`~ddprun.errors.CheckpointError`.
 
-One rank saves (rank 0: DDP keeps every rank's model identical); the caller puts a barrier after it.
+Reading: :func:`newest_valid` tries ``latest``, then the others newest first; a file whose size or
+SHA-256 differs from its meta (truncated, corrupted) or that torch cannot read is skipped with a
+warning naming it. ``torch.load(weights_only=True)``: a checkpoint holds tensors and plain values
+only, never arbitrary pickled objects (numpy RNG state is stored as a tensor for that reason).
+Verifying reads the whole file once (SHA-256, about 1 GB/s).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
+import re
+import shutil
 import tempfile
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 import torch
 
-from ddprun.errors import ConfigError
+from ddprun.errors import CheckpointError, ConfigError
 
-FORMAT_VERSION = 1
-"""Bumped when the state's keys change meaning; :func:`load` refuses newer versions."""
+FORMAT_VERSION = 2
+"""Bumped when the state's keys change meaning; :func:`load` refuses newer versions. 2: ``rng`` is a
+list with one entry per rank, ``sampler`` has ``samples_done``; a meta file per checkpoint."""
 LATEST = "latest"
+_NAME = re.compile(r"^step-(\d+)\.pt$")
 
 
 def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}.pt"
+
+
+def meta_path(path: str) -> str:
+    """The meta file of checkpoint ``path`` (``step-N.pt`` -> ``step-N.meta.json``)."""
+    return path[:-3] + ".meta.json" if path.endswith(".pt") else path + ".meta.json"
+
+
+def step_of(path: str) -> int | None:
+    m = _NAME.match(os.path.basename(path))
+    return int(m.group(1)) if m else None
 
 
 def _fsync_dir(directory: str) -> None:
@@ -68,6 +89,41 @@ def write_atomic(path: str, write: Callable[[IO[bytes]], None]) -> None:
     _fsync_dir(directory)
 
 
+class _HashingWriter:
+    """A write-only file object that hashes and counts what passes through to ``f``."""
+
+    def __init__(self, f: IO[bytes]):
+        self._f = f
+        self.sha256 = hashlib.sha256()
+        self.bytes = 0
+        self.error: OSError | None = None
+        """The file system's error, kept: torch's zip writer reports it only as "unexpected pos"."""
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        try:
+            self._f.write(view)
+        except OSError as e:
+            self.error = e
+            raise
+        self.sha256.update(view)
+        self.bytes += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def file_sha256(path: str, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+# -- RNG ------------------------------------------------------------------------------------------
+
 def rng_state() -> dict[str, Any]:
     """RNG states of torch (CPU and every CUDA device), python ``random`` and numpy if importable."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
@@ -100,39 +156,135 @@ def restore_rng(state: dict[str, Any]) -> None:
                              s["cached_gaussian"]))
 
 
-def save(directory: str, state: dict[str, Any]) -> str:
-    """Write ``state`` (see :func:`ddprun.train.loop.training_state`) as ``step-N.pt``, then ``latest``.
+# -- writing --------------------------------------------------------------------------------------
 
-    Returns the checkpoint's path. ``state`` must hold tensors and plain values only.
+def _why(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror + (f" ({e.filename})" if e.filename else "")
+    return (str(e).splitlines() or [type(e).__name__])[0][:300]
+
+
+def _free_bytes(directory: str) -> str:
+    try:
+        return f"{shutil.disk_usage(directory).free / 2**20:.1f} MiB free there"
+    except OSError:
+        return "free space unknown"
+
+
+def save(directory: str, state: dict[str, Any], keep: int | None = None) -> str:
+    """Write ``state`` as ``step-N.pt`` with its meta file, then ``latest``; keep the newest ``keep``.
+
+    Returns the checkpoint's path. ``state`` must hold tensors and plain values only, and ``step``.
+    Raises CheckpointError when the file system refuses (disk full, permissions): the previous
+    checkpoint and ``latest`` are then unchanged and no temp file is left.
     """
     state = {"format_version": FORMAT_VERSION, **state}
-    path = os.path.join(directory, checkpoint_name(int(state["step"])))
-    write_atomic(path, lambda f: torch.save(state, f))
-    name = os.path.basename(path).encode()
-    write_atomic(os.path.join(directory, LATEST), lambda f: f.write(name + b"\n"))
+    step = int(state["step"])
+    path = os.path.join(directory, checkpoint_name(step))
+    previous = latest(directory) if os.path.isdir(directory) else None
+    try:
+        os.makedirs(directory, exist_ok=True)
+        written: dict[str, Any] = {}
+
+        def write(f: IO[bytes]) -> None:
+            w = _HashingWriter(f)
+            try:
+                torch.save(state, w)
+            except RuntimeError as e:
+                raise (w.error or e) from e
+            written.update(bytes=w.bytes, sha256=w.sha256.hexdigest())
+
+        write_atomic(path, write)
+        meta = {"file": os.path.basename(path), "step": step, **written}
+        write_atomic(meta_path(path), lambda f: f.write(json.dumps(meta).encode() + b"\n"))
+        write_atomic(os.path.join(directory, LATEST), lambda f: f.write(os.path.basename(path).encode() + b"\n"))
+    except (OSError, RuntimeError) as e:  # torch's zip writer reports a full disk as a RuntimeError
+        kept = f"the previous checkpoint {os.path.basename(previous)} is intact" if previous else \
+            "there is no earlier checkpoint"
+        raise CheckpointError(f"Saving the checkpoint of step {step} failed.",
+                              seen=f"{path}: {_why(e)}; {_free_bytes(directory)}",
+                              hint=f"Free space, or give fit() a checkpoint_dir on a larger file system, or fewer "
+                                   f"keep_checkpoints; {kept}.") from e
+    if keep is not None:
+        prune(directory, keep)
     return path
 
 
+def checkpoints(directory: str) -> list[str]:
+    """Paths of the ``step-N.pt`` files in ``directory``, newest (highest step) first."""
+    try:
+        names = [n for n in os.listdir(directory) if _NAME.match(n)]
+    except FileNotFoundError:
+        return []
+    return [os.path.join(directory, n) for n in sorted(names, key=lambda n: step_of(n), reverse=True)]
+
+
+def prune(directory: str, keep: int) -> list[str]:
+    """Delete all but the newest ``keep`` checkpoints (never the one ``latest`` names); the deleted."""
+    current = latest(directory)
+    removed = []
+    for path in checkpoints(directory)[max(1, keep):]:
+        if path == current:
+            continue
+        for p in (path, meta_path(path)):
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+        removed.append(path)
+    return removed
+
+
+def remove_temp_files(directory: str) -> None:
+    """Remove temp files a killed writer left (``.step-N.pt.XXXX.tmp``); call before writing starts."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return
+    for n in names:
+        if n.startswith(".") and n.endswith(".tmp"):
+            try:
+                os.unlink(os.path.join(directory, n))
+            except OSError:
+                pass
+
+
+# -- reading --------------------------------------------------------------------------------------
+
 def latest(directory: str) -> str | None:
-    """Path of the newest complete checkpoint in ``directory``, or None when there is none."""
+    """Path ``latest`` names in ``directory`` if that file exists (not verified), else None."""
     try:
         with open(os.path.join(directory, LATEST)) as f:
             name = f.read().strip()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError, UnicodeDecodeError):
         return None
     path = os.path.join(directory, name)
-    return path if name and os.path.isfile(path) else None
+    return path if name and "/" not in name and os.path.isfile(path) else None
 
 
-def load(path: str, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Read a checkpoint file, or the ``latest`` one of a directory, with ``weights_only=True``."""
-    if os.path.isdir(path):
-        found = latest(path)
-        if found is None:
-            raise ConfigError("The checkpoint directory has no complete checkpoint.",
-                              seen=f"{path}: no '{LATEST}' file naming an existing checkpoint",
-                              hint="Point at a directory fit() saved into (run dir/checkpoints), or at a .pt file.")
-        path = found
+def verify(path: str) -> str | None:
+    """None when ``path`` is the file its meta describes; else what is wrong with it. A checkpoint
+    without a meta file (ddprun before format 2) passes: torch's reader is its only check."""
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        return _why(e)
+    try:
+        with open(meta_path(path)) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        return f"its meta file is unreadable ({_why(e)})"
+    if size != meta.get("bytes"):
+        return f"{size} bytes on disk, {meta.get('bytes')} were written (truncated?)"
+    if file_sha256(path) != meta.get("sha256"):
+        return "its SHA-256 differs from the one written (corrupted)"
+    return None
+
+
+def read(path: str, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """``torch.load(path, weights_only=True)`` plus the format check (no checksum: see :func:`verify`)."""
     state = torch.load(path, map_location=map_location, weights_only=True)
     version = state.get("format_version") if isinstance(state, dict) else None
     if not isinstance(version, int) or version > FORMAT_VERSION:
@@ -140,3 +292,78 @@ def load(path: str, map_location: str | torch.device = "cpu") -> dict[str, Any]:
                           seen=f"{path}: format_version={version!r}, this ddprun reads up to {FORMAT_VERSION}",
                           hint="Load it with the ddprun version that wrote it, or upgrade ddprun.")
     return state
+
+
+def newest_valid(directory: str, map_location: str | torch.device = "cpu",
+                 warn: bool = True) -> tuple[str, dict[str, Any]] | None:
+    """The newest checkpoint in ``directory`` that verifies and loads, as (path, state), or None.
+
+    Tries ``latest`` first, then every ``step-N.pt`` newest first. Each one skipped is named in a
+    warning with the reason, and so is the one used instead.
+    """
+    order = checkpoints(directory)
+    named = latest(directory)
+    if named in order:
+        order.remove(named)
+        order.insert(0, named)
+    skipped: list[str] = []
+    for path in order:
+        problem = verify(path)
+        if problem is None:
+            try:
+                state = read(path, map_location)
+            except ConfigError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a damaged zip, a truncated pickle, a non-checkpoint
+                problem = f"torch.load failed: {_why(e)}"
+            else:
+                if skipped and warn:
+                    warnings.warn(f"ddprun: {'; '.join(skipped)}; using {os.path.basename(path)} instead.",
+                                  stacklevel=2)
+                return path, state
+        skipped.append(f"checkpoint {os.path.basename(path)} is unusable: {problem}")
+    if skipped and warn:
+        warnings.warn(f"ddprun: {'; '.join(skipped)}; no usable checkpoint left in {directory}.", stacklevel=2)
+    return None
+
+
+def load(path: str, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """A checkpoint file (verified), or the newest usable one of a directory (:func:`newest_valid`)."""
+    if os.path.isdir(path):
+        found = newest_valid(path, map_location)
+        if found is None:
+            raise ConfigError("The checkpoint directory has no complete checkpoint.",
+                              seen=f"{path}: no usable step-N.pt (see the warnings above, if any)",
+                              hint="Point at a directory fit() saved into (run dir/checkpoints), or at a .pt file.")
+        return found[1]
+    problem = verify(path)
+    if problem is not None:
+        raise CheckpointError("The checkpoint file is damaged.", seen=f"{path}: {problem}",
+                              hint="Use an earlier checkpoint of the same directory (give the directory to pick the "
+                                   "newest usable one).")
+    return read(path, map_location)
+
+
+def match_model(saved: Mapping[str, Any], current: Mapping[str, Any], where: str) -> None:
+    """Raise ConfigError when a saved model state does not fit the model being trained."""
+    missing = [k for k in current if k not in saved]
+    unexpected = [k for k in saved if k not in current]
+    shapes = [f"{k}: {tuple(saved[k].shape)} saved, {tuple(current[k].shape)} now" for k in current
+              if k in saved and isinstance(saved[k], torch.Tensor) and isinstance(current[k], torch.Tensor)
+              and saved[k].shape != current[k].shape]
+    if not (missing or unexpected or shapes):
+        return
+
+    def few(items: list[str]) -> str:
+        return ", ".join(items[:4]) + (f" (+{len(items) - 4} more)" if len(items) > 4 else "")
+
+    seen = [f"{where}"]
+    if missing:
+        seen.append(f"missing from the checkpoint: {few(missing)}")
+    if unexpected:
+        seen.append(f"not in this model: {few(unexpected)}")
+    if shapes:
+        seen.append(f"shapes differ: {few(shapes)}")
+    raise ConfigError("The checkpoint to resume from is of a different model.", seen="; ".join(seen),
+                      hint="Resume with the model that wrote it, or start anew: another checkpoint_dir (or run dir), "
+                           "or fit(..., resume=False).")

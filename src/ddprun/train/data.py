@@ -3,7 +3,8 @@
 Training data is split with :class:`~torch.utils.data.DistributedSampler` (shuffle, the shared
 ``seed``, ``drop_last=False``: DDP's default, which pads the last round by repeating the first
 samples so that every rank runs the same number of steps). It is used with one process too, so that
-one process with batch 4b sees the same global batches as 4 ranks with batch b.
+one process with batch 4b sees the same global batches as 4 ranks with batch b. Its subclass
+:class:`ResumableSampler` (the same order) can also start an epoch part-way, for a resumed run.
 
 Validation data is split without padding (:class:`ShardSampler`): shards may differ by one sample,
 and the metrics are reduced as sums and counts, so nothing is counted twice.
@@ -11,6 +12,7 @@ and the metrics are reduced as sums and counts, so nothing is counted twice.
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import warnings
 from collections.abc import Iterator
@@ -39,6 +41,61 @@ class ShardSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(range(self.rank, self.n, self.world_size))
+
+
+class ResumableSampler(DistributedSampler):
+    """torch's DistributedSampler (the same order, bit for bit) that can start one epoch part-way.
+
+    :meth:`resume_at` ``(epoch, samples_done)``: in that epoch, the first ``samples_done`` positions
+    of the epoch's global order (the shuffled, padded index list every rank takes its share of)
+    count as taken; the rest is shared out as usual. With the world size and batch size of the run
+    that saved ``samples_done = batches * batch_size * world_size``, every rank continues with
+    exactly the batches it would have had. With another world size (a node lost under ``--nnodes
+    MIN:MAX``) the rest of the epoch is split over the ranks there are (padded by repeating its
+    first samples so that every rank has as many): no sample of the epoch is skipped, a few repeat.
+    Other epochs are untouched.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._resume: tuple[int, int] | None = None
+
+    def resume_at(self, epoch: int, samples_done: int) -> None:
+        self._resume = (epoch, samples_done) if samples_done > 0 else None
+
+    def _order(self) -> list[int]:
+        """The epoch's padded global order, built as DistributedSampler.__iter__ builds it before each
+        rank takes every num_replicas-th index (tests compare the two)."""
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            indices = torch.randperm(len(self.dataset), generator=g).tolist()
+        else:
+            indices = list(range(len(self.dataset)))
+        if self.drop_last:
+            return indices[:self.total_size]
+        pad = self.total_size - len(indices)
+        return indices + (indices * math.ceil(pad / len(indices)))[:pad]
+
+    def _rest(self) -> list[int] | None:
+        """The rest of the resumed epoch's order, padded to a multiple of the world size; None in other epochs."""
+        if self._resume is None or self._resume[0] != self.epoch:
+            return None
+        rest = self._order()[self._resume[1]:]
+        pad = (-len(rest)) % self.num_replicas
+        if rest and pad:
+            rest += (rest * math.ceil(pad / len(rest)))[:pad]
+        return rest
+
+    def __iter__(self) -> Iterator[int]:
+        rest = self._rest()
+        if rest is None:
+            return super().__iter__()
+        return iter(rest[self.rank::self.num_replicas])
+
+    def __len__(self) -> int:
+        rest = self._rest()
+        return super().__len__() if rest is None else len(rest) // self.num_replicas
 
 
 def worker_bound(local_world_size: int, cpus: int | None = None) -> int:
@@ -93,7 +150,7 @@ class Loader:
     """A DataLoader and the sampler whose ``set_epoch`` must be called every epoch (or None)."""
 
     loader: DataLoader
-    sampler: DistributedSampler | None
+    sampler: ResumableSampler | None
     batch_size: int
 
 
@@ -154,8 +211,8 @@ def build_train_loader(data: Dataset | DataLoader, *, batch_size: int, info: Ran
                   "drop_last": user_loader.drop_last, "timeout": user_loader.timeout}
         if num_workers is None:
             num_workers = user_loader.num_workers
-    sampler = DistributedSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=shuffle, seed=seed,
-                                 drop_last=False)
+    sampler = ResumableSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=shuffle, seed=seed,
+                               drop_last=False)
     workers = choose_num_workers(num_workers, dataset, info.local_world_size, warn=warn)
     # The loader's generator only seeds worker processes (the sampler has its own seed): seed + rank,
     # so that random augmentation differs between ranks but is reproducible.

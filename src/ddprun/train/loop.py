@@ -12,7 +12,9 @@ What happens on every rank, in order:
      DDP's gradient all-reduce; once, after step 1, a barrier switches to the training timeout;
   6. after every epoch (and at the end) validation on the plain module, one all_reduce of sums and
      counts;
-  7. rank 0 saves the final checkpoint atomically; a barrier makes every rank wait for the file.
+  7. every ``checkpoint_every`` steps and at the end a checkpoint (every rank's RNG states gathered
+     once, rank 0 writes atomically, a barrier); at the start, a run whose checkpoint_dir has one
+     resumes from it (:mod:`ddprun.train.resume`: a restarted worker group continues bit for bit).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -33,6 +36,7 @@ from ddprun import runtime
 from ddprun.errors import ConfigError
 from ddprun.runtime import RankInfo
 from ddprun.train import checkpoint as ckpt
+from ddprun.train import resume as resume_mod
 from ddprun.train.data import build_train_loader, build_val_loader
 from ddprun.train.metrics import MetricsLog
 from ddprun.train.progress import Progress
@@ -267,6 +271,42 @@ def _micro_batches(loader: Any, sized: bool, grad_accum: int) -> Iterator[tuple[
     yield pending, grad_accum, True, k + 1
 
 
+def _loss(net: Any, batch: Any, training_step: Callable | None, loss_fn: Callable | None) -> torch.Tensor:
+    """The scalar loss of one micro-batch: ``training_step(net, batch)``, or ``loss_fn(net(x), y)``."""
+    if training_step is not None:
+        return _scalar(training_step(net, batch), "training_step")
+    x, y = _pair(batch)
+    return _scalar(loss_fn(net(x), y), "loss_fn")
+
+
+def _rebuild_ddp_buckets(ddp: Any, module: nn.Module, opt: torch.optim.Optimizer, loader: Any, sampler: Any,
+                         model_state: Mapping[str, Any], epoch: int, loss_of: Callable, amp: Callable,
+                         move: tuple[torch.device, bool] | None) -> None:
+    """One forward/backward whose result is thrown away, so that a resumed run's first step
+    all-reduces with the bucket layout the interrupted run had.
+
+    Why: DDP's first iteration reduces every gradient in one bucket in parameter order, then rebuilds
+    its buckets in the order gradients became ready; the gloo/NCCL sum of an element depends on where
+    it lies in its bucket, so the resumed run's first step would round differently from the
+    interrupted run's (measured: 1e-9 apart after 14 steps). The batch comes from an epoch other
+    than the resumed one (one is always non-empty); model state is reloaded afterwards (BatchNorm
+    statistics), gradients dropped, and RNG states are restored after this. training_step is called
+    once more than the steps it makes (on restarts only).
+    """
+    if sampler is not None:
+        sampler.set_epoch(epoch + 1)  # fit's loop sets the epoch again before its first batch
+    batch = next(iter(loader), None)
+    if batch is None:
+        return
+    if move is not None:
+        batch = _to_device(batch, *move)
+    with amp():
+        loss = loss_of(ddp, batch)
+    (loss * 0).backward()
+    opt.zero_grad(set_to_none=True)
+    module.load_state_dict(model_state)
+
+
 def _optimizer_step(opt: torch.optim.Optimizer, sched: Any, scaler: Any, params: list, grad_clip: float | None) -> None:
     """Clip (after unscaling), step, zero the gradients, step the scheduler."""
     if scaler is not None:
@@ -344,13 +384,19 @@ def _validate(module: nn.Module, loader: Any, info: RankInfo, *, loss_fn, traini
 # -- fit ----------------------------------------------------------------------------------------
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any, *, step: int,
-                   epoch: int, batches_done: int, seed: int, world_size: int) -> dict[str, Any]:
+                   epoch: int, batches_done: int, seed: int, world_size: int, batch_size: int | None = None,
+                   samples_done: int | None = None, rng: list[dict] | None = None,
+                   history: list[dict] | None = None) -> dict[str, Any]:
     """Everything a later run needs to resume (checkpoint.save adds the format version).
 
-    ``sampler``: the epoch to continue and how many micro-batches of it this rank already took; with
-    the same seed and world size the DistributedSampler yields the same order, so resuming skips
-    ``batches_done`` batches. RNG states are rank 0's (the process that saves).
+    ``sampler``: the epoch to continue, the micro-batches of it every rank took (``batches_done``)
+    and the positions of the epoch's global order they covered (``samples_done``, = batches_done x
+    batch_size x world_size): with the same seed the sampler continues there (see
+    :class:`~ddprun.train.data.ResumableSampler`). ``rng``: every rank's RNG states, by rank
+    (default: this process's only). ``history``: the validation results so far.
     """
+    if samples_done is None:
+        samples_done = batches_done * (batch_size or 0) * world_size
     return {
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
@@ -358,18 +404,66 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler
         "grad_scaler": scaler.state_dict() if scaler is not None else None,
         "step": step,
         "epoch": epoch,
-        "sampler": {"epoch": epoch, "batches_done": batches_done, "seed": seed, "num_replicas": world_size},
-        "rng": ckpt.rng_state(),
+        "sampler": {"epoch": epoch, "batches_done": batches_done, "samples_done": samples_done, "seed": seed,
+                    "num_replicas": world_size, "batch_size": batch_size},
+        "rng": rng if rng is not None else [ckpt.rng_state()],
+        "history": list(history or []),
     }
 
 
-def fit(model: nn.Module, train_data: Any, *, val_data: Any = None, loss_fn: Callable | None = None,
+class _Skipped:
+    """``loader`` without its first ``n`` batches, which are still loaded (resuming where no sampler can skip).
+
+    A DataLoader without a generator of its own draws a seed from the global torch RNG when its
+    iterator is made; the interrupted run made that draw before the checkpoint (its RNG state is
+    after it), so here the global state is put back after the iterator exists. A random order of
+    the loader's own (shuffle=True) is drawn anew, so only an order that does not depend on the RNG
+    resumes exactly (fit's own sampler does: it is used for every Dataset, and whenever world > 1).
+    """
+
+    def __init__(self, loader: Any, n: int):
+        self.loader, self.n = loader, n
+
+    def __iter__(self) -> Iterator[Any]:
+        import itertools
+
+        state = torch.get_rng_state()
+        it = iter(self.loader)
+        torch.set_rng_state(state)
+        return itertools.islice(it, self.n, None)
+
+    def __len__(self) -> int:
+        return max(0, len(self.loader) - self.n)
+
+
+def _lightning_module(model: Any) -> bool:
+    """Whether ``model`` is a LightningModule, without importing lightning: if lightning.pytorch is not
+    imported, no LightningModule exists. pytorch_lightning's (the older package) is refused."""
+    lit = sys.modules.get("lightning.pytorch")
+    if lit is not None and isinstance(model, lit.LightningModule):
+        return True
+    if any(c.__name__ == "LightningModule" and c.__module__.startswith("pytorch_lightning")
+           for c in type(model).__mro__):
+        raise ConfigError("ddprun.fit drives lightning.pytorch; this LightningModule is from pytorch_lightning.",
+                          seen=f"model: {type(model).__module__}.{type(model).__name__}",
+                          hint="Import LightningModule from lightning.pytorch (pip install 'ddprun[lightning]').")
+    return False
+
+
+def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_fn: Callable | None = None,
         training_step: Callable | None = None, optimizer: Callable | torch.optim.Optimizer | None = None,
         scheduler: Callable | None = None, epochs: int | None = None, max_steps: int | None = None,
         batch_size: int = 32, grad_accum: int = 1, precision: str = "32", grad_clip: float | None = None,
         seed: int = 0, num_workers: int | None = None, val_metrics: Mapping[str, Callable] | None = None,
-        checkpoint_dir: str | None = None, run_dir: str | None = None, log_every: int = 50) -> FitResult:
+        checkpoint_dir: str | None = None, run_dir: str | None = None, log_every: int = 50,
+        checkpoint_every: int | None = None, keep_checkpoints: int = 3, resume: bool | str = "auto",
+        datamodule: Any = None, trainer_kwargs: Mapping[str, Any] | None = None) -> FitResult:
     """Train ``model`` data-parallel over every rank of the job (one process: no process group).
+
+    A ``lightning.pytorch.LightningModule`` goes to :func:`ddprun.lightning.fit_lightning`, which
+    drives a Lightning Trainer configured from the launch; ``datamodule`` (a LightningDataModule, in
+    place of train_data/val_data) and ``trainer_kwargs`` (more Trainer arguments) are for that path
+    only. The rest of this docstring is the nn.Module path.
 
     Data:
       train_data, val_data: a torch ``Dataset`` (fit builds the DataLoader) or a ``DataLoader``
@@ -410,18 +504,58 @@ def fit(model: nn.Module, train_data: Any, *, val_data: Any = None, loss_fn: Cal
         over ranks: no extra collective), writes a metrics.csv row and a progress line; the bar
         itself advances every step on a terminal. ``FitResult.train_loss`` is the one value averaged
         over ranks, with one all_reduce at the end.
-      checkpoint_dir: where the final checkpoint goes (default run_dir/checkpoints): model,
-        optimizer, scheduler, step, epoch, sampler position, RNG states; see :mod:`ddprun.train.checkpoint`.
+      checkpoint_dir: where checkpoints go (default run_dir/checkpoints): model, optimizer,
+        scheduler, grad scaler, step, epoch, sampler position, every rank's RNG states, validation
+        history; see :mod:`ddprun.train.checkpoint` (atomic, SHA-256 checked, weights_only loads).
+
+    Checkpoints and restarts:
+      checkpoint_every: also save every this many optimizer steps (None: only at the end). Costs
+        one all_gather_object (RNG states) and one barrier per checkpoint, plus the write on rank 0.
+      keep_checkpoints: how many to keep (the newest; at least 1).
+      resume: "auto" (default): if checkpoint_dir has a usable checkpoint, continue from it: model,
+        optimizer, scheduler, scaler, the step, the position in the epoch, every rank's RNG states.
+        That is what happens when torch's agent restarts the workers (``ddprun run --max-restarts
+        R``; the run dir is the same across attempts) and when a job is started again with the same
+        run dir. With the same world size, batch size and seed the result is bit for bit the
+        uninterrupted run's on CPU with deterministic ops (DataLoader worker processes' own RNG is
+        not saved). A damaged newest checkpoint is skipped with a warning. With another world size
+        (``--nnodes MIN:MAX`` after losing a node) the per-rank batch size stays, so the global
+        batch shrinks with the world; the learning rate is not rescaled (the rest of the epoch is
+        split over the ranks there are). False: start anew (existing checkpoints stay, and are
+        replaced as steps are saved again). True: like "auto" but an error when there is none. A
+        path: resume from that file or directory. A checkpoint of another model is refused
+        (ConfigError). When checkpoint_dir is not shared between nodes, every node's local rank 0
+        writes its own copy (:mod:`ddprun.train.resume`).
 
     Process group: fit calls :func:`ddprun.init` (joining with a 600 s timeout, then 300 s per
     collective from step 2); call ``ddprun.init(timeout=..., train_timeout=...)`` first to change
     them. Per step there is no collective besides DDP's gradient all-reduce. fit does not destroy the
     process group. Returns a :class:`FitResult`.
     """
+    if _lightning_module(model):
+        from ddprun.lightning import fit_lightning
+
+        return fit_lightning(model, train_data, val_data=val_data, datamodule=datamodule, epochs=epochs,
+                             max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum, precision=precision,
+                             grad_clip=grad_clip, seed=seed, num_workers=num_workers, checkpoint_dir=checkpoint_dir,
+                             run_dir=run_dir, log_every=log_every, checkpoint_every=checkpoint_every,
+                             resume=resume, trainer_kwargs=trainer_kwargs, loss_fn=loss_fn,
+                             training_step=training_step, optimizer=optimizer, scheduler=scheduler,
+                             val_metrics=val_metrics)
+    if datamodule is not None or trainer_kwargs is not None or train_data is None:
+        raise ConfigError("fit() of a plain nn.Module takes train_data, and neither datamodule nor trainer_kwargs.",
+                          seen=f"model: {type(model).__name__}, train_data={'given' if train_data is not None else None}"
+                               f", datamodule={'given' if datamodule is not None else None}, "
+                               f"trainer_kwargs={'given' if trainer_kwargs is not None else None}",
+                          hint="Pass a Dataset or DataLoader as train_data; datamodule and trainer_kwargs are for a "
+                               "lightning.pytorch.LightningModule.")
     prec = _check_args(model, loss_fn=loss_fn, training_step=training_step, optimizer=optimizer, scheduler=scheduler,
                        epochs=epochs, max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum,
                        precision=precision, grad_clip=grad_clip, seed=seed, val_metrics=val_metrics,
                        log_every=log_every)
+    _int_at_least("checkpoint_every", checkpoint_every, 1, optional=True)
+    _int_at_least("keep_checkpoints", keep_checkpoints, 1)
+    resume_mod.check_resume(resume)
     info = runtime.init()
     device = info.device
     module = _unwrap(model, info)
@@ -440,6 +574,9 @@ def fit(model: nn.Module, train_data: Any, *, val_data: Any = None, loss_fn: Cal
     opt = _make_optimizer(optimizer, module)
     sched = _make_scheduler(scheduler, opt)
     run_dir = _run_dir(run_dir, info)
+    ckpts, resumed = resume_mod.Checkpoints.open(checkpoint_dir or os.path.join(run_dir, "checkpoints"), info,
+                                                 keep=keep_checkpoints, resume=resume)
+    resume_mod.warn_no_periodic(info, checkpoint_every)
     ddp = module
     if info.world_size > 1:
         from torch.nn.parallel import DistributedDataParallel
@@ -452,6 +589,11 @@ def fit(model: nn.Module, train_data: Any, *, val_data: Any = None, loss_fn: Cal
     if epochs is None:
         epochs = 1 if max_steps is None else None
     total = _total_steps(len(loader) if sized else None, grad_accum, epochs, max_steps)
+    pos = None
+    if resumed is not None:  # after the model moved and the optimizer exists; before DDP's first step
+        pos = resume_mod.restore(resumed, info, model=module, optimizer=opt, scheduler=sched, scaler=scaler,
+                                 sampler=sampler, batch_size=train.batch_size, seed=seed)
+        ckpts.last_saved = (pos.step, pos.epoch)
 
     log = MetricsLog(run_dir, ["val_loss", *(f"val_{n}" for n in metrics)], enabled=info.is_main)
     progress = Progress(total, enabled=info.is_main)
@@ -459,7 +601,8 @@ def fit(model: nn.Module, train_data: Any, *, val_data: Any = None, loss_fn: Cal
     on_cpu = device.type == "cpu"
     params = [p for p in module.parameters() if p.requires_grad]
 
-    step = epoch = batches_done = 0
+    step = epoch = batches_done = epoch_samples = 0
+    per_batch = train.batch_size * info.world_size  # positions of an epoch's global order per micro-batch
     window_losses: list[torch.Tensor] = []  # each step's loss, detached; read (.item()) only when logging
     group_losses: list[torch.Tensor] = []
     null = contextlib.nullcontext()
@@ -468,7 +611,11 @@ def fit(model: nn.Module, train_data: Any, *, val_data: Any = None, loss_fn: Cal
     val_result: dict[str, float] = {}
     history: list[dict[str, float]] = []
     val_step = -1
-    done = False
+    if pos is not None:
+        step, epoch, history = pos.step, pos.epoch, pos.history
+        val_result = history[-1] if history else {}
+    first_step = step + 1  # the training timeout starts after this process's first step
+    done = max_steps is not None and step >= max_steps  # a finished run resumed: nothing left to do
     window_t0 = time.perf_counter()
 
     def flush_window() -> None:
@@ -494,27 +641,42 @@ def fit(model: nn.Module, train_data: Any, *, val_data: Any = None, loss_fn: Cal
         log.write(step, during_epoch, val_result)
         progress.message(_format_val(step, during_epoch, val_result))
 
+    def make_state(rngs: list[dict]) -> dict[str, Any]:
+        return training_state(module, opt, sched, scaler, step=step, epoch=epoch, batches_done=batches_done,
+                              samples_done=epoch_samples, seed=seed, world_size=info.world_size,
+                              batch_size=train.batch_size, rng=rngs, history=history)
+
     try:
+        if resumed is not None and is_ddp and not done and (epochs is None or epoch < epochs):
+            _rebuild_ddp_buckets(ddp, module, opt, loader, sampler, resumed.state["model"], pos.epoch,
+                                 lambda net, b: _loss(net, b, training_step, loss_fn), amp,
+                                 None if on_cpu else (device, non_blocking))
+        if resumed is not None:  # last before the first step: nothing after this may draw differently
+            resume_mod.restore_rank_rng(resumed.state, info.rank)
         ddp.train()
         while not done and (epochs is None or epoch < epochs):
             if sampler is not None:
                 sampler.set_epoch(epoch)
-            batches_done = 0
-            for batch, divisor, last, group_len in _micro_batches(loader, sized, grad_accum):
+            source, batches_done, epoch_samples = loader, 0, 0
+            if pos is not None:  # the epoch the checkpoint was taken in: continue where it stopped
+                batches_done, epoch_samples = pos.batches, pos.samples
+                if sampler is None:
+                    source = _Skipped(loader, pos.batches)
+                pos = None
+            taken = 0
+            for batch, divisor, last, group_len in _micro_batches(source, sized, grad_accum):
                 if not on_cpu:
                     batch = _to_device(batch, device, non_blocking)
                 window_samples += _batch_len(batch)
                 with null if (last or not is_ddp) else ddp.no_sync():
                     with amp():
-                        if training_step is not None:
-                            loss = _scalar(training_step(ddp, batch), "training_step")
-                        else:
-                            x, y = _pair(batch)
-                            loss = _scalar(loss_fn(ddp(x), y), "loss_fn")
+                        loss = _loss(ddp, batch, training_step, loss_fn)
                     if divisor > 1:
                         loss = loss / divisor
                     (scaler.scale(loss) if scaler is not None else loss).backward()
                 batches_done += 1
+                taken += 1
+                epoch_samples += per_batch
                 if grad_accum == 1:
                     window_losses.append(loss.detach())
                 else:
@@ -532,20 +694,24 @@ def fit(model: nn.Module, train_data: Any, *, val_data: Any = None, loss_fn: Cal
                 _optimizer_step(opt, sched, scaler, params, grad_clip)
                 step += 1
                 window_steps += 1
-                if step == 1:
+                if step == first_step:
                     runtime.use_training_timeout()
                 progress.advance(step)
                 if step % log_every == 0:
                     flush_window()
+                if checkpoint_every is not None and step % checkpoint_every == 0:
+                    saved = ckpts.save(step, epoch, make_state)
+                    if saved:
+                        progress.message(f"checkpoint: {saved}")
                 if max_steps is not None and step >= max_steps:
                     done = True
                     break
             if batches_done == 0:
                 raise ConfigError("An epoch of train_data gave no batches.", seen=f"epoch {epoch}, rank {info.rank}",
                                   hint="Check the dataset, or that an IterableDataset yields data on every rank.")
-            if not done or (sized and batches_done == len(loader)):  # the epoch ran to its end
+            if not done or (sized and taken == len(source)):  # the epoch ran to its end
                 epoch += 1
-                batches_done = 0
+                batches_done = epoch_samples = 0
                 if val_loader is not None:
                     validate(epoch - 1)
         if window_steps:
@@ -554,14 +720,13 @@ def fit(model: nn.Module, train_data: Any, *, val_data: Any = None, loss_fn: Cal
             validate(epoch if batches_done else epoch - 1)
         train_loss = _mean_over_ranks(last_window, info)
 
-        runtime.use_init_timeout()  # the others now wait for rank 0's save: give it the long timeout
-        path = None
-        if info.is_main:
-            state = training_state(module, opt, sched, scaler, step=step, epoch=epoch, batches_done=batches_done,
-                                   seed=seed, world_size=info.world_size)
-            path = ckpt.save(checkpoint_dir or os.path.join(run_dir, "checkpoints"), state)
-            progress.message(f"checkpoint: {path}")
-        runtime.barrier()  # no rank returns (and maybe exits) before the checkpoint exists
+        if ckpts.last_saved != (step, epoch):  # a save at the last step, before its epoch was counted: again
+            path = ckpts.save(step, epoch, make_state, final=True)
+            if path:
+                progress.message(f"checkpoint: {path}")
+        else:  # saved at this step already (or resumed a finished run): that file is the final one
+            path = ckpt.latest(ckpts.directory) if info.is_main else None
+            runtime.barrier()
     finally:
         progress.close()
         log.close()

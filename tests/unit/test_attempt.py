@@ -1,0 +1,114 @@
+"""Attempt ids and the per-attempt store namespace that lets a restarted worker group start cleanly."""
+
+import base64
+import pickle
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+from torch.distributed import TCPStore
+
+from ddprun import attempt
+from ddprun.logs import RankLogsSpecs
+from tests.helpers import free_port
+
+
+@pytest.fixture
+def store():
+    s = TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    yield s
+
+
+@pytest.fixture
+def handlers(monkeypatch):
+    """torch's rendezvous handler table, restored after the test."""
+    import importlib
+
+    table = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
+    monkeypatch.setattr(importlib.import_module("torch.distributed.rendezvous"), "_rendezvous_handlers", dict(table))
+    return importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
+
+
+def agent_env(store, **extra):
+    return {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT": "0",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "RANK": "0", "WORLD_SIZE": "1", **extra}
+
+
+def test_attempt_id_prefers_the_launcher_value_over_the_restart_count():
+    assert attempt.attempt_id({"TORCHELASTIC_RESTART_COUNT": "2"}) == "c2"
+    assert attempt.attempt_id({"TORCHELASTIC_RESTART_COUNT": "2", "DDPRUN_ATTEMPT": "r5"}) == "r5"
+    assert attempt.attempt_id({}) == "c0"
+    assert attempt.store_prefix({"TORCHELASTIC_RUN_ID": "j", "DDPRUN_ATTEMPT": "r1"}) == "ddprun/j/r1/"
+
+
+def test_env_rendezvous_store_is_prefixed_per_attempt(store, handlers, monkeypatch):
+    env = agent_env(store, DDPRUN_ATTEMPT="r3")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert attempt.namespace_process_groups(env) == "ddprun/job/r3/pg"
+    assert attempt.namespace_process_groups(env) == "ddprun/job/r3/pg"  # idempotent: wrapped once
+    assert hasattr(handlers["env"], "_ddprun_inner") and not hasattr(handlers["env"]._ddprun_inner, "_ddprun_inner")
+    s, rank, world = next(dist.rendezvous("env://"))
+    s.set("k", "v")
+    assert (rank, world) == (0, 1)
+    assert store.get("ddprun/job/r3/pg/k") == b"v" and not store.check(["k"])
+    s, _, _ = next(dist.rendezvous(f"tcp://127.0.0.1:{store.port}", rank=0, world_size=1))  # tcp:// as well
+    s.set("t", "v")
+    assert store.get("ddprun/job/r3/pg/t") == b"v"
+
+
+def test_a_second_attempt_does_not_see_the_first_attempts_process_group_keys(store, handlers, monkeypatch):
+    """The failure this prevents: attempt 2's gloo setup reading attempt 1's peer addresses."""
+    for k, v in agent_env(store).items():
+        monkeypatch.setenv(k, v)
+    first = attempt.namespace_process_groups(agent_env(store, DDPRUN_ATTEMPT="r0"))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=20))
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    assert store.check([f"{first}/default_pg/0//cpu//0/0"])  # the gloo address key, in attempt r0's space
+    handlers["env"] = handlers["env"]._ddprun_inner
+    second = attempt.namespace_process_groups(agent_env(store, DDPRUN_ATTEMPT="r1"))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=20))
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    assert second != first and store.check([f"{second}/default_pg/0//cpu//0/0"])
+
+
+def test_nothing_changes_without_the_agent_store(handlers):
+    before = dict(handlers)
+    assert attempt.namespace_process_groups({"TORCHELASTIC_USE_AGENT_STORE": "False"}) is None
+    assert handlers == before
+
+
+def test_launcher_reads_the_rendezvous_round_from_torchs_state(store):
+    state = SimpleNamespace(round=7)
+    store.set("torch.rendezvous.job", base64.b64encode(pickle.dumps(state)))
+    ids = attempt.AttemptIds("c10d", "127.0.0.1", store.port, "job")
+    assert ids.current("0") == "r7"
+    assert attempt.AttemptIds("static", "127.0.0.1", store.port, "job").current(2) == "c2"
+    missing = attempt.AttemptIds("c10d", "127.0.0.1", store.port, "other-job", wait_s=0.3)
+    assert missing.current("1") == "c1"  # unreadable: the restart count, with a line in the agent log
+
+
+def test_logs_spec_gives_every_worker_the_attempt_and_keeps_each_attempts_log(tmp_path):
+    seen = []
+
+    def attempt_of(count):
+        seen.append(count)
+        return f"r{len(seen)}"
+
+    spec = RankLogsSpecs(str(tmp_path), None, set(), {"DDPRUN_RUN_DIR": str(tmp_path)}, attempt_id=attempt_of)
+    envs = {0: {"RANK": "0", "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0"}}
+    spec.reify(envs)
+    assert envs[0]["DDPRUN_ATTEMPT"] == "r1"
+    (tmp_path / "logs" / "rank-0.log").write_text("attempt 1\n")
+    # a membership-change restart: the restart count stays 0, the log of the first attempt is kept anyway
+    envs = {0: {"RANK": "0", "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0"}}
+    spec.reify(envs)
+    assert envs[0]["DDPRUN_ATTEMPT"] == "r2" and seen == ["0", "0"]
+    assert (tmp_path / "logs" / "rank-0.attempt-0.log").read_text() == "attempt 1\n"

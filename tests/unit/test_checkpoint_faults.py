@@ -1,0 +1,168 @@
+"""Checkpoints under faults: a writer SIGKILLed mid-write, truncated and corrupted files, a full disk.
+In each case the previous checkpoint stays loadable and fit resumes from it."""
+
+import glob
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import ddprun
+from ddprun import runtime
+from ddprun.errors import CheckpointError
+from ddprun.train import checkpoint
+
+
+@pytest.fixture(autouse=True)
+def one_process(monkeypatch):
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "DDPRUN_RUN_DIR", "TORCHELASTIC_MAX_RESTARTS"):
+        monkeypatch.delenv(k, raising=False)
+    runtime._reset()
+    yield
+    runtime._reset()
+
+
+def regression(n=64):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 8, generator=g)
+    return TensorDataset(x, x[:, :2].sum(dim=1, keepdim=True))
+
+
+def mlp(width=16):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 1))
+
+
+def train(run_dir, epochs=1, width=16, **kw):
+    """8 steps per epoch (64 samples, batch 8), SGD: checkpoints of about 1 KB + 4 bytes per parameter."""
+    runtime._reset()
+    kw.setdefault("checkpoint_every", 4)
+    return ddprun.fit(mlp(width), regression(), loss_fn=nn.functional.mse_loss, batch_size=8, epochs=epochs,
+                      optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05), run_dir=str(run_dir), log_every=100, **kw)
+
+
+def params(res):
+    return [p.detach().clone() for p in res.model.parameters()]
+
+
+SLOW_WRITER = textwrap.dedent("""
+    import sys, time, torch
+    from ddprun.train import checkpoint
+    write = checkpoint._HashingWriter.write
+    def slow(self, data):  # a slow disk: the parent has time to kill this process mid-file
+        time.sleep(0.01)
+        return write(self, data)
+    checkpoint._HashingWriter.write = slow
+    state = {"step": 100, "model": {f"w{i}": torch.full((16384,), float(i)) for i in range(400)}}
+    checkpoint.save(sys.argv[1], state)
+""")
+
+
+@pytest.mark.timeout(60)
+def test_a_writer_killed_mid_write_leaves_the_previous_checkpoint_and_the_run_resumes_from_it(tmp_path, capsys):
+    train(tmp_path)  # checkpoints at steps 4 and 8
+    ckdir = str(tmp_path / "checkpoints")
+    child = subprocess.Popen([sys.executable, "-c", SLOW_WRITER, ckdir])
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            temps = glob.glob(os.path.join(ckdir, ".step-00000100.pt.*.tmp"))
+            if temps and os.path.getsize(temps[0]) > 1 << 20:
+                break
+            time.sleep(0.02)
+        else:
+            pytest.fail("the writer never got 1 MiB into its temp file")
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait(10)
+    assert child.returncode == -signal.SIGKILL
+    assert glob.glob(os.path.join(ckdir, ".step-00000100.pt.*.tmp"))  # what the killed writer left
+    assert not os.path.exists(os.path.join(ckdir, "step-00000100.pt"))
+    assert checkpoint.latest(ckdir).endswith("step-00000008.pt")
+    assert checkpoint.load(ckdir)["step"] == 8
+
+    res = train(tmp_path, epochs=2)
+    assert "resuming from " + os.path.join(ckdir, "step-00000008.pt") in capsys.readouterr().out
+    assert res.steps == 16 and not glob.glob(os.path.join(ckdir, ".*.tmp"))  # temp file cleaned at the start
+    ref = train(tmp_path / "ref", epochs=2)
+    assert all(torch.equal(a, b) for a, b in zip(params(ref), params(res)))
+
+
+def test_a_truncated_newest_checkpoint_is_skipped_with_a_warning_and_the_previous_used(tmp_path, capsys):
+    train(tmp_path)
+    newest = tmp_path / "checkpoints" / "step-00000008.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    with pytest.warns(UserWarning, match=r"step-00000008.pt is unusable: \d+ bytes on disk, \d+ were written "
+                                         r"\(truncated\?\); using step-00000004.pt instead"):
+        res = train(tmp_path, epochs=2)
+    assert "resuming from " + str(tmp_path / "checkpoints" / "step-00000004.pt") in capsys.readouterr().out
+    ref = train(tmp_path / "ref", epochs=2)
+    assert res.steps == 16 and all(torch.equal(a, b) for a, b in zip(params(ref), params(res)))
+
+
+def test_a_corrupted_checkpoint_of_unchanged_size_is_caught_by_its_checksum(tmp_path):
+    train(tmp_path)
+    ckdir = str(tmp_path / "checkpoints")
+    path = os.path.join(ckdir, "step-00000008.pt")
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte inside a tensor: torch would read it without a word
+    open(path, "wb").write(bytes(data))
+    assert checkpoint.verify(path) == "its SHA-256 differs from the one written (corrupted)"
+    with pytest.warns(UserWarning, match="step-00000008.pt is unusable: its SHA-256 differs"):
+        assert checkpoint.load(ckdir)["step"] == 4
+    with pytest.raises(CheckpointError, match="damaged") as err:
+        checkpoint.load(path)  # a file asked for by name is not replaced by another
+    assert "HINT:" in str(err.value)
+
+
+def test_without_any_usable_checkpoint_the_run_starts_anew_with_a_warning(tmp_path):
+    train(tmp_path, checkpoint_every=None)  # the final checkpoint only
+    path = tmp_path / "checkpoints" / "step-00000008.pt"
+    path.write_bytes(b"not a zip")
+    (tmp_path / "checkpoints" / "step-00000008.meta.json").unlink()  # no checksum: torch's reader decides
+    with pytest.warns(UserWarning, match="torch.load failed.*no usable checkpoint left"):
+        res = train(tmp_path, checkpoint_every=None)
+    assert res.steps == 8
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 1 MiB tmpfs (root only; unmounted afterwards)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    where = tmp_path / "disk"
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_full_disk_fails_the_save_clearly_and_keeps_the_previous_checkpoint(tmp_path, tiny_disk):
+    ckdir = tiny_disk / "ck"
+    # 10,000 hidden units: 400 KB per checkpoint; steps 2 and 4 fit in 1 MiB, step 6 does not
+    with pytest.raises(CheckpointError) as err:
+        train(tmp_path, width=10_000, checkpoint_every=2, keep_checkpoints=5, checkpoint_dir=str(ckdir))
+    msg = str(err.value)
+    assert msg.startswith("Saving the checkpoint of step 6 failed.")
+    assert re.search(r"step-00000006.pt: No space left on device; [\d.]+ MiB free there", msg)
+    assert "the previous checkpoint step-00000004.pt is intact" in msg and "HINT:" in msg
+    assert sorted(os.listdir(ckdir)) == ["latest", "step-00000002.meta.json", "step-00000002.pt",
+                                         "step-00000004.meta.json", "step-00000004.pt"]  # no temp file left
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the previous one verifies: no warning
+        assert checkpoint.load(str(ckdir))["step"] == 4

@@ -1,0 +1,177 @@
+"""fit's periodic checkpoints and resuming, in one process: a crashed run resumed from its last
+checkpoint ends with the uninterrupted run's parameters, bit for bit."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import ddprun
+from ddprun import runtime
+from ddprun.errors import ConfigError
+from ddprun.train import checkpoint
+from ddprun.train.data import ResumableSampler
+
+
+@pytest.fixture(autouse=True)
+def one_process(monkeypatch):
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "DDPRUN_RUN_DIR", "TORCHELASTIC_MAX_RESTARTS"):
+        monkeypatch.delenv(k, raising=False)
+    runtime._reset()
+    yield
+    runtime._reset()
+
+
+def regression(n=64):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 8, generator=g)
+    return TensorDataset(x, x[:, :2].sum(dim=1, keepdim=True))
+
+
+def mlp(width=16):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, width), nn.Dropout(0.2), nn.Tanh(), nn.Linear(width, 1))
+
+
+class Crash(Exception):
+    pass
+
+
+def stepper(crash_at=None):
+    """A training_step that also draws from numpy and python's RNG (restored on resume) and raises
+    on its ``crash_at``-th call."""
+    calls = {"n": 0}
+
+    def step(net, batch):
+        calls["n"] += 1
+        if calls["n"] == crash_at:
+            raise Crash()
+        x, y = batch
+        noise = float(np.random.rand()) * 1e-3
+        return nn.functional.mse_loss(net(x), y) + noise
+    return step
+
+
+KW = dict(optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2), epochs=3, batch_size=8, log_every=100,
+          scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 4, 0.7))
+
+
+def run(run_dir, crash_at=None, model=None, **kw):
+    runtime._reset()
+    return ddprun.fit(model or mlp(), regression(), training_step=stepper(crash_at), run_dir=str(run_dir),
+                      **{**KW, **kw})
+
+
+def params(res):
+    return [p.detach().clone() for p in res.model.parameters()]
+
+
+# 8 micro-batches per epoch, 3 epochs. (1, 4, 17): the checkpoint of step 16 ends epoch 1 exactly.
+@pytest.mark.parametrize("grad_accum, every, crash_at", [(1, 3, 13), (2, 3, 21), (1, 4, 17)])
+def test_a_crashed_run_resumed_is_bitwise_the_uninterrupted_run(tmp_path, grad_accum, every, crash_at, capsys):
+    val = regression(16)
+    np.random.seed(0)
+    ref = run(tmp_path / "ref", grad_accum=grad_accum, checkpoint_every=every, val_data=val)
+    np.random.seed(0)
+    with pytest.raises(Crash):
+        run(tmp_path / "crash", crash_at=crash_at, grad_accum=grad_accum, checkpoint_every=every, val_data=val)
+    torch.manual_seed(99), np.random.seed(99)  # the restarted process's RNGs start elsewhere
+    res = run(tmp_path / "crash", grad_accum=grad_accum, checkpoint_every=every, val_data=val)
+    assert "ddprun: resuming from" in capsys.readouterr().out
+    assert res.steps == 24 // grad_accum and res.epochs == 3
+    assert all(torch.equal(a, b) for a, b in zip(params(ref), params(res)))
+    assert res.history == ref.history and len(res.history) == 3  # the validations before the crash came along
+
+
+def test_keep_checkpoints_prunes_the_oldest(tmp_path):
+    run(tmp_path, checkpoint_every=2, keep_checkpoints=2, epochs=1)
+    ckdir = tmp_path / "checkpoints"
+    assert sorted(os.listdir(ckdir)) == ["latest", "step-00000006.meta.json", "step-00000006.pt",
+                                         "step-00000008.meta.json", "step-00000008.pt"]
+
+
+def test_resume_options(tmp_path, capsys):
+    first = run(tmp_path, checkpoint_every=4, epochs=1)
+    again = run(tmp_path, epochs=1)  # "auto": the finished run resumes at its end and does nothing more
+    assert again.steps == first.steps == 8
+    assert all(torch.equal(a, b) for a, b in zip(params(first), params(again)))
+    assert again.checkpoint == str(tmp_path / "checkpoints" / "step-00000008.pt")
+    fresh = run(tmp_path, epochs=1, resume=False)
+    assert "resuming" not in capsys.readouterr().out.split("step 8/8")[-1]
+    assert fresh.steps == 8
+    more = run(tmp_path / "other", epochs=2, resume=str(tmp_path / "checkpoints" / "step-00000004.pt"))
+    assert more.steps == 16
+    with pytest.raises(ConfigError, match="no checkpoint to resume from"):
+        run(tmp_path / "empty", resume=True)
+    with pytest.raises(ConfigError, match="resume must be"):
+        run(tmp_path / "x", resume=3)
+    with pytest.raises(ConfigError, match="checkpoint_every"):
+        run(tmp_path / "x", checkpoint_every=0)
+
+
+def test_a_checkpoint_of_another_model_is_refused(tmp_path):
+    run(tmp_path, checkpoint_every=4, epochs=1)
+    with pytest.raises(ConfigError) as err:
+        run(tmp_path, model=mlp(width=32), epochs=2)
+    msg = str(err.value)
+    assert "different model" in msg and "shapes differ: 0.weight: (16, 8) saved, (32, 8) now" in msg
+    assert "HINT:" in msg and "resume=False" in msg
+    with pytest.raises(ConfigError, match="missing from the checkpoint: 4.weight"):
+        run(tmp_path, model=nn.Sequential(*mlp(), nn.Linear(1, 1)), epochs=2)
+
+
+def test_restarts_without_periodic_checkpoints_are_named(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    run(tmp_path, max_steps=1)
+    assert "saves no periodic checkpoints" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("n, world, batch", [(64, 4, 3), (37, 3, 2), (10, 4, 1)])
+def test_resumable_sampler_continues_the_distributed_sampler_order(n, world, batch):
+    ds = TensorDataset(torch.zeros(n))
+    for rank in range(world):
+        plain = DistributedSampler(ds, world, rank, seed=5)
+        plain.set_epoch(2)
+        order = list(plain)
+        for k in range(len(order) // batch):
+            s = ResumableSampler(ds, world, rank, seed=5)
+            s.resume_at(2, k * batch * world)
+            s.set_epoch(2)
+            assert list(s) == order[k * batch:] and len(s) == len(order) - k * batch
+            s.set_epoch(3)  # other epochs are untouched
+            plain.set_epoch(3)
+            assert list(s) == list(plain)
+            plain.set_epoch(2)
+
+
+def test_resumable_sampler_after_a_world_size_change_skips_nothing():
+    ds = TensorDataset(torch.zeros(40))
+    full = DistributedSampler(ds, 1, 0, seed=0)
+    full.set_epoch(0)
+    order = list(full)
+    done = 3 * 2 * 4  # 3 batches of 2 on 4 ranks
+    rest = []
+    for rank in range(2):
+        s = ResumableSampler(ds, 2, rank, seed=0)
+        s.resume_at(0, done)
+        s.set_epoch(0)
+        rest += list(s)
+    assert set(rest) == set(order[done:]) and len(rest) == len(order) - done
+
+
+def test_a_user_dataloader_in_one_process_resumes_by_skipping_batches(tmp_path):
+    loader = DataLoader(regression(), batch_size=8, shuffle=False)
+    np.random.seed(0)
+    ref = params(ddprun.fit(mlp(), loader, training_step=stepper(), run_dir=str(tmp_path / "ref"), checkpoint_every=3,
+                            **KW))
+    runtime._reset()
+    np.random.seed(0)
+    with pytest.raises(Crash):
+        ddprun.fit(mlp(), loader, training_step=stepper(13), run_dir=str(tmp_path / "c"), checkpoint_every=3, **KW)
+    runtime._reset()
+    res = ddprun.fit(mlp(), loader, training_step=stepper(), run_dir=str(tmp_path / "c"), checkpoint_every=3, **KW)
+    assert all(torch.equal(a, b) for a, b in zip(ref, params(res)))
+    assert checkpoint.load(str(tmp_path / "c" / "checkpoints"))["step"] == 24
