@@ -1,12 +1,14 @@
 """The worker's channel to the agent's TCP store (the rendezvous store torch shares with workers).
 
-Keys live under ``ddprun/<run id>/<restart count>/``:
+Keys live under ``ddprun/<run id>/<attempt id>/`` (:func:`ddprun.attempt.store_prefix`: the c10d
+rendezvous round, the same on every node; the store outlives the attempts, so each needs its own):
   ``rank/<N>``          JSON row of rank N (host, pid, device, ranks); ``rank/<N>/count`` catches twins
   ``node/<N>``          preflight facts of the node whose local rank 0 is global rank N
   ``preflight``         rank 0's verdict: ``ok`` or the error; every rank waits for it before user code
   ``progress/<N>``      optimizer steps of rank N (published at most every 0.5 s, only when changed)
   ``stall``             set by rank 0 when no rank advanced for the stall threshold
   ``place/<N>``         where rank N's main thread is, answered on ``stall``
+  ``timing/<N>``        rank N's step-time medians over its latest window (telemetry.py), every 2 s
   ``failures``, ``failure/<k>``  the k-th failure: rank, host, summary, exit code
 
 A monitor thread per worker does the polling (a few cheap store calls every 0.5 s, never on the
@@ -29,6 +31,7 @@ from datetime import timedelta
 POLL_S = 0.5
 PLACES_WAIT_S = 5.0
 ACK_WAIT_S = 3.0
+DEFAULT_WINDOW_S = 2.0
 DEFAULT_STALL_S = 300.0
 
 
@@ -58,7 +61,9 @@ class JobChannel:
         self.doctor = environ.get("DDPRUN_DOCTOR") == "1"
         restart = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.last_attempt = restart == environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
-        self.prefix = f"ddprun/{self.run_id}/{restart}/"
+        from ddprun.attempt import store_prefix
+
+        self.prefix = store_prefix(environ)
         self.device = f"cuda:{self.local_rank}" if environ.get("DDPRUN_DEVICE_KIND") == "cuda" else "cpu"
         self.host = socket.gethostname()
         self.environ = environ
@@ -67,6 +72,13 @@ class JobChannel:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.counter = None
+        self.window_s = float(environ.get("DDPRUN_TELEMETRY_WINDOW", str(DEFAULT_WINDOW_S)))
+        self.straggler_margin = float(environ.get("DDPRUN_STRAGGLER_MARGIN", "0.2"))
+        self.straggler_windows = int(environ.get("DDPRUN_STRAGGLER_WINDOWS", "3"))
+        self._window = 0
+        self._seen_windows: dict[int, int] = {}
+        self._detector = None
+        self.hosts: dict[int, str] = {}
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str], script: str | None = None) -> JobChannel | None:
@@ -150,6 +162,7 @@ class JobChannel:
         from ddprun.ranktable import print_rank_table, write_json_atomic, write_plan_json
 
         rows = self.gather(lambda r: f"rank/{r}", range(self.world_size))
+        self.hosts = {r["rank"]: r["host"] for r in rows}
         print_rank_table(rows, self.world_size)
         if self.run_dir:
             write_plan_json(self.run_dir, rows, self.world_size)
@@ -240,6 +253,7 @@ class JobChannel:
         answered = False
         last_total, last_change = -1, time.monotonic()
         last_check = 0.0
+        last_window = time.monotonic()
         while not self._stop.wait(POLL_S):
             try:
                 if self.last_attempt and self.world_size > 1:
@@ -254,6 +268,11 @@ class JobChannel:
                     self._answer_stall(store)
                     answered = True
                 now = time.monotonic()
+                if now - last_window >= self.window_s:
+                    last_window = now
+                    self._publish_timing(store)
+                    if self.rank == 0:
+                        self._watch_stragglers(store)
                 if self.rank == 0 and self.stall_s > 0 and now - last_check >= 1.0:
                     last_check = now
                     keys = [self._key(f"progress/{r}") for r in range(self.world_size)]
@@ -264,6 +283,53 @@ class JobChannel:
                         self._report_stall(store, now - last_change)
             except Exception:  # noqa: BLE001 - store gone: the job is ending, the agent decides
                 return
+
+    # -- step timing and stragglers ----------------------------------------------------------
+    def _publish_timing(self, store) -> None:
+        """This rank's medians over the last window, if it made steps (one store write)."""
+        from ddprun.telemetry import TIMER, summarize
+
+        summary = summarize(TIMER.drain())
+        if summary is None:
+            return
+        self._window += 1
+        summary.update(w=self._window, t=round(time.time(), 3))
+        store.set(self._key(f"timing/{self.rank}"), json.dumps(summary))
+
+    def _watch_stragglers(self, store) -> None:
+        """Rank 0: read every rank's latest window, keep it in timings.csv, name stragglers."""
+        from ddprun.report import EVENTS, TIMING_COLUMNS, TIMINGS
+        from ddprun.straggler import StragglerDetector
+
+        keys = [self._key(f"timing/{r}") for r in range(self.world_size)]
+        fresh: dict[int, dict] = {}
+        for r, key in enumerate(keys):
+            if store.check([key]):
+                summary = json.loads(store.get(key))
+                if summary["w"] != self._seen_windows.get(r):
+                    self._seen_windows[r] = summary["w"]
+                    fresh[r] = summary
+        if not fresh or not self.run_dir:
+            return
+        path = os.path.join(self.run_dir, TIMINGS)
+        new_file = not os.path.exists(path)
+        with open(path, "a") as fp:
+            if new_file:
+                fp.write(",".join(TIMING_COLUMNS) + "\n")
+            for r, s in sorted(fresh.items()):
+                row = {**s, "rank": r, "window": s["w"]}
+                fp.write(",".join("" if row.get(c) is None else str(row[c]) for c in TIMING_COLUMNS) + "\n")
+        if self._detector is None:
+            self._detector = StragglerDetector(margin=self.straggler_margin, k=self.straggler_windows)
+        if len(fresh) < 2:
+            return
+        for event in self._detector.update(fresh, self.hosts, time.monotonic()):
+            msg = f"ddprun: straggler: {event.message()}"
+            print(msg, file=sys.stderr, flush=True)
+            with open(os.path.join(self.run_dir, EVENTS), "a") as fp:
+                fp.write(json.dumps({"kind": "straggler", "t": time.time(), "rank": event.rank, "host": event.host,
+                                     "what": event.what, "value_s": event.value_s, "median_s": event.median_s,
+                                     "window": fresh[event.rank]["w"], "message": event.message()}) + "\n")
 
     def _stopped_by(self, failure: dict) -> None:
         from ddprun.exit import stopped_message, write_error_file
@@ -304,6 +370,11 @@ class JobChannel:
             with open(os.path.join(self.run_dir, "stacks", "hang-report.txt"), "w") as fp:
                 fp.write(report + "\n")
         print(report, file=sys.stderr, flush=True)
+        if self.run_dir:
+            from ddprun.report import EVENTS
+
+            with open(os.path.join(self.run_dir, EVENTS), "a") as fp:
+                fp.write(json.dumps({"kind": "hang", "t": time.time(), "message": summary}) + "\n")
         self.record_failure(f"stall: {summary}", 1)
         write_error_file(f"stall: {summary}")
         sys.stdout.flush()
