@@ -122,6 +122,51 @@ def summarize_failures(failures: Mapping[int, object], run_dir: str, host: str) 
     return "\n".join(lines)
 
 
+@dataclass
+class RecordedFailure:
+    """A worker failure read back from its error file (when torch's agent could not report it)."""
+
+    local_rank: int
+    message: str
+    exitcode: int = 1
+
+    def signal_name(self) -> str:
+        return ""
+
+
+def recorded_failures(local_workers: Mapping[int, tuple[int, str]]) -> dict[int, RecordedFailure]:
+    """This node's workers that wrote an error file, by global rank."""
+    import json
+
+    out = {}
+    for rank, (local_rank, path) in local_workers.items():
+        try:
+            with open(path) as fp:
+                data = json.load(fp)
+        except (OSError, ValueError):
+            continue
+        msg = data.get("message", "")
+        out[rank] = RecordedFailure(local_rank, str(msg.get("message", "") if isinstance(msg, dict) else msg))
+    return out
+
+
+def write_run_report(run_dir: str, console: TextIO) -> None:
+    """report.html for the run (on the node that ran rank 0); a missing matplotlib is one note."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        print("ddprun: no run report: matplotlib is not installed (pip install 'ddprun[report]')", file=console)
+        return
+    from ddprun.report import write_report
+
+    try:
+        path = write_report(run_dir)
+    except Exception as e:  # noqa: BLE001 - a report must never turn a finished run into a failure
+        print(f"ddprun: the run report could not be written: {type(e).__name__}: {e}", file=console)
+        return
+    print(f"ddprun: report: {os.path.relpath(path)}", file=console, flush=True)
+
+
 def _claim_endpoint(host: str, port: int, run_id: str, token: str) -> str | None:
     """If a store already answers at the endpoint, claim it for this job; the refusal text if it
     belongs to another job. Nothing listening (this node will host it) costs one refused connect."""
@@ -263,9 +308,14 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
         code = 1
     except RendezvousError as e:
         follower.stop()
-        print(f"ddprun: rendezvous at {endpoint} failed: {type(e).__name__}: {e}\n"
+        recorded = recorded_failures(logs_specs.local_workers)
+        if recorded:  # this node's workers failed, and the node hosting the store ended first
+            print(summarize_failures(recorded, run_dir, hostname), file=err_console, flush=True)
+        else:
+            print(f"ddprun: rendezvous at {endpoint} failed: {type(e).__name__}: {e}\n"
               f"HINT: check that every node runs ddprun with the same --rdzv-endpoint and --rdzv-id, that "
-              f"{spec.master_addr} is reachable from every node, and see {agent_log}", file=err_console, flush=True)
+                  f"{spec.master_addr} is reachable from every node, and see {agent_log}", file=err_console,
+                  flush=True)
         code = 1
     except KeyboardInterrupt:
         follower.stop()
@@ -291,6 +341,8 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
         remove_empty_early_logs(run_dir)
         os.dup2(saved_stderr, 2)
         os.close(saved_stderr)
+    if logs_specs.has_rank0:
+        write_run_report(run_dir, console)
     wall = time.monotonic() - t0
     if code == 0:
         print(f"ddprun: run {run_id} finished on this node in {wall:.1f} s", file=console, flush=True)

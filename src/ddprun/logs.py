@@ -110,6 +110,10 @@ class RankLogsSpecs(LogsSpecs):
                  attempt_id: Callable[[str], str] | None = None):
         super().__init__(log_dir=run_dir)
         self._on_workers_start = on_workers_start
+        self.has_rank0 = False
+        """Whether this node ran global rank 0 (it then writes the run report)."""
+        self.local_workers: dict[int, tuple[int, str]] = {}
+        """Global rank -> (local rank, error file) of this node's latest workers."""
         # restart count -> the job-wide attempt id (ddprun.attempt.AttemptIds.current), asked once per start
         self._attempt_id = attempt_id
         self._starts = 0
@@ -153,7 +157,9 @@ class RankLogsSpecs(LogsSpecs):
             # worker printed before that (an interpreter that could not start, say).
             stderrs[local_rank] = early_log_path(self._run_dir, rank)
             errors[local_rank] = error_file
+            self.local_workers[int(rank)] = (local_rank, error_file)
             if rank == "0":
+                self.has_rank0 = True
                 follow[path] = ""
             elif local_rank in self._tee_local:
                 follow[path] = f"[rank{rank}] "

@@ -37,6 +37,8 @@ from ddprun.errors import ConfigError
 from ddprun.runtime import RankInfo
 from ddprun.train import checkpoint as ckpt
 from ddprun.train import resume as resume_mod
+from ddprun.telemetry import TIMER
+from ddprun.train import timing
 from ddprun.train.data import build_train_loader, build_val_loader
 from ddprun.train.metrics import MetricsLog
 from ddprun.train.progress import Progress
@@ -617,6 +619,11 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
     first_step = step + 1  # the training timeout starts after this process's first step
     done = max_steps is not None and step >= max_steps  # a finished run resumed: nothing left to do
     window_t0 = time.perf_counter()
+    # step timing (train/timing.py): published by the job channel every 2 s, no collective
+    clock = timing.install(ddp) if is_ddp else None
+    TIMER.detailed = True
+    t_prev_step = time.perf_counter()
+    t_data = t_compute = t_reduce = 0.0
 
     def flush_window() -> None:
         nonlocal window_steps, window_samples, window_t0, last_window
@@ -664,16 +671,26 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
                     source = _Skipped(loader, pos.batches)
                 pos = None
             taken = 0
+            t_asked = time.perf_counter()
             for batch, divisor, last, group_len in _micro_batches(source, sized, grad_accum):
                 if not on_cpu:
                     batch = _to_device(batch, device, non_blocking)
+                t_fwd = time.perf_counter()
+                t_data += t_fwd - t_asked
                 window_samples += _batch_len(batch)
+                if clock is not None:
+                    clock.last_launch = None
                 with null if (last or not is_ddp) else ddp.no_sync():
                     with amp():
                         loss = _loss(ddp, batch, training_step, loss_fn)
                     if divisor > 1:
                         loss = loss / divisor
                     (scaler.scale(loss) if scaler is not None else loss).backward()
+                t_bwd = time.perf_counter()
+                compute_s, reduce_s = timing.split_backward(t_fwd, t_bwd, clock)
+                t_compute += compute_s
+                t_reduce += reduce_s
+                t_asked = t_bwd
                 batches_done += 1
                 taken += 1
                 epoch_samples += per_batch
@@ -692,6 +709,10 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
                         group_loss = group_loss * (divisor / group_len)
                     window_losses.append(group_loss)
                 _optimizer_step(opt, sched, scaler, params, grad_clip)
+                t_end = time.perf_counter()
+                TIMER.record(t_end - t_prev_step, t_data, t_compute, t_reduce, t_end - t_asked)
+                t_prev_step = t_asked = t_end
+                t_data = t_compute = t_reduce = 0.0
                 step += 1
                 window_steps += 1
                 if step == first_step:
@@ -728,6 +749,7 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
             path = ckpt.latest(ckpts.directory) if info.is_main else None
             runtime.barrier()
     finally:
+        TIMER.detailed = False
         progress.close()
         log.close()
     return FitResult(train_loss=train_loss, val_metrics=val_result, steps=step, epochs=epoch, model=module,
