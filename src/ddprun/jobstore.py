@@ -159,7 +159,8 @@ class JobChannel:
 
     def _rank0_preflight(self) -> None:
         from ddprun.preflight import check, render_facts
-        from ddprun.ranktable import print_rank_table, write_json_atomic, write_plan_json
+        from ddprun.atomic import write_json_atomic
+        from ddprun.ranktable import print_rank_table, write_plan_json
 
         rows = self.gather(lambda r: f"rank/{r}", range(self.world_size))
         self.hosts = {r["rank"]: r["host"] for r in rows}

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import io
-import json
 import os
 import sys
-import tempfile
 from collections.abc import Sequence
 
+from ddprun.atomic import write_json_atomic
 from ddprun.plan import RankPlan
 
 COLUMNS = ("rank", "local_rank", "node_rank", "host", "pid", "device")
@@ -45,25 +44,6 @@ def print_rank_table(rows: Sequence[dict], world_size: int) -> None:
         text += f"ddprun: ranks {missing} did not report within the join timeout\n"
     sys.stdout.write(text)
     sys.stdout.flush()
-
-
-def write_json_atomic(path: str, data: dict) -> None:
-    """Write JSON to ``path`` through a temp file in the same directory, fsync, rename."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as fp:
-            json.dump(data, fp, indent=2)
-            fp.flush()
-            os.fsync(fp.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def write_plan_json(run_dir: str, rows: Sequence[dict], world_size: int) -> None:

@@ -20,6 +20,8 @@ import math
 import os
 from collections import defaultdict
 
+from ddprun.atomic import write_text_atomic
+
 REPORT = "report.html"
 TIMINGS = "timings.csv"
 EVENTS = "events.jsonl"
@@ -183,8 +185,5 @@ def write_report(run_dir: str, compare: str | None = None, out: str | None = Non
     data = load_run(run_dir)
     other = load_run(compare) if compare else None
     path = out or os.path.join(run_dir, REPORT)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fp:
-        fp.write(render(data, other))
-    os.replace(tmp, path)
+    write_text_atomic(path, render(data, other))
     return path

@@ -1,11 +1,10 @@
 """Never hang silently: a missing node, a stalled rank, mismatched nodes, a second job."""
 
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import DDPRUN, EXAMPLE, ddprun_nodes, describe, free_port, run_agents, job_env
+from tests.helpers import EXAMPLE, ddprun_nodes, describe, free_port, run_agents, job_env
 
 pytestmark = pytest.mark.multiprocess
 

@@ -26,13 +26,13 @@ import os
 import random
 import re
 import shutil
-import tempfile
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import IO, Any
 
 import torch
 
+from ddprun.atomic import write_atomic
 from ddprun.errors import CheckpointError, ConfigError
 
 FORMAT_VERSION = 2
@@ -54,39 +54,6 @@ def meta_path(path: str) -> str:
 def step_of(path: str) -> int | None:
     m = _NAME.match(os.path.basename(path))
     return int(m.group(1)) if m else None
-
-
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # some platforms/filesystems cannot open a directory; the rename stands anyway
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: str, write: Callable[[IO[bytes]], None]) -> None:
-    """Create or replace ``path`` with what ``write(fileobj)`` writes, atomically (module docstring)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(directory)
 
 
 class _HashingWriter:

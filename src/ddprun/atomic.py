@@ -1,0 +1,53 @@
+"""Atomic file writes: a temp file in the target's directory, fsync, rename, fsync the directory.
+
+A reader (or a restart after a kill mid-write) sees the old file or the new one, never a part.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from typing import IO
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # some platforms/filesystems cannot open a directory; the rename stands anyway
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str, write: Callable[[IO[bytes]], None]) -> None:
+    """Create or replace ``path`` with what ``write(fileobj)`` writes, atomically."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(directory)
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    write_atomic(path, lambda f: f.write(text.encode()))
+
+
+def write_json_atomic(path: str, data: dict) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2))
