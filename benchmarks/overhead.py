@@ -13,7 +13,8 @@ forward imports torch._dynamo). Reported: the median over all steps of each loop
 per-block-pair ratios, and the 10th percentiles (the least disturbed steps). Wall time on a machine
 whose cores other jobs share is noisy, so the training thread's CPU time per step
 (``time.thread_time``; the gloo all-reduce waits without CPU) is reported too: the loop's own cost.
-Goal: fit / hand-written <= 1.01.
+Goal: fit / hand-written <= 1.01. A third loop, fit with ``step_timing=False``, gives the cost of
+the step timing and telemetry (goal <= 1%).
 
 Peak RSS: two more launches, one loop each, ``ru_maxrss`` of each rank at its end, max over ranks.
 """
@@ -57,15 +58,19 @@ def _setup():
     return model, TensorDataset(x, y)
 
 
-def run_fit(steps: int, batch: int, times: list) -> int:
+def run_fit(steps: int, batch: int, times: list, step_timing: bool = True) -> int:
     from torch import nn
 
     import ddprun
 
     model, data = _setup()
     ddprun.fit(model, data, loss_fn=nn.functional.mse_loss, optimizer=lambda p: _timed_sgd(p, times),
-               batch_size=batch, max_steps=steps, seed=0)
+               batch_size=batch, max_steps=steps, seed=0, step_timing=step_timing)
     return ddprun.rank_info().rank
+
+
+def run_fit_untimed(steps: int, batch: int, times: list) -> int:
+    return run_fit(steps, batch, times, step_timing=False)
 
 
 def run_raw(steps: int, batch: int, times: list) -> int:
@@ -102,9 +107,9 @@ def run_raw(steps: int, batch: int, times: list) -> int:
 def worker(args: argparse.Namespace) -> None:
     import resource
 
-    loops = {"fit": run_fit, "raw": run_raw}
+    loops = {"fit": run_fit, "raw": run_raw, "untimed": run_fit_untimed}
     if args.mode == "interleaved":
-        order = [("fit", "raw") if i % 2 == 0 else ("raw", "fit") for i in range(args.blocks)]
+        order = [("fit", "raw", "untimed") if i % 2 == 0 else ("untimed", "raw", "fit") for i in range(args.blocks)]
         blocks = []
         for pair in order:
             for mode in pair:
@@ -164,6 +169,11 @@ def driver(args: argparse.Namespace) -> int:
           f"(10th percentiles); goal <= 1.01")
     print(f"  training thread's CPU time per step (median): ddprun.fit {cpu['fit']:.3f} ms, hand-written "
           f"{cpu['raw']:.3f} ms, ratio {cpu['fit'] / cpu['raw']:.3f} (the loop's own cost, whatever the load)")
+    untimed = statistics.median([t for b in blocks if b["mode"] == "untimed" for t in b["intervals"]]) * 1e3
+    untimed_cpu = statistics.median([t for b in blocks if b["mode"] == "untimed" for t in b["cpu"]]) * 1e3
+    print(f"  step timing and telemetry (fit with step_timing=True vs False): {fit_ms:.3f} vs {untimed:.3f} ms, "
+          f"ratio {fit_ms / untimed:.3f}; CPU time {cpu['fit']:.3f} vs {untimed_cpu:.3f} ms, ratio "
+          f"{cpu['fit'] / untimed_cpu:.3f}; goal <= 1.01")
     print(f"  peak RSS (max over ranks, separate launches): ddprun.fit {rss['fit']:.0f} MiB, "
           f"hand-written {rss['raw']:.0f} MiB")
     return 0
@@ -176,7 +186,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=20, help="steps left out at the start of each block")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--mode", choices=["fit", "raw", "interleaved"], help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=["fit", "raw", "untimed", "interleaved"], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:

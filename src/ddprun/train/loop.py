@@ -457,7 +457,7 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
         scheduler: Callable | None = None, epochs: int | None = None, max_steps: int | None = None,
         batch_size: int = 32, grad_accum: int = 1, precision: str = "32", grad_clip: float | None = None,
         seed: int = 0, num_workers: int | None = None, val_metrics: Mapping[str, Callable] | None = None,
-        checkpoint_dir: str | None = None, run_dir: str | None = None, log_every: int = 50,
+        checkpoint_dir: str | None = None, run_dir: str | None = None, log_every: int = 50, step_timing: bool = True,
         checkpoint_every: int | None = None, keep_checkpoints: int = 3, resume: bool | str = "auto",
         datamodule: Any = None, trainer_kwargs: Mapping[str, Any] | None = None) -> FitResult:
     """Train ``model`` data-parallel over every rank of the job (one process: no process group).
@@ -511,6 +511,9 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
         history; see :mod:`ddprun.train.checkpoint` (atomic, SHA-256 checked, weights_only loads).
 
     Checkpoints and restarts:
+      step_timing: time each step's parts (data wait, compute, blocked all-reduce, optimizer; see
+        :mod:`ddprun.train.timing`) for the straggler detector and the run report. Off: no comm
+        hook and no timestamps (benchmarks/overhead.py measures the difference).
       checkpoint_every: also save every this many optimizer steps (None: only at the end). Costs
         one all_gather_object (RNG states) and one barrier per checkpoint, plus the write on rank 0.
       keep_checkpoints: how many to keep (the newest; at least 1).
@@ -620,8 +623,8 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
     done = max_steps is not None and step >= max_steps  # a finished run resumed: nothing left to do
     window_t0 = time.perf_counter()
     # step timing (train/timing.py): published by the job channel every 2 s, no collective
-    clock = timing.install(ddp) if is_ddp else None
-    TIMER.detailed = True
+    clock = timing.install(ddp) if (is_ddp and step_timing) else None
+    TIMER.detailed = True  # fit records its own steps (or none): the optimizer hook stays quiet
     t_prev_step = time.perf_counter()
     t_data = t_compute = t_reduce = 0.0
 
@@ -710,7 +713,8 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
                     window_losses.append(group_loss)
                 _optimizer_step(opt, sched, scaler, params, grad_clip)
                 t_end = time.perf_counter()
-                TIMER.record(t_end - t_prev_step, t_data, t_compute, t_reduce, t_end - t_asked)
+                if step_timing:
+                    TIMER.record(t_end - t_prev_step, t_data, t_compute, t_reduce, t_end - t_asked)
                 t_prev_step = t_asked = t_end
                 t_data = t_compute = t_reduce = 0.0
                 step += 1
