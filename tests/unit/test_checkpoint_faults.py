@@ -18,17 +18,25 @@ from torch.utils.data import TensorDataset
 
 import ddprun
 from ddprun import runtime
+from ddprun.train import resume as resume_mod
 from ddprun.errors import CheckpointError
 from ddprun.train import checkpoint
+
+
+
+def new_process():
+    """What a restarted worker starts with: no process group, no fit finished in this process."""
+    runtime._reset()
+    resume_mod._FINISHED_IN_THIS_PROCESS.clear()
 
 
 @pytest.fixture(autouse=True)
 def one_process(monkeypatch):
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "DDPRUN_RUN_DIR", "TORCHELASTIC_MAX_RESTARTS"):
         monkeypatch.delenv(k, raising=False)
-    runtime._reset()
+    new_process()
     yield
-    runtime._reset()
+    new_process()
 
 
 def regression(n=64):
@@ -44,7 +52,7 @@ def mlp(width=16):
 
 def train(run_dir, epochs=1, width=16, **kw):
     """8 steps per epoch (64 samples, batch 8), SGD: checkpoints of about 1 KB + 4 bytes per parameter."""
-    runtime._reset()
+    new_process()
     kw.setdefault("checkpoint_every", 4)
     return ddprun.fit(mlp(width), regression(), loss_fn=nn.functional.mse_loss, batch_size=8, epochs=epochs,
                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05), run_dir=str(run_dir), log_every=100, **kw)

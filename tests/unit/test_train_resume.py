@@ -11,18 +11,26 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ddprun
 from ddprun import runtime
+from ddprun.train import resume as resume_mod
 from ddprun.errors import ConfigError
 from ddprun.train import checkpoint
 from ddprun.train.data import ResumableSampler
+
+
+
+def new_process():
+    """What a restarted worker starts with: no process group, no fit finished in this process."""
+    runtime._reset()
+    resume_mod._FINISHED_IN_THIS_PROCESS.clear()
 
 
 @pytest.fixture(autouse=True)
 def one_process(monkeypatch):
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "DDPRUN_RUN_DIR", "TORCHELASTIC_MAX_RESTARTS"):
         monkeypatch.delenv(k, raising=False)
-    runtime._reset()
+    new_process()
     yield
-    runtime._reset()
+    new_process()
 
 
 def regression(n=64):
@@ -60,7 +68,7 @@ KW = dict(optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2), epochs=3, batch_s
 
 
 def run(run_dir, crash_at=None, model=None, **kw):
-    runtime._reset()
+    new_process()
     return ddprun.fit(model or mlp(), regression(), training_step=stepper(crash_at), run_dir=str(run_dir),
                       **{**KW, **kw})
 
@@ -167,11 +175,26 @@ def test_a_user_dataloader_in_one_process_resumes_by_skipping_batches(tmp_path):
     np.random.seed(0)
     ref = params(ddprun.fit(mlp(), loader, training_step=stepper(), run_dir=str(tmp_path / "ref"), checkpoint_every=3,
                             **KW))
-    runtime._reset()
+    new_process()
     np.random.seed(0)
     with pytest.raises(Crash):
         ddprun.fit(mlp(), loader, training_step=stepper(13), run_dir=str(tmp_path / "c"), checkpoint_every=3, **KW)
-    runtime._reset()
+    new_process()
     res = ddprun.fit(mlp(), loader, training_step=stepper(), run_dir=str(tmp_path / "c"), checkpoint_every=3, **KW)
     assert all(torch.equal(a, b) for a, b in zip(ref, params(res)))
     assert checkpoint.load(str(tmp_path / "c" / "checkpoints"))["step"] == 24
+
+
+def test_a_second_fit_in_one_process_after_a_finished_one_starts_anew(tmp_path):
+    data = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+
+    def run():
+        torch.manual_seed(0)
+        return ddprun.fit(nn.Linear(4, 1), data, loss_fn=nn.functional.mse_loss, batch_size=8, max_steps=4,
+                          run_dir=str(tmp_path), log_every=100)
+
+    first = run()
+    with pytest.warns(UserWarning, match="starts anew"):
+        second = run()
+    assert first.steps == second.steps == 4  # not "a finished run resumed: nothing left to do"
+    assert all(torch.equal(a, b) for a, b in zip(first.model.parameters(), second.model.parameters()))

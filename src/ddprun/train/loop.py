@@ -459,7 +459,8 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
         seed: int = 0, num_workers: int | None = None, val_metrics: Mapping[str, Callable] | None = None,
         checkpoint_dir: str | None = None, run_dir: str | None = None, log_every: int = 50, step_timing: bool = True,
         checkpoint_every: int | None = None, keep_checkpoints: int = 3, resume: bool | str = "auto",
-        datamodule: Any = None, trainer_kwargs: Mapping[str, Any] | None = None) -> FitResult:
+        datamodule: Any = None, trainer_kwargs: Mapping[str, Any] | None = None,
+        on_checkpoint: Callable[[str | None, int, int], None] | None = None) -> FitResult:
     """Train ``model`` data-parallel over every rank of the job (one process: no process group).
 
     A ``lightning.pytorch.LightningModule`` goes to :func:`ddprun.lightning.fit_lightning`, which
@@ -517,6 +518,10 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
       checkpoint_every: also save every this many optimizer steps (None: only at the end). Costs
         one all_gather_object (RNG states) and one barrier per checkpoint, plus the write on rank 0.
       keep_checkpoints: how many to keep (the newest; at least 1).
+      on_checkpoint: ``(path, step, epoch) -> None``, called on every rank after each checkpoint is
+        complete (every rank has passed the save's barrier): ``path`` is the file on rank 0, None on
+        the others. For handing checkpoints to another system (``ddprun.ray`` reports them to Ray
+        Train); it may run collectives, and must on every rank alike. nn.Module only.
       resume: "auto" (default): if checkpoint_dir has a usable checkpoint, continue from it: model,
         optimizer, scheduler, scaler, the step, the position in the epoch, every rank's RNG states.
         That is what happens when torch's agent restarts the workers (``ddprun run --max-restarts
@@ -540,6 +545,10 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
     if _lightning_module(model):
         from ddprun.lightning import fit_lightning
 
+        if on_checkpoint is not None:
+            raise ConfigError("on_checkpoint is for a plain nn.Module.", seen=f"model: {type(model).__name__}",
+                              hint="With a LightningModule, add a lightning Callback through trainer_kwargs="
+                                   "{'callbacks': [...]} (its on_save_checkpoint, or trainer.save_checkpoint).")
         return fit_lightning(model, train_data, val_data=val_data, datamodule=datamodule, epochs=epochs,
                              max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum, precision=precision,
                              grad_clip=grad_clip, seed=seed, num_workers=num_workers, checkpoint_dir=checkpoint_dir,
@@ -560,6 +569,7 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
                        log_every=log_every)
     _int_at_least("checkpoint_every", checkpoint_every, 1, optional=True)
     _int_at_least("keep_checkpoints", keep_checkpoints, 1)
+    _check_callable("on_checkpoint", on_checkpoint, "(path, step, epoch) -> None")
     resume_mod.check_resume(resume)
     info = runtime.init()
     device = info.device
@@ -728,6 +738,8 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
                     saved = ckpts.save(step, epoch, make_state)
                     if saved:
                         progress.message(f"checkpoint: {saved}")
+                    if on_checkpoint is not None:
+                        on_checkpoint(saved, step, epoch)
                 if max_steps is not None and step >= max_steps:
                     done = True
                     break
@@ -749,9 +761,12 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
             path = ckpts.save(step, epoch, make_state, final=True)
             if path:
                 progress.message(f"checkpoint: {path}")
+            if on_checkpoint is not None:
+                on_checkpoint(path, step, epoch)
         else:  # saved at this step already (or resumed a finished run): that file is the final one
             path = ckpt.latest(ckpts.directory) if info.is_main else None
             runtime.barrier()
+        resume_mod.mark_finished(ckpts.directory)
     finally:
         TIMER.detailed = False
         progress.close()

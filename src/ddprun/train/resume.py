@@ -22,6 +22,7 @@ one ``all_gather_object`` of every rank's RNG states, then the writers write (at
 from __future__ import annotations
 
 import os
+import warnings
 import sys
 import time
 import uuid
@@ -59,6 +60,14 @@ def check_resume(resume: Any) -> None:
                            "anew, or give a path.")
 
 
+_FINISHED_IN_THIS_PROCESS: set[str] = set()
+"""Checkpoint directories in which a fit() of this process ran to its end (see Checkpoints.open)."""
+
+
+def mark_finished(directory: str) -> None:
+    _FINISHED_IN_THIS_PROCESS.add(os.path.abspath(directory))
+
+
 class Checkpoints:
     """Where fit's checkpoints go and whether this rank writes them (module docstring)."""
 
@@ -78,6 +87,14 @@ class Checkpoints:
         check_resume(resume)
         source = directory if resume in ("auto", True, False) else os.path.abspath(os.fspath(resume))
         wanted = resume is not False
+        if resume == "auto" and os.path.abspath(directory) in _FINISHED_IN_THIS_PROCESS:
+            # Another fit() of this process finished here (pretrain, then fine-tune; a benchmark's
+            # blocks): that is a new run, not an interrupted one, so "auto" does not continue it.
+            # Every rank finished the same fits, so every rank decides the same.
+            wanted = False
+            if info.is_main:
+                warnings.warn(f"ddprun: fit() already ran in this process with checkpoints in {directory}; this "
+                              "fit() starts anew (resume=True or a path continues from them).", stacklevel=3)
         if not _distributed(info):
             self = cls(directory, info, keep)
             cls._prepare(directory)
