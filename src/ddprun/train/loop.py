@@ -633,7 +633,7 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
     done = max_steps is not None and step >= max_steps  # a finished run resumed: nothing left to do
     window_t0 = time.perf_counter()
     # step timing (train/timing.py): published by the job channel every 2 s, no collective
-    clock = timing.install(ddp) if (is_ddp and step_timing) else None
+    clock = timing.install(module) if (is_ddp and step_timing) else None
     TIMER.detailed = True  # fit records its own steps (or none): the optimizer hook stays quiet
     t_prev_step = time.perf_counter()
     t_data = t_compute = t_reduce = 0.0
@@ -692,7 +692,7 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
                 t_data += t_fwd - t_asked
                 window_samples += _batch_len(batch)
                 if clock is not None:
-                    clock.last_launch = None
+                    clock.ready = None
                 with null if (last or not is_ddp) else ddp.no_sync():
                     with amp():
                         loss = _loss(ddp, batch, training_step, loss_fn)
@@ -700,7 +700,7 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
                         loss = loss / divisor
                     (scaler.scale(loss) if scaler is not None else loss).backward()
                 t_bwd = time.perf_counter()
-                compute_s, reduce_s = timing.split_backward(t_fwd, t_bwd, clock)
+                compute_s, reduce_s = timing.split_backward(t_fwd, t_bwd, clock, synced=last)
                 t_compute += compute_s
                 t_reduce += reduce_s
                 t_asked = t_bwd

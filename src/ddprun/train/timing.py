@@ -1,12 +1,13 @@
-"""How fit splits a step's time, without adding a collective or a device sync.
+"""How fit splits a step's time, without adding a collective, a device sync or changing DDP.
 
-All-reduce time is measured through a DDP communication hook that is numerically DDP's default
-(``default_hooks.allreduce_hook``: divide by the world size, then all-reduce) and notes when the
-last bucket's all-reduce was launched. Gradients are ready bucket by bucket during backward, so
-the time from that launch until ``backward()`` returns is the time this rank was blocked waiting
-for the reduction to finish (on slower peers, or the network). Forward + backward before it is
-compute. On CUDA these are host times: kernels still queued are counted where the host waits for
-them (at the all-reduce or at the next step), not where they run.
+DDP all-reduces gradients bucket by bucket while backward still runs; the last bucket holds the
+first layers, whose gradients backward computes last. A post-accumulate-grad hook on the first
+parameters in model order (the first two: a weight and its bias) notes when those gradients are
+ready, i.e. when this rank's compute of the step ended. The time from then until ``backward()``
+returns is the time this rank was blocked waiting for the reduction (on slower peers, or the
+network); forward + backward before it is compute. DDP keeps its built-in C++ all-reduce: the
+hooks only read the clock (one Python call per hooked parameter per backward). On CUDA these are
+host times: kernels still queued are counted where the host waits for them.
 """
 
 from __future__ import annotations
@@ -14,30 +15,32 @@ from __future__ import annotations
 import time
 from typing import Any
 
+HOOKED_PARAMS = 2
 
-class AllReduceClock:
-    """The launch time of the latest bucket's all-reduce (``time.perf_counter`` seconds)."""
+
+class GradReadyClock:
+    """When the hooked (earliest-layer) gradients of the current backward were last ready."""
 
     def __init__(self) -> None:
-        self.last_launch: float | None = None
+        self.ready: float | None = None
 
-    def hook(self, process_group, bucket):  # unannotated: DDP checks the annotations it finds
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        self.last_launch = time.perf_counter()
-        return default_hooks.allreduce_hook(process_group, bucket)
+    def _hook(self, param) -> None:  # noqa: ARG002 - torch's hook signature
+        self.ready = time.perf_counter()
 
 
-def install(ddp: Any) -> AllReduceClock:
-    """Register the timed all-reduce on a DistributedDataParallel module."""
-    clock = AllReduceClock()
-    ddp.register_comm_hook(None, clock.hook)
+def install(module: Any) -> GradReadyClock:
+    """Hook the first parameters (model order) of ``module`` that get gradients."""
+    clock = GradReadyClock()
+    params = [p for p in module.parameters() if p.requires_grad][:HOOKED_PARAMS]
+    for p in params:
+        p.register_post_accumulate_grad_hook(clock._hook)
     return clock
 
 
-def split_backward(t_start: float, t_end: float, clock: AllReduceClock | None) -> tuple[float, float]:
-    """(compute, blocked in all-reduce) of a forward+backward that ran from t_start to t_end."""
-    launch = clock.last_launch if clock is not None else None
-    if launch is None or not t_start <= launch <= t_end:
+def split_backward(t_start: float, t_end: float, clock: GradReadyClock | None, synced: bool) -> tuple[float, float]:
+    """(compute, blocked in all-reduce) of a forward+backward that ran from t_start to t_end;
+    a micro-batch under ``no_sync`` (``synced=False``) reduces nothing: all compute."""
+    ready = clock.ready if clock is not None else None
+    if not synced or ready is None or not t_start <= ready <= t_end:
         return t_end - t_start, 0.0
-    return launch - t_start, t_end - launch
+    return ready - t_start, t_end - ready
