@@ -6,9 +6,12 @@ training API is loaded on first use (module ``__getattr__``):
     ddprun.init()       join the process group, pick this rank's device -> RankInfo
     ddprun.rank_info()  who this process is, without initialising anything
     ddprun.fit(...)     train an nn.Module (or a LightningModule: ddprun.lightning) data-parallel -> FitResult
+    ddprun.launch(fn, *args, nproc_per_node=N, **kwargs)
+                        run fn on every device of this machine (script, notebook, REPL) -> rank 0's value
 
 ``ddprun.lightning`` (the ``ddprun[lightning]`` extra) imports lightning; import it yourself for
-``trainer_kwargs()``.
+``trainer_kwargs()``. ``ddprun.ray`` (the ``ddprun[ray]`` extra: ``ddprun.ray.fit`` on a Ray cluster)
+imports ray; import it yourself too.
 """
 
 from __future__ import annotations
@@ -23,11 +26,15 @@ _LAZY = {
     "RankInfo": ("ddprun.runtime", "RankInfo"),
     "fit": ("ddprun.train.loop", "fit"),
     "FitResult": ("ddprun.train.loop", "FitResult"),
+    # the module ddprun.launch (``ddprun run``'s agent) is callable as ddprun.fnlaunch.launch: a
+    # function here would be replaced by the module as soon as anything imports ddprun.launch
+    "launch": ("ddprun.launch", None),
 }
 
 __all__ = ["__version__", *_LAZY]
 
 if TYPE_CHECKING:
+    from ddprun.fnlaunch import launch
     from ddprun.runtime import RankInfo, init, rank_info
     from ddprun.train.loop import FitResult, fit
 
@@ -38,7 +45,9 @@ def __getattr__(name: str) -> Any:
     import importlib
 
     module, attr = _LAZY[name]
-    value = getattr(importlib.import_module(module), attr)
+    value = importlib.import_module(module)
+    if attr is not None:
+        value = getattr(value, attr)
     globals()[name] = value  # later lookups skip __getattr__
     return value
 

@@ -45,3 +45,33 @@ class CheckpointError(DdprunError):
     """A checkpoint could not be written (disk full, no permission), or the one asked for is damaged."""
 
     exit_code = 1
+
+
+class WorkerFailed(LaunchError):
+    """A worker of :func:`ddprun.launch` (or of :func:`ddprun.ray.fit`) failed; the job is over.
+
+    ``rank``: the global rank whose failure ended the job (the first one that is not only an echo
+    of another rank's failure). ``message``: that rank's one-line error (``"ValueError: ..."``).
+    ``traceback``: its traceback as text ("" when the process died without one, e.g. a signal).
+    ``error``: the original exception object when it could be carried back, else None (it is also
+    this exception's ``__cause__``). ``log``: the rank's log file, when there is one.
+    """
+
+    def __init__(self, rank: int, message: str, *, traceback: str = "", error: BaseException | None = None,
+                 log: str | None = None, others: str = "", hint: str | None = None):
+        self.rank = rank
+        self.message = message
+        self.traceback = traceback
+        self.error = error
+        self.log = log
+        seen = "\n".join(filter(None, [f"log: {log}" if log else "", others,
+                                       f"traceback of rank {rank}:\n{traceback.rstrip()}" if traceback else ""]))
+        super().__init__(f"Rank {rank} failed: {message}", seen=seen or None,
+                         hint=hint or "Fix the error above; the traceback is rank "
+                                      f"{rank}'s own" + (f", its full output is in {log}." if log else "."))
+        if error is not None:
+            self.__cause__ = error  # as `raise ... from error` would (the object carries no traceback)
+
+
+class LaunchTimeout(LaunchError):
+    """:func:`ddprun.launch` ran past its ``timeout``; every worker was stopped."""

@@ -11,9 +11,10 @@ import os
 import socket
 import sys
 import time
+import types
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TextIO
 
 from ddprun._util import cpu_count
@@ -70,6 +71,8 @@ class Outcome:
     exit_code: int
     run_dir: str
     wall_s: float
+    failures: Mapping[int, object] = field(default_factory=dict)
+    """This node's failed workers by global rank (torch's ProcessFailure or a RecordedFailure)."""
 
 
 def summarize_failures(failures: Mapping[int, object], run_dir: str, host: str) -> str:
@@ -290,12 +293,14 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
         err_console.close()
         return Outcome(exit_code=1, run_dir=run_dir, wall_s=time.monotonic() - t0)
     code = 0
+    failures: Mapping[int, object] = {}
     if watcher is not None:
         watcher.start()
     try:
         launch_agent(torch_cfg, sys.executable, ["-m", "ddprun.worker", *cfg.entry.argv()])
     except ChildFailedError as e:
         follower.stop()
+        failures = e.failures
         print(summarize_failures(e.failures, run_dir, hostname), file=err_console, flush=True)
         code = 1
     except RendezvousTimeoutError:
@@ -308,7 +313,7 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
         code = 1
     except RendezvousError as e:
         follower.stop()
-        recorded = recorded_failures(logs_specs.local_workers)
+        recorded = failures = recorded_failures(logs_specs.local_workers)
         if recorded:  # this node's workers failed, and the node hosting the store ended first
             print(summarize_failures(recorded, run_dir, hostname), file=err_console, flush=True)
         else:
@@ -347,4 +352,17 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
     if code == 0:
         print(f"ddprun: run {run_id} finished on this node in {wall:.1f} s", file=console, flush=True)
     err_console.close()
-    return Outcome(exit_code=code, run_dir=run_dir, wall_s=wall)
+    return Outcome(exit_code=code, run_dir=run_dir, wall_s=wall, failures=failures)
+
+
+class _CallableModule(types.ModuleType):
+    """``ddprun.launch(fn, ...)`` (:func:`ddprun.fnlaunch.launch`) has this module's name: importing
+    the module sets the package attribute ``ddprun.launch`` to it, so the module itself is callable."""
+
+    def __call__(self, fn, /, *args, **kwargs):
+        from ddprun.fnlaunch import launch as launch_fn
+
+        return launch_fn(fn, *args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -67,6 +67,21 @@ class FitResult:
     """Validation results per epoch, in order."""
 
 
+@dataclass(frozen=True)
+class CheckpointSaved:
+    """What ``fit(on_checkpoint=...)`` is told after a checkpoint (the same on every rank but ``path``)."""
+
+    path: str | None
+    """The checkpoint file on rank 0; None on the other ranks."""
+    step: int
+    epoch: int
+    final: bool
+    """True for the one call at the end of fit."""
+    metrics: dict[str, float]
+    """Final call: ``train_loss`` (averaged over ranks) and the last validation's ``val_*``; before
+    it: the last validation's, if any."""
+
+
 # -- argument checks ------------------------------------------------------------------------------
 
 def _int_at_least(name: str, value: Any, low: int, *, optional: bool = False) -> None:
@@ -460,7 +475,7 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
         checkpoint_dir: str | None = None, run_dir: str | None = None, log_every: int = 50, step_timing: bool = True,
         checkpoint_every: int | None = None, keep_checkpoints: int = 3, resume: bool | str = "auto",
         datamodule: Any = None, trainer_kwargs: Mapping[str, Any] | None = None,
-        on_checkpoint: Callable[[str | None, int, int], None] | None = None) -> FitResult:
+        on_checkpoint: Callable[[CheckpointSaved], None] | None = None) -> FitResult:
     """Train ``model`` data-parallel over every rank of the job (one process: no process group).
 
     A ``lightning.pytorch.LightningModule`` goes to :func:`ddprun.lightning.fit_lightning`, which
@@ -518,9 +533,10 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
       checkpoint_every: also save every this many optimizer steps (None: only at the end). Costs
         one all_gather_object (RNG states) and one barrier per checkpoint, plus the write on rank 0.
       keep_checkpoints: how many to keep (the newest; at least 1).
-      on_checkpoint: ``(path, step, epoch) -> None``, called on every rank after each checkpoint is
-        complete (every rank has passed the save's barrier): ``path`` is the file on rank 0, None on
-        the others. For handing checkpoints to another system (``ddprun.ray`` reports them to Ray
+      on_checkpoint: ``(CheckpointSaved) -> None``, called on every rank after each checkpoint is
+        complete (every rank has passed the save's barrier), and once more at the end (``final``,
+        with the run's results; when the run ended on a checkpoint step that call names the same
+        file again). For handing checkpoints to another system (``ddprun.ray`` reports them to Ray
         Train); it may run collectives, and must on every rank alike. nn.Module only.
       resume: "auto" (default): if checkpoint_dir has a usable checkpoint, continue from it: model,
         optimizer, scheduler, scaler, the step, the position in the epoch, every rank's RNG states.
@@ -569,7 +585,7 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
                        log_every=log_every)
     _int_at_least("checkpoint_every", checkpoint_every, 1, optional=True)
     _int_at_least("keep_checkpoints", keep_checkpoints, 1)
-    _check_callable("on_checkpoint", on_checkpoint, "(path, step, epoch) -> None")
+    _check_callable("on_checkpoint", on_checkpoint, "(CheckpointSaved) -> None")
     resume_mod.check_resume(resume)
     info = runtime.init()
     device = info.device
@@ -739,7 +755,7 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
                     if saved:
                         progress.message(f"checkpoint: {saved}")
                     if on_checkpoint is not None:
-                        on_checkpoint(saved, step, epoch)
+                        on_checkpoint(CheckpointSaved(saved, step, epoch, False, dict(history[-1] if history else {})))
                 if max_steps is not None and step >= max_steps:
                     done = True
                     break
@@ -761,11 +777,12 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
             path = ckpts.save(step, epoch, make_state, final=True)
             if path:
                 progress.message(f"checkpoint: {path}")
-            if on_checkpoint is not None:
-                on_checkpoint(path, step, epoch)
         else:  # saved at this step already (or resumed a finished run): that file is the final one
             path = ckpt.latest(ckpts.directory) if info.is_main else None
             runtime.barrier()
+        if on_checkpoint is not None:
+            results = {"train_loss": train_loss, **val_result} if train_loss is not None else dict(val_result)
+            on_checkpoint(CheckpointSaved(path, step, epoch, True, results))
         resume_mod.mark_finished(ckpts.directory)
     finally:
         TIMER.detailed = False

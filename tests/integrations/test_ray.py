@@ -1,0 +1,164 @@
+"""Real Ray Train (ray[train] 2.60, CPU, gloo): ddprun.ray.fit of an nn.Module and of a LightningModule
+on 2 workers of a local Ray cluster, and a worker failure that Ray's FailureConfig retries, resuming
+from the last checkpoint ddprun reported. One Ray instance for the module (ray.init takes seconds
+on 2 cores); it is shut down by the fixture's finalizer."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.train.torch")
+
+import ddprun.ray  # noqa: E402
+from ddprun.errors import WorkerFailed  # noqa: E402
+
+pytestmark = pytest.mark.integrations
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    t0 = time.monotonic()
+    # 4 logical CPUs on 2 cores: 2 workers of 1 CPU each, plus room for Ray Train's controller.
+    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    print(f"ray.init: {time.monotonic() - t0:.1f} s")
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def data(n: int = 128) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 8, generator=g)
+    return torch.utils.data.TensorDataset(x, x[:, :2].sum(1, keepdim=True))
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def saver(out: Path):
+    """after_fit: each worker saves its final parameters as params-<rank>.pt."""
+
+    def save(result):
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save({k: v.detach().cpu() for k, v in result.model.state_dict().items()},
+                   out / f"params-{os.environ['RANK']}.pt")
+
+    return save
+
+
+def same_on_both(out: Path) -> dict[str, torch.Tensor]:
+    p0, p1 = (torch.load(out / f"params-{r}.pt", weights_only=True) for r in (0, 1))
+    assert all(torch.equal(p0[k], p1[k]) for k in p0), "the two workers ended with different parameters"
+    return p0
+
+
+@pytest.mark.timeout(120)
+def test_a_module_trains_on_two_workers(ray_cluster, tmp_path):
+    t0 = time.monotonic()
+    result = ddprun.ray.fit(mlp(), data(), num_workers=2, use_gpu=False, storage_path=str(tmp_path / "ray"),
+                            name="module", run_dir=str(tmp_path / "run"), loss_fn=nn.functional.mse_loss,
+                            optimizer=lambda p: torch.optim.SGD(p, lr=0.05), batch_size=8, max_steps=6,
+                            checkpoint_every=3, log_every=3, after_fit=saver(tmp_path / "out"))
+    print(f"ddprun.ray.fit, nn.Module, 2 workers: {time.monotonic() - t0:.1f} s")
+    params = same_on_both(tmp_path / "out")
+    assert result.metrics["step"] == 6 and result.metrics["resumed_from_step"] == 0
+    assert result.metrics["train_loss"] > 0
+    assert result.checkpoint is not None
+    with result.checkpoint.as_directory() as d:
+        assert sorted(os.listdir(d)) == ["ddprun.json", "step-00000006.meta.json", "step-00000006.pt"]
+    trained = result.model.state_dict()  # the driver's model got the final weights
+    assert all(torch.equal(trained[k], params[k]) for k in params)
+    assert (tmp_path / "run" / "metrics.csv").exists()
+
+
+@pytest.mark.timeout(150)
+def test_a_lightning_module_trains_on_two_workers(ray_cluster, tmp_path):
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class Regressor(pl.LightningModule):  # local: Ray sends it by value
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    t0 = time.monotonic()
+    result = ddprun.ray.fit(Regressor(), data(), num_workers=2, use_gpu=False, storage_path=str(tmp_path / "ray"),
+                            name="lightning", run_dir=str(tmp_path / "run"), batch_size=8, max_steps=6,
+                            checkpoint_every=3, after_fit=saver(tmp_path / "out"),
+                            trainer_kwargs={"enable_progress_bar": False, "enable_model_summary": False})
+    print(f"ddprun.ray.fit, LightningModule, 2 workers: {time.monotonic() - t0:.1f} s")
+    params = same_on_both(tmp_path / "out")
+    assert result.metrics["step"] == 6 and "train_loss" in result.metrics
+    with result.checkpoint.as_directory() as d:
+        assert sorted(os.listdir(d)) == ["ddprun.json", "last.ckpt"]
+    trained = result.model.state_dict()
+    assert all(torch.equal(trained[k], params[k]) for k in params)
+
+
+@pytest.mark.timeout(180)
+def test_a_failed_worker_is_retried_and_resumes_from_the_last_checkpoint(ray_cluster, tmp_path):
+    marker = tmp_path / "failed-once"
+    calls = [0]
+
+    def training_step(model, batch):
+        calls[0] += 1  # per process: a restarted worker counts from 0 again
+        if os.environ["RANK"] == "1" and calls[0] == 5 and not marker.exists():
+            marker.touch()
+            raise RuntimeError("injected failure in step 5 of rank 1")
+        x, y = batch
+        return nn.functional.mse_loss(model(x), y)
+
+    t0 = time.monotonic()
+    result = ddprun.ray.fit(mlp(), data(), num_workers=2, use_gpu=False, storage_path=str(tmp_path / "ray"),
+                            name="retry", run_dir=str(tmp_path / "run"), max_failures=1, training_step=training_step,
+                            optimizer=lambda p: torch.optim.SGD(p, lr=0.05), batch_size=8, max_steps=8,
+                            checkpoint_every=3, log_every=4, after_fit=saver(tmp_path / "out"))
+    print(f"ddprun.ray.fit with one failure and a retry: {time.monotonic() - t0:.1f} s")
+    assert marker.exists(), "the failure was not injected"
+    assert result.metrics["step"] == 8
+    assert result.metrics["resumed_from_step"] == 3  # the checkpoint of step 3, reported to Ray before the failure
+    same_on_both(tmp_path / "out")
+
+
+def test_a_worker_group_error_becomes_one_worker_failed():
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    err = ddprun.ray._failure(WorkerGroupError("rank 1 failed", {1: ValueError("bad batch"), 3: ValueError("x")}))
+    assert isinstance(err, WorkerFailed) and err.rank == 1 and err.message == "ValueError: bad batch"
+    assert isinstance(err.error, ValueError) and "[3]" in str(err)
+
+
+def test_a_wrapped_worker_error_keeps_its_traceback_text():
+    from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    wrapped = UserExceptionWithTraceback(KeyError("y"), "Traceback (most recent call last):\n  ...\nKeyError: 'y'\n")
+    err = ddprun.ray._failure(WorkerGroupError("failed", {0: wrapped}))
+    assert err.rank == 0 and err.message == "KeyError: 'y'" and isinstance(err.error, KeyError)
+    assert "Traceback" in err.traceback
+
+
+def test_resume_is_rays_to_decide():
+    from ddprun.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="sets resume itself"):
+        ddprun.ray.fit(mlp(), data(), resume=True)

@@ -1,0 +1,138 @@
+"""ddprun.launch without starting workers: argument checks, what it sends, how a failure is told;
+and fit's on_checkpoint hook (the one ddprun.ray reports checkpoints through), in one process."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+import ddprun
+from ddprun import payload, runtime
+from ddprun.errors import ClusterError, ConfigError, LaunchTimeout, WorkerFailed
+from ddprun.exit import STOPPED_MARK
+from ddprun.fnlaunch import _payload, _root_cause
+
+
+def test_ddprun_launch_is_the_callable_agent_module():
+    import ddprun.launch as agent_module
+
+    assert ddprun.launch is agent_module and callable(ddprun.launch)
+    assert hasattr(agent_module, "Outcome")  # ``ddprun run``'s agent is still there
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"nproc_per_node": 1.5}, "nproc_per_node"),
+    ({"timeout": 0}, "timeout"),
+    ({"join_timeout": -1}, "join_timeout"),
+    ({"stall_timeout": -1}, "stall_timeout"),
+    ({"max_restarts": -1}, "max_restarts"),
+])
+def test_bad_options_are_config_errors_before_anything_starts(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        ddprun.launch(print, **bad)
+
+
+def test_not_a_function():
+    with pytest.raises(ConfigError, match="needs a function"):
+        ddprun.launch("train.py")
+
+
+def test_refused_inside_a_worker(monkeypatch):
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ClusterError, match="inside a torchrun/ddprun worker"):
+        ddprun.launch(print)
+
+
+def test_a_main_function_travels_by_value():
+    ns = {"__name__": "__main__"}
+    exec("def f(x):\n    return x * k\nk = 3\n", ns)
+    assert payload.by_reference_only(ns["f"]) is not None  # plain pickle could not send it
+    job = pickle.loads(_payload(ns["f"], (2,), {}, return_all=False, timeout=None))
+    del ns  # nothing of the namespace is needed to call it again
+    fn, args, kwargs = payload.loads(job["call"])
+    assert fn(*args, **kwargs) == 6
+    assert job["deadline"] is None and job["return_all"] is False and job["sys_path"]
+
+
+def test_what_cannot_be_sent_is_named():
+    import threading
+
+    with pytest.raises(ConfigError, match="cannot send the function or its arguments") as caught:
+        _payload(print, (threading.Lock(),), {}, return_all=False, timeout=None)
+    assert "HINT" in str(caught.value)
+
+
+@dataclass
+class Failure:  # torch's ProcessFailure, as much as the launcher reads of it
+    local_rank: int
+    exitcode: int
+    message: object = ""
+
+    def signal_name(self) -> str:
+        return "SIGKILL" if self.exitcode == -9 else ""
+
+
+def test_the_rank_that_raised_is_the_cause_not_the_ranks_it_stopped(tmp_path):
+    try:
+        raise KeyError("missing column 'y'")
+    except KeyError as e:
+        payload.write_error(str(tmp_path), 3, e, skip_frames=0)
+    failures = {0: Failure(0, -15), 1: Failure(1, 1, f"{STOPPED_MARK} rank 3 (node 0, h) failed: KeyError"),
+                3: Failure(3, 1, {"message": "KeyError: \"missing column 'y'\""})}
+    err = _root_cause(failures, str(tmp_path), "/runs/x")
+    assert isinstance(err, WorkerFailed) and err.rank == 3
+    assert isinstance(err.error, KeyError) and "missing column" in err.traceback
+    assert err.log == "/runs/x/logs/rank-3.log" and "[0, 1]" in str(err)
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_its_log(tmp_path):
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "rank-1.log").write_text("step 1\nstep 2\n")
+    failures = {0: Failure(0, -15), 1: Failure(1, -9, "Signal 9 (SIGKILL) received by PID 42")}
+    err = _root_cause(failures, str(tmp_path / "none"), str(tmp_path))
+    assert err.rank == 1 and "SIGKILL" in err.message and "step 2" in err.traceback
+
+
+def test_a_timeout_is_its_own_error(tmp_path):
+    failures = {0: Failure(0, 124, "ddprun.launch: timeout of 5 s reached; this rank was still running")}
+    assert isinstance(_root_cause(failures, str(tmp_path), str(tmp_path)), LaunchTimeout)
+
+
+# -- fit's on_checkpoint hook, one process ------------------------------------------------------------
+
+@pytest.fixture
+def one_process(monkeypatch):
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "DDPRUN_RUN_DIR"):
+        monkeypatch.delenv(k, raising=False)
+    runtime._reset()
+    yield
+    runtime._reset()
+
+
+def test_on_checkpoint_sees_every_checkpoint_after_it_is_written(tmp_path, one_process):
+    import os
+
+    seen = []
+
+    def hook(saved):
+        seen.append((os.path.basename(saved.path), saved.step, saved.epoch, saved.final, os.path.exists(saved.path),
+                     sorted(saved.metrics)))
+
+    x = torch.randn(32, 4)
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+    ddprun.fit(nn.Linear(4, 1), data, loss_fn=nn.functional.mse_loss, batch_size=8, max_steps=5, checkpoint_every=2,
+               run_dir=str(tmp_path), on_checkpoint=hook)
+    assert seen == [("step-00000002.pt", 2, 0, False, True, []), ("step-00000004.pt", 4, 0, False, True, []),
+                    ("step-00000005.pt", 5, 1, True, True, ["train_loss"])]
+    seen.clear()  # a run that ends on a checkpoint step: the final call names that checkpoint again
+    ddprun.fit(nn.Linear(4, 1), data, loss_fn=nn.functional.mse_loss, batch_size=8, max_steps=6, checkpoint_every=3,
+               run_dir=str(tmp_path / "again"), on_checkpoint=hook)
+    assert [s[:4] for s in seen] == [("step-00000003.pt", 3, 0, False), ("step-00000006.pt", 6, 1, False),
+                                     ("step-00000006.pt", 6, 1, True)]
+    with pytest.raises(ConfigError, match="on_checkpoint"):
+        ddprun.fit(nn.Linear(4, 1), data, loss_fn=nn.functional.mse_loss, on_checkpoint="no")
