@@ -32,8 +32,13 @@ class StragglerEvent:
         return 100.0 * (self.value_s / self.median_s - 1.0) if self.median_s > 0 else float("inf")
 
     def message(self) -> str:
-        pct = f"{self.slower_pct:.0f}%" if self.median_s > 0 else "much"
-        return (f"rank {self.rank} ({self.host}) is {pct} slower: {WHAT[self.what]} "
+        if self.median_s <= 0:
+            how = "much slower"
+        elif self.value_s >= 2 * self.median_s:  # "153x" reads better than "15208%"
+            how = f"{self.value_s / self.median_s:.0f}x slower"
+        else:
+            how = f"{self.slower_pct:.0f}% slower"
+        return (f"rank {self.rank} ({self.host}) is {how}: {WHAT[self.what]} "
                 f"{self.value_s * 1e3:.1f} ms vs {self.median_s * 1e3:.1f} ms median of the other ranks")
 
 

@@ -19,7 +19,7 @@ def test_rank_slowed_in_data_loading_is_named_with_data_wait(tmp_path):
                                       extra=["--straggler-windows", "2"]), timeout=100, cwd=tmp_path)
     assert [r.returncode for r in results] == [0, 0], describe(results)
     both = "\n".join(r.output for r in results)
-    named = re.findall(r"ddprun: straggler: rank (\d+) \((\S+)\) is \d+% slower: (data wait|[a-z ()+]+) ", both)
+    named = re.findall(r"ddprun: straggler: rank (\d+) \((\S+)\) is \d+(?:%|x) slower: (data wait|[a-z ()+]+) ", both)
     assert named and {n[0] for n in named} == {"3"} and named[0][2] == "data wait", describe(results)
     events = [json.loads(line) for line in (tmp_path / "runs" / "tslow" / "events.jsonl").read_text().splitlines()]
     assert [(e["kind"], e["rank"], e["what"]) for e in events] == [("straggler", 3, "data")]

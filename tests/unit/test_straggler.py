@@ -17,7 +17,7 @@ def test_slow_data_is_named_once_after_k_windows_with_host_and_numbers():
     assert det.update(slow, HOSTS, now=1) == []
     (event,) = det.update(slow, HOSTS, now=2)
     assert (event.rank, event.host, event.what) == (3, "b", "data")
-    assert event.message() == ("rank 3 (b) is 3900% slower: data wait 40.0 ms vs 1.0 ms median of the other ranks")
+    assert event.message() == ("rank 3 (b) is 40x slower: data wait 40.0 ms vs 1.0 ms median of the other ranks")
     assert det.update(slow, HOSTS, now=3) == []  # rate-limited
 
 
@@ -28,6 +28,10 @@ def test_a_streak_broken_by_a_normal_window_starts_again():
         assert det.update(w, HOSTS, now=0) == []
     (event,) = det.update(slow, HOSTS, now=0)
     assert event.rank == 1 and event.what == "compute"
+    assert "is 3x slower: compute (forward+backward) 30.0 ms vs 10.0 ms" in event.message()
+    det = StragglerDetector(k=1)
+    (event,) = det.update(window(compute=(0.01, 0.016, 0.01, 0.01)), HOSTS, now=0)
+    assert "is 60% slower" in event.message()
 
 
 def test_small_absolute_differences_are_noise():
