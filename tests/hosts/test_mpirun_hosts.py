@@ -20,7 +20,7 @@ from tests.hosts.checks import check_trained, not_loopback
 
 pytestmark = pytest.mark.hosts
 
-INIT_SCRIPT = str(REPO / "tests" / "integrations" / "scripts" / "mpi_init_train.py")
+INIT_SCRIPT = str(REPO / "tests" / "integrations" / "scripts" / "init_train.py")
 
 
 def mpirun_on_algo1(hosts, agent, per_host: int, argv: list[str], tmp_path, timeout=75):

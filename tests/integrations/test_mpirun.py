@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.integrations,
               pytest.mark.skipif(shutil.which("mpirun") is None,
                                  reason="mpirun is not installed (apt-get install openmpi-bin)")]
 
-INIT_SCRIPT = str(REPO / "tests" / "integrations" / "scripts" / "mpi_init_train.py")
+INIT_SCRIPT = str(REPO / "tests" / "integrations" / "scripts" / "init_train.py")
 
 
 def mpirun(np: int, argv: list[str], *extra: str) -> list[str]:

@@ -23,7 +23,7 @@ from tests.helpers import DDPRUN, EXAMPLE, REPO
 pytestmark = pytest.mark.slurm
 
 SCRIPTS = Path(__file__).parent / "scripts"
-INIT_TRAIN = str(SCRIPTS / "init_train.py")
+INIT_TRAIN = str(Path(__file__).parents[1] / "integrations" / "scripts" / "init_train.py")  # shared with mpirun
 LIGHTNING_TRAINER = str(SCRIPTS / "lightning_trainer.py")
 PYTHON = str(Path(DDPRUN).parent / "python")
 STEPS = ["--steps", "8"]

@@ -1,7 +1,7 @@
-"""Started by srun itself, one task per rank (no ddprun run): ddprun.init() takes the ranks from
-SLURM_PROCID/SLURM_LOCALID/SLURM_NODEID, joins a gloo group across the nodes, trains a tiny DDP model
-a few steps, and writes OUT/rank-<R>.json (what init returned, SLURM's own variables, the host) and
-OUT/params-<R>.pt. A bad allocation makes ddprun.init() raise before any of that."""
+"""Started by the cluster's own launcher, one process per rank (mpirun, or srun tasks; no ddprun
+run): ddprun.init() reads the ranks from that launcher's variables, joins a gloo group, trains a
+tiny DDP model a few steps, and writes OUT/rank-<R>.json (what init returned, the launcher's own
+variables, the host) and OUT/params-<R>.pt. A bad allocation makes ddprun.init() raise first."""
 
 import argparse
 import json
@@ -15,8 +15,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddprun
 
-SLURM_KEYS = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_JOB_ID")
-
+LAUNCHER_KEYS = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_PROCID", "SLURM_LOCALID",
+                 "SLURM_NODEID", "SLURM_NTASKS", "SLURM_JOB_ID", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -40,9 +40,10 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     facts = {"rank": info.rank, "local_rank": info.local_rank, "node_rank": info.node_rank,
              "world_size": info.world_size, "local_world_size": info.local_world_size,
-             "device": str(info.device), "backend": info.backend, "group_rank": dist.get_rank(),
-             "group_size": dist.get_world_size(), "host": socket.gethostname(), "steps": args.steps,
-             **{k: os.environ.get(k) for k in (*SLURM_KEYS, "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")}}
+             "device": str(info.device), "is_main": info.is_main, "distributed": info.distributed,
+             "backend": info.backend, "group_rank": dist.get_rank(), "group_size": dist.get_world_size(),
+             "host": socket.gethostname(), "steps": args.steps,
+             **{k: os.environ.get(k) for k in LAUNCHER_KEYS}}
     with open(os.path.join(args.out, f"rank-{info.rank}.json"), "w") as f:
         json.dump(facts, f)
     torch.save({k: v.detach() for k, v in model.state_dict().items()}, os.path.join(args.out, f"params-{info.rank}.pt"))
