@@ -105,7 +105,7 @@ def main() -> int:
         run_launch_job(args.steps)
         return 0
     ddprun_bin = str(Path(sys.executable).parent / "ddprun")
-    walls: dict[str, list[float]] = {"ddprun run": [], "ddprun.launch": [], "ray": []}
+    walls: dict[str, list[float]] = {"ddprun run": [], "ddprun.agent.run": [], "ray": []}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.reps):
             order = list(walls) if i % 2 == 0 else list(reversed(walls))
@@ -113,7 +113,7 @@ def main() -> int:
                 if name == "ddprun run":
                     cmd = [ddprun_bin, "run", "--nproc-per-node", "2", "--log-dir", os.path.join(tmp, "runs"),
                            str(HERE), "--mode", "ddprun-job", "--steps", str(args.steps)]
-                elif name == "ddprun.launch":
+                elif name == "ddprun.agent.run":
                     cmd = [sys.executable, str(HERE), "--mode", "launch-job", "--steps", str(args.steps)]
                 else:
                     cmd = [sys.executable, str(HERE), "--mode", "ray-job", "--steps", str(args.steps),
@@ -125,7 +125,7 @@ def main() -> int:
     med = {k: statistics.median(v) for k, v in walls.items()}
     base = med["ddprun run"]
     print(f"\n1 x 2 job, {args.steps} steps, median of {args.reps}: ddprun run {base:.2f} s, ddprun.launch "
-          f"{med['ddprun.launch']:.2f} s ({med['ddprun.launch'] / base:.2f}x), ddprun.ray.fit {med['ray']:.2f} s "
+          f"{med['ddprun.agent.run']:.2f} s ({med['ddprun.agent.run'] / base:.2f}x), ddprun.ray.fit {med['ray']:.2f} s "
           f"({med['ray'] / base:.2f}x)")
     return 0
 

@@ -20,21 +20,19 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-_LAZY = {
+_LAZY: dict[str, tuple[str, str]] = {
     "init": ("ddprun.runtime", "init"),
     "rank_info": ("ddprun.runtime", "rank_info"),
     "RankInfo": ("ddprun.runtime", "RankInfo"),
     "fit": ("ddprun.train.loop", "fit"),
     "FitResult": ("ddprun.train.loop", "FitResult"),
-    # the module ddprun.launch (``ddprun run``'s agent) is callable as ddprun.fnlaunch.launch: a
-    # function here would be replaced by the module as soon as anything imports ddprun.launch
-    "launch": ("ddprun.launch", None),
+    "launch": ("ddprun.agent.fnlaunch", "launch"),
 }
 
 __all__ = ["__version__", *_LAZY]
 
 if TYPE_CHECKING:
-    from ddprun.fnlaunch import launch
+    from ddprun.agent.fnlaunch import launch
     from ddprun.runtime import RankInfo, init, rank_info
     from ddprun.train.loop import FitResult, fit
 
@@ -45,9 +43,7 @@ def __getattr__(name: str) -> Any:
     import importlib
 
     module, attr = _LAZY[name]
-    value = importlib.import_module(module)
-    if attr is not None:
-        value = getattr(value, attr)
+    value = getattr(importlib.import_module(module), attr)
     globals()[name] = value  # later lookups skip __getattr__
     return value
 

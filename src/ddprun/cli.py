@@ -13,6 +13,7 @@ import socket
 import sys
 from collections.abc import Mapping, Sequence
 
+from ddprun.cluster.probe import probe_node
 from ddprun.config import DEFAULT_JOIN_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, Entry, LaunchConfig
 from ddprun.errors import ConfigError, DdprunError
 
@@ -132,7 +133,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         entry = Entry(target=args.script, args=tuple(args.script_args), is_module=args.module)
     doctor = args.command == "doctor"
     if doctor:
-        entry = Entry(target="ddprun.doctor_job", is_module=True)
+        entry = Entry(target="ddprun.worker.doctor_job", is_module=True)
     stall = getattr(args, "stall_timeout", DEFAULT_STALL_TIMEOUT_S)
     if stall < 0:
         raise ConfigError("--stall-timeout must be 0 (off) or positive.", seen=f"--stall-timeout {stall}",
@@ -158,45 +159,16 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     )
 
 
-def _node_addresses(hostname: str) -> tuple[str, ...]:
-    """This node's addresses: its name resolved, and every interface's addresses (netaddr).
-
-    Best effort: whatever fails is left out, so a node without DNS still starts.
-    """
-    from ddprun.netaddr import interface_addresses
-
-    found: list[str] = []
-    try:
-        found += [str(info[4][0]) for info in socket.getaddrinfo(hostname, None)]
-    except (OSError, UnicodeError):
-        pass
-    for addrs in interface_addresses().values():
-        found += addrs
-    return tuple(dict.fromkeys(found))
-
-
-def probe_node(environ: Mapping[str, str]):
-    """The I/O behind detection: hostname (DDPRUN_HOSTNAME overrides it), addresses, CPUs, CUDA devices."""
-    from ddprun._util import cpu_count
-    from ddprun.cluster.base import NodeFacts
-
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    hostname = environ.get("DDPRUN_HOSTNAME") or socket.gethostname()
-    return NodeFacts(hostname=hostname, cpus=cpu_count(), cuda_devices=gpus, addresses=_node_addresses(hostname))
-
-
 def cmd_plan(cfg: LaunchConfig, args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     from ddprun.cluster.detect import explain, resolve
-    from ddprun.plan import make_plan
+    from ddprun.cluster.plan import make_plan
     from ddprun.ranktable import render_plan
 
     spec = resolve(cfg, environ, probe_node(environ), launcher=True)
     plan = make_plan(spec.max_nodes, spec.nproc_per_node, spec.device)
     net_lines: list[str] = []
     if args.explain:  # probes this node's network (and may resolve names): only when asked
-        from ddprun.netaddr import network_plan
+        from ddprun.cluster.netaddr import network_plan
 
         try:
             net = network_plan(spec, environ, cfg.local_addr, cfg.rdzv_conf)
@@ -225,7 +197,7 @@ def cmd_run(cfg: LaunchConfig, environ: Mapping[str, str]) -> int:
     from ddprun.cluster.detect import resolve
     from ddprun.cluster.torchrun import TorchrunEnvironment
     from ddprun.errors import ClusterError
-    from ddprun.launch import launch
+    from ddprun.agent.run import launch
 
     if TorchrunEnvironment.detect(environ):
         raise ClusterError(

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from ddprun.launch import new_run_id
+from ddprun.protocol.rundir import new_run_id
 
 DEMO_TIMEOUT_S = 120
 

@@ -8,7 +8,7 @@ Three ways in:
 
 The third works because ``ddprun run`` gives workers torchrun's environment, which Lightning reads
 through its TorchElasticEnvironment; when its devices x num_nodes disagree with the launch, every rank
-fails at once with one line naming both sides (:mod:`ddprun.lightning_errors`, and the
+fails at once with one line naming both sides (:mod:`ddprun.mismatch`, and the
 :class:`LaunchCheck` callback for the case Lightning lets through: a single-device Trainer, no
 process group, under a multi-rank launch, i.e. every rank silently training its own copy).
 
@@ -41,7 +41,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from ddprun import runtime
 from ddprun.errors import ConfigError
-from ddprun.lightning_errors import TrainerMismatch, launch_shape
+from ddprun.mismatch import TrainerMismatch, launch_shape
 from ddprun.runtime import RankInfo
 from ddprun.train.loop import PRECISIONS, FitResult, _int_at_least, _run_dir
 
@@ -143,7 +143,7 @@ class LaunchCheck(Callback):
     device (``Trainer(devices=1)`` with the default strategy) under a multi-rank launch makes no
     process group and every rank trains alone. Added to every Trainer inside a ``ddprun run`` worker
     by Lightning's ``lightning.pytorch.callbacks_factory`` entry point
-    (:func:`ddprun.lightning_errors.callbacks_factory`). Only ``fit``: a single-device
+    (:func:`callbacks_factory` below). Only ``fit``: a single-device
     ``Trainer.test`` on one rank is common and fine."""
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -377,3 +377,14 @@ def _result(trainer: pl.Trainer, model: pl.LightningModule, run_dir: str, info: 
         train_loss=train_loss, val_metrics={k: v for k, v in metrics.items() if k.startswith("val")},
         steps=trainer.global_step, epochs=max(0, epochs), model=model,
         run_dir=run_dir, checkpoint=path, trainer=trainer)
+
+
+def callbacks_factory() -> list:
+    """Lightning's ``lightning.pytorch.callbacks_factory`` entry point (pyproject.toml): Lightning calls
+    it in every ``Trainer()`` wherever ddprun is installed. Inside a multi-rank ``ddprun run`` worker
+    (DDPRUN_RUN_DIR set, WORLD_SIZE > 1) it returns ddprun.lightning's LaunchCheck; elsewhere nothing,
+    without importing more of ddprun."""
+    shape = launch_shape(os.environ)
+    if not os.environ.get("DDPRUN_RUN_DIR") or shape is None or shape[2] <= 1:
+        return []
+    return [LaunchCheck()]

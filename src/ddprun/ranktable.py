@@ -7,8 +7,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ddprun.atomic import write_json_atomic
-from ddprun.plan import RankPlan
+from ddprun.protocol.atomic import write_json_atomic
+from ddprun.cluster.plan import RankPlan
 
 COLUMNS = ("rank", "local_rank", "node_rank", "host", "pid", "device")
 

@@ -138,7 +138,7 @@ def fit(model: Any, train_data: Any = None, *, num_workers: int | None = None, u
     """
     t0 = time.monotonic()
     _check(model, num_workers, max_failures, after_fit, fit_kwargs)
-    from ddprun.launch import new_run_id
+    from ddprun.protocol.rundir import new_run_id
     from ddprun.runtime import DEFAULT_INIT_TIMEOUT_S
 
     if not ray.is_initialized():

@@ -20,7 +20,7 @@ import math
 import os
 from collections import defaultdict
 
-from ddprun.atomic import write_text_atomic
+from ddprun.protocol.atomic import write_text_atomic
 
 REPORT = "report.html"
 TIMINGS = "timings.csv"

@@ -203,7 +203,7 @@ def init(backend: str | None = None, *, timeout: float = DEFAULT_INIT_TIMEOUT_S,
     if spec.environment != "torchrun":
         # srun/mpirun across hosts: gloo/NCCL must use the interface that reaches MASTER_ADDR, not the
         # hostname's address (127.0.0.1 in many containers). Nothing happens on one node (netaddr.py).
-        from ddprun.netaddr import network_plan
+        from ddprun.cluster.netaddr import network_plan
 
         for key, value in network_plan(spec, os.environ).worker_env.items():
             os.environ.setdefault(key, value)

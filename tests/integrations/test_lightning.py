@@ -50,7 +50,7 @@ def test_trainer_kwargs_follow_the_launch(clean_runtime):
     from lightning.pytorch.strategies import DDPStrategy
 
     from ddprun.lightning import DdprunEnvironment, trainer_kwargs
-    from ddprun.lightning_errors import TrainerMismatch
+    from ddprun.mismatch import TrainerMismatch
 
     assert trainer_kwargs() == {"accelerator": "cpu", "devices": 1, "num_nodes": 1, "strategy": "auto"}
     for key, value in {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
@@ -126,7 +126,7 @@ def test_fit_with_a_lightning_module_in_one_process_writes_into_the_run_dir(clea
 
 def test_fit_with_a_lightning_module_refuses_what_does_not_apply(clean_runtime):
     import ddprun
-    from ddprun.lightning_errors import TrainerMismatch
+    from ddprun.mismatch import TrainerMismatch
 
     with pytest.raises(ConfigError, match="loss_fn"):
         ddprun.fit(Tiny(), tiny_data(), loss_fn=torch.nn.functional.mse_loss)

@@ -9,8 +9,10 @@ import pytest
 import torch.distributed as dist
 from torch.distributed import TCPStore
 
-from ddprun import attempt
-from ddprun.logs import RankLogsSpecs
+from ddprun.agent import attempt
+from ddprun.protocol import store as keys
+from ddprun.worker import pgstore
+from ddprun.agent.logs import RankLogsSpecs
 from tests.helpers import free_port
 
 
@@ -36,18 +38,18 @@ def agent_env(store, **extra):
 
 
 def test_attempt_id_prefers_the_launcher_value_over_the_restart_count():
-    assert attempt.attempt_id({"TORCHELASTIC_RESTART_COUNT": "2"}) == "c2"
-    assert attempt.attempt_id({"TORCHELASTIC_RESTART_COUNT": "2", "DDPRUN_ATTEMPT": "r5"}) == "r5"
-    assert attempt.attempt_id({}) == "c0"
-    assert attempt.store_prefix({"TORCHELASTIC_RUN_ID": "j", "DDPRUN_ATTEMPT": "r1"}) == "ddprun/j/r1/"
+    assert keys.attempt_id({"TORCHELASTIC_RESTART_COUNT": "2"}) == "c2"
+    assert keys.attempt_id({"TORCHELASTIC_RESTART_COUNT": "2", "DDPRUN_ATTEMPT": "r5"}) == "r5"
+    assert keys.attempt_id({}) == "c0"
+    assert keys.store_prefix({"TORCHELASTIC_RUN_ID": "j", "DDPRUN_ATTEMPT": "r1"}) == "ddprun/j/r1/"
 
 
 def test_env_rendezvous_store_is_prefixed_per_attempt(store, handlers, monkeypatch):
     env = agent_env(store, DDPRUN_ATTEMPT="r3")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    assert attempt.namespace_process_groups(env) == "ddprun/job/r3/pg"
-    assert attempt.namespace_process_groups(env) == "ddprun/job/r3/pg"  # idempotent: wrapped once
+    assert pgstore.namespace_process_groups(env) == "ddprun/job/r3/pg"
+    assert pgstore.namespace_process_groups(env) == "ddprun/job/r3/pg"  # idempotent: wrapped once
     assert hasattr(handlers["env"], "_ddprun_inner") and not hasattr(handlers["env"]._ddprun_inner, "_ddprun_inner")
     s, rank, world = next(dist.rendezvous("env://"))
     s.set("k", "v")
@@ -62,7 +64,7 @@ def test_a_second_attempt_does_not_see_the_first_attempts_process_group_keys(sto
     """The failure this prevents: attempt 2's gloo setup reading attempt 1's peer addresses."""
     for k, v in agent_env(store).items():
         monkeypatch.setenv(k, v)
-    first = attempt.namespace_process_groups(agent_env(store, DDPRUN_ATTEMPT="r0"))
+    first = pgstore.namespace_process_groups(agent_env(store, DDPRUN_ATTEMPT="r0"))
     dist.init_process_group("gloo", timeout=timedelta(seconds=20))
     try:
         dist.barrier()
@@ -70,7 +72,7 @@ def test_a_second_attempt_does_not_see_the_first_attempts_process_group_keys(sto
         dist.destroy_process_group()
     assert store.check([f"{first}/default_pg/0//cpu//0/0"])  # the gloo address key, in attempt r0's space
     handlers["env"] = handlers["env"]._ddprun_inner
-    second = attempt.namespace_process_groups(agent_env(store, DDPRUN_ATTEMPT="r1"))
+    second = pgstore.namespace_process_groups(agent_env(store, DDPRUN_ATTEMPT="r1"))
     dist.init_process_group("gloo", timeout=timedelta(seconds=20))
     try:
         dist.barrier()
@@ -81,7 +83,7 @@ def test_a_second_attempt_does_not_see_the_first_attempts_process_group_keys(sto
 
 def test_nothing_changes_without_the_agent_store(handlers):
     before = dict(handlers)
-    assert attempt.namespace_process_groups({"TORCHELASTIC_USE_AGENT_STORE": "False"}) is None
+    assert pgstore.namespace_process_groups({"TORCHELASTIC_USE_AGENT_STORE": "False"}) is None
     assert handlers == before
 
 

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from ddprun.cli import build_parser, config_from_args, probe_node
+from ddprun.cli import build_parser, config_from_args
+from ddprun.cluster.probe import probe_node
 from ddprun.cluster.base import NodeFacts
 from ddprun.cluster.detect import PRIORITY, detect, explain, resolve
 from ddprun.config import LaunchConfig

@@ -11,17 +11,24 @@ import torch
 from torch import nn
 
 import ddprun
-from ddprun import payload, runtime
+from ddprun import runtime
+from ddprun.protocol import payload
 from ddprun.errors import ClusterError, ConfigError, LaunchTimeout, WorkerFailed
-from ddprun.exit import STOPPED_MARK
-from ddprun.fnlaunch import _payload, _root_cause
+from ddprun.worker.exit import STOPPED_MARK
+from ddprun.agent.fnlaunch import _payload, _root_cause
 
 
-def test_ddprun_launch_is_the_callable_agent_module():
-    import ddprun.launch as agent_module
+def test_ddprun_launch_is_a_function_with_its_own_signature_and_help():
+    import inspect
+    import pydoc
 
-    assert ddprun.launch is agent_module and callable(ddprun.launch)
-    assert hasattr(agent_module, "Outcome")  # ``ddprun run``'s agent is still there
+    import ddprun.agent.run  # importing ``ddprun run``'s agent must not replace ddprun.launch
+
+    assert inspect.isfunction(ddprun.launch) and ddprun.launch.__module__ == "ddprun.agent.fnlaunch"
+    params = inspect.signature(ddprun.launch).parameters
+    assert list(params)[:2] == ["fn", "args"] and "nproc_per_node" in params and "return_all" in params
+    text = pydoc.render_doc(ddprun.launch, renderer=pydoc.plaintext)
+    assert "nproc_per_node" in text and "rank 0" in text
 
 
 @pytest.mark.parametrize("bad, match", [

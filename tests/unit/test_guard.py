@@ -2,7 +2,7 @@
 
 from torch.distributed import TCPStore
 
-from ddprun.guard import OWNER_KEY, claim, refusal
+from ddprun.protocol.store import OWNER_KEY, claim, refusal
 
 
 def test_first_claim_wins_and_others_are_refused():

@@ -4,9 +4,9 @@ No lightning import here: the worker's failure path must not need it."""
 import os
 from dataclasses import dataclass
 
-from ddprun.exit import STOPPED_MARK
-from ddprun.launch import summarize_failures
-from ddprun.lightning_errors import TrainerMismatch, launch_shape, translate
+from ddprun.worker.exit import STOPPED_MARK
+from ddprun.agent.run import summarize_failures
+from ddprun.mismatch import TrainerMismatch, launch_shape, translate
 
 LAUNCH_2X2 = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2", "LOCAL_RANK": "1"}
 LIGHTNING_MSG = ("You set `devices=2` and `num_nodes=1` in Lightning, but the product (2 * 1) does not match the "
@@ -79,7 +79,7 @@ def test_torchs_text_for_a_terminated_rank_is_no_message_of_its_own(tmp_path):
 
 
 def test_the_lightning_entry_point_adds_nothing_outside_a_multi_rank_ddprun_worker(monkeypatch):
-    from ddprun.lightning_errors import callbacks_factory
+    from ddprun.lightning import callbacks_factory
 
     monkeypatch.delenv("DDPRUN_RUN_DIR", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "4")

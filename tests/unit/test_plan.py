@@ -3,7 +3,7 @@
 import pytest
 
 from ddprun.errors import ConfigError
-from ddprun.plan import make_plan
+from ddprun.cluster.plan import make_plan
 
 
 def test_five_nodes_of_four_gpus():

@@ -1,6 +1,6 @@
 """Preflight checks over node facts: each inconsistency is named with its nodes and values."""
 
-from ddprun.preflight import check
+from ddprun.worker.preflight import check
 
 
 def node(rank, host="h", **kw):

@@ -1,6 +1,6 @@
 """Straggler detection: named once after K slow windows, never on a healthy spread."""
 
-from ddprun.straggler import StragglerDetector
+from ddprun.worker.stragglers import StragglerDetector
 from ddprun.telemetry import StepTimer, summarize
 
 HOSTS = {0: "a", 1: "a", 2: "b", 3: "b"}

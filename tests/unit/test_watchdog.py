@@ -3,8 +3,8 @@
 import threading
 import time
 
-from ddprun.jobstore import stall_threshold
-from ddprun.watchdog import hang_report, main_thread_place
+from ddprun.worker.channel import stall_threshold
+from ddprun.worker.stacks import hang_report, main_thread_place
 
 
 def place(where, user="train.py:57 in main", host="h"):

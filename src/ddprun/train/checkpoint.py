@@ -32,7 +32,7 @@ from typing import IO, Any
 
 import torch
 
-from ddprun.atomic import write_atomic
+from ddprun.protocol.atomic import write_atomic
 from ddprun.errors import CheckpointError, ConfigError
 
 FORMAT_VERSION = 2

@@ -206,7 +206,7 @@ def _run_dir(run_dir: str | None, info: RankInfo) -> str:
     if env_dir:
         return env_dir
     from ddprun.config import DEFAULT_RUNS_ROOT
-    from ddprun.launch import new_run_id
+    from ddprun.protocol.rundir import new_run_id
 
     chosen = [os.path.abspath(os.path.join(DEFAULT_RUNS_ROOT, new_run_id()))]
     if info.distributed and info.world_size > 1:

@@ -3,14 +3,14 @@
 Before the user's code: NODE_RANK is set, stderr joins stdout in the rank's log file, the rank
 publishes its row (host, pid, device) to the agent's store, and rank 0 prints the gathered rank
 table once and writes ``plan.json``. The user's script then runs unmodified (runpy, as ``python``
-would run it). Afterwards the process ends through :func:`ddprun.exit.hard_exit`, which runs atexit
+would run it). Afterwards the process ends through :func:`ddprun.worker.exit.hard_exit`, which runs atexit
 handlers and flushes files but skips interpreter and C++ static teardown: that teardown is where
 healthy gloo/NCCL workers abort with SIGABRT ("terminate called without an active exception").
 
 A rank that fails records a failure in the store; the other ranks' job monitor stops them within a
 second, naming that rank, instead of leaving them in a collective until the 30-minute timeout. An
 error every rank raises alike (a Lightning Trainer that disagrees with the launch, see
-:mod:`ddprun.lightning_errors`) is reported as one line without a traceback.
+:mod:`ddprun.mismatch`) is reported as one line without a traceback.
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ def _run_user_code(argv: list[str]) -> None:
 
 
 def _known_failure(e: BaseException) -> str | None:
-    """The one-line summary of an error whose traceback adds nothing (ddprun.lightning_errors), else None."""
+    """The one-line summary of an error whose traceback adds nothing (ddprun.mismatch), else None."""
     try:
-        from ddprun.lightning_errors import translate
+        from ddprun.mismatch import translate
 
         return translate(e)
     except Exception:  # noqa: BLE001 - a failing translation must not hide the user's error
@@ -62,9 +62,9 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("NODE_RANK", os.environ.get("GROUP_RANK", "0"))
     _merge_stderr_into_stdout()
 
-    from ddprun import exit as ddp_exit
-    from ddprun.attempt import namespace_process_groups
-    from ddprun.jobstore import JobChannel, JobRefused
+    from ddprun.worker import exit as ddp_exit
+    from ddprun.worker.pgstore import namespace_process_groups
+    from ddprun.worker.channel import JobChannel, JobRefused
 
     script = None if (argv and argv[0] == "-m") else (argv[0] if argv else None)
     channel = JobChannel.from_environ(os.environ, script)
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
             ddp_exit.hard_exit(ddp_exit.exit_code_of(e))
         channel.start_monitor()
     # Each attempt's process group in its own part of the agent's store, which outlives attempts:
-    # without it a restarted group reads the dead group's gloo/NCCL keys (ddprun.attempt).
+    # without it a restarted group reads the dead group's gloo/NCCL keys (ddprun.agent.attempt, ddprun.worker.pgstore).
     namespace_process_groups(os.environ)
 
     code = 0

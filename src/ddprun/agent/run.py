@@ -11,7 +11,6 @@ import os
 import socket
 import sys
 import time
-import types
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,7 +20,9 @@ from ddprun._util import cpu_count
 from ddprun.cluster.base import ClusterSpec
 from ddprun.config import DEFAULT_RUNS_ROOT, LaunchConfig
 from ddprun.errors import LaunchError
-from ddprun.exit import STOPPED_MARK
+from ddprun.agent.endpoint import claim_endpoint, free_port
+from ddprun.protocol.rundir import new_run_id
+from ddprun.worker.exit import STOPPED_MARK
 
 
 
@@ -35,10 +36,6 @@ def job_token(environ: Mapping[str, str], spec: ClusterSpec) -> str:
         if environ.get(key):
             return f"{key}={environ[key]}"
     return uuid.uuid4().hex if spec.max_nodes == 1 else ""
-
-
-def new_run_id() -> str:
-    return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
 
 
 def run_dir_for(cfg: LaunchConfig, run_id: str) -> str:
@@ -78,7 +75,7 @@ class Outcome:
 def summarize_failures(failures: Mapping[int, object], run_dir: str, host: str) -> str:
     """The console's account of a failed job on this node: root causes with their log tails
     first, then the ranks that were only stopped because of them (one line)."""
-    from ddprun.logs import early_log_path, rank_log_path, tail_lines
+    from ddprun.agent.logs import early_log_path, rank_log_path, tail_lines
 
     roots, stopped, cause = [], [], ""
     for rank, f in sorted(failures.items()):
@@ -170,31 +167,6 @@ def write_run_report(run_dir: str, console: TextIO) -> None:
     print(f"ddprun: report: {os.path.relpath(path)}", file=console, flush=True)
 
 
-def _claim_endpoint(host: str, port: int, run_id: str, token: str) -> str | None:
-    """If a store already answers at the endpoint, claim it for this job; the refusal text if it
-    belongs to another job. Nothing listening (this node will host it) costs one refused connect."""
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
-    from ddprun.guard import claim, port_open, refusal
-
-    if not port_open(host, port):
-        return None
-    try:
-        store = TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5))
-        other = claim(store, run_id, token)
-    except Exception:  # noqa: BLE001 - not a store, or it went away: torch's rendezvous will say
-        return None
-    return refusal(f"{host}:{port}", other, run_id) if other else None
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host if host not in ("localhost",) else "127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hostname: str,
            console: TextIO | None = None) -> Outcome:
     """Run this node's agent until the job ends; return the exit code for this node."""
@@ -203,8 +175,8 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
     from torch.distributed.launcher.api import LaunchConfig as TorchLaunchConfig
     from torch.distributed.launcher.api import launch_agent
 
-    from ddprun.joinwatch import JoinWatcher
-    from ddprun.logs import LogFollower, RankLogsSpecs, remove_empty_early_logs, route_torch_logging
+    from ddprun.agent.joinwatch import JoinWatcher
+    from ddprun.agent.logs import LogFollower, RankLogsSpecs, remove_empty_early_logs, route_torch_logging
 
     if cfg.entry is None:
         raise LaunchError("Nothing to run.", hint="Give a script: ddprun run train.py, or a module: ddprun run -m pkg.train")
@@ -213,7 +185,7 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
     # loopback rendezvous: nothing changes. The user's --rdzv-conf goes over ours.
     from dataclasses import replace
 
-    from ddprun.netaddr import network_plan
+    from ddprun.cluster.netaddr import network_plan
 
     net = network_plan(spec, environ, cfg.local_addr, cfg.rdzv_conf)
     cfg = replace(cfg, local_addr=net.local_addr, rdzv_conf={**net.rdzv_conf, **cfg.rdzv_conf})
@@ -237,7 +209,7 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
 
     master_port = spec.master_port
     if master_port == 0:
-        master_port = _free_port(spec.master_addr)
+        master_port = free_port(spec.master_addr)
     endpoint = f"{spec.master_addr}:{master_port}"
 
     token = job_token(environ, spec)
@@ -263,7 +235,7 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
     if spec.rdzv_backend == "c10d" and spec.max_nodes > 1:
         watcher = JoinWatcher(spec.master_addr, master_port, run_id, token, spec.max_nodes, cfg.join_timeout,
                               err_console)
-    from ddprun.attempt import AttemptIds  # one attempt id per worker-group start, the same on every node
+    from ddprun.agent.attempt import AttemptIds  # one attempt id per worker-group start, the same on every node
 
     attempts = AttemptIds(spec.rdzv_backend, spec.master_addr, master_port, run_id)
     logs_specs = RankLogsSpecs(run_dir, follower, parse_local_ranks(cfg.tee, spec.nproc_per_node), worker_env,
@@ -284,7 +256,7 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
           f"{spec.rdzv_backend} rendezvous at {endpoint}; logs in {os.path.relpath(run_dir)}/logs", file=console,
           flush=True)
 
-    refused = _claim_endpoint(spec.master_addr, master_port, run_id, token)
+    refused = claim_endpoint(spec.master_addr, master_port, run_id, token)
     if refused:
         follower.stop()
         print(refused, file=err_console, flush=True)
@@ -353,16 +325,3 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
         print(f"ddprun: run {run_id} finished on this node in {wall:.1f} s", file=console, flush=True)
     err_console.close()
     return Outcome(exit_code=code, run_dir=run_dir, wall_s=wall, failures=failures)
-
-
-class _CallableModule(types.ModuleType):
-    """``ddprun.launch(fn, ...)`` (:func:`ddprun.fnlaunch.launch`) has this module's name: importing
-    the module sets the package attribute ``ddprun.launch`` to it, so the module itself is callable."""
-
-    def __call__(self, fn, /, *args, **kwargs):
-        from ddprun.fnlaunch import launch as launch_fn
-
-        return launch_fn(fn, *args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -23,7 +23,7 @@ import traceback
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ddprun.jobstore import JobChannel
+    from ddprun.worker.channel import JobChannel
 
 
 def exit_code_of(e: SystemExit) -> int:
@@ -48,7 +48,7 @@ def stopped_message(cause: dict) -> str:
 def print_user_traceback(e: BaseException) -> None:
     """The traceback from the user's code down, without ddprun's and runpy's frames above it."""
     tb = e.__traceback__
-    while tb is not None and (tb.tb_frame.f_code.co_filename.endswith(("ddprun/worker.py", "ddprun/fnworker.py", "runpy.py"))
+    while tb is not None and (tb.tb_frame.f_code.co_filename.endswith(("ddprun/worker/bootstrap.py", "ddprun/worker/fnworker.py", "runpy.py"))
                               or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")):
         tb = tb.tb_next
     traceback.print_exception(type(e), e, tb or e.__traceback__)

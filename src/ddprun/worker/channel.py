@@ -1,6 +1,6 @@
 """The worker's channel to the agent's TCP store (the rendezvous store torch shares with workers).
 
-Keys live under ``ddprun/<run id>/<attempt id>/`` (:func:`ddprun.attempt.store_prefix`: the c10d
+Keys live under ``ddprun/<run id>/<attempt id>/`` (:func:`ddprun.protocol.store.store_prefix`: the c10d
 rendezvous round, the same on every node; the store outlives the attempts, so each needs its own):
   ``rank/<N>``          JSON row of rank N (host, pid, device, ranks); ``rank/<N>/count`` catches twins
   ``node/<N>``          preflight facts of the node whose local rank 0 is global rank N
@@ -61,7 +61,7 @@ class JobChannel:
         self.doctor = environ.get("DDPRUN_DOCTOR") == "1"
         restart = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.last_attempt = restart == environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
-        from ddprun.attempt import store_prefix
+        from ddprun.protocol.store import store_prefix
 
         self.prefix = store_prefix(environ)
         self.device = f"cuda:{self.local_rank}" if environ.get("DDPRUN_DEVICE_KIND") == "cuda" else "cpu"
@@ -119,13 +119,13 @@ class JobChannel:
         """Claim the store for this job, publish this rank, and wait for rank 0's preflight verdict.
 
         Raises JobRefused (another job's store) or SystemExit (preflight error, already reported)."""
-        from ddprun.guard import claim, refusal
+        from ddprun.protocol.store import claim, refusal
 
         other = claim(self._store, self.run_id, self.token)
         if other is not None:
             raise JobRefused(refusal(f"{self.addr}:{self.port}", other, self.run_id))
         if self._store.add(self._key(f"rank/{self.rank}/count"), 1) > 1:
-            from ddprun.exit import report_failure
+            from ddprun.worker.exit import report_failure
 
             msg = (f"preflight: global rank {self.rank} was started twice (this one on {self.host}, node rank "
                    f"{self.node_rank}): two nodes share a node rank. HINT: give each node its own --node-rank, "
@@ -136,7 +136,7 @@ class JobChannel:
         self._store.set(self._key(f"rank/{self.rank}"), json.dumps(self.row()))
         self._store.set(self._key(f"progress/{self.rank}"), "0")
         if self.local_rank == 0:
-            from ddprun.preflight import node_facts
+            from ddprun.worker.preflight import node_facts
 
             self._store.set(self._key(f"node/{self.rank}"), json.dumps(node_facts(self.environ, self.script)))
         if self.rank == 0:
@@ -148,7 +148,7 @@ class JobChannel:
             return
         verdict = self._store.get(verdict_key).decode()
         if verdict != "ok" and self.rank != 0:
-            from ddprun.exit import stopped_message, write_error_file
+            from ddprun.worker.exit import stopped_message, write_error_file
 
             cause = self.first_failure() or {"rank": 0, "node_rank": 0, "host": "?", "summary": verdict}
             msg = stopped_message(cause)
@@ -158,8 +158,8 @@ class JobChannel:
             raise SystemExit(1)
 
     def _rank0_preflight(self) -> None:
-        from ddprun.preflight import check, render_facts
-        from ddprun.atomic import write_json_atomic
+        from ddprun.worker.preflight import check, render_facts
+        from ddprun.protocol.atomic import write_json_atomic
         from ddprun.ranktable import print_rank_table, write_plan_json
 
         rows = self.gather(lambda r: f"rank/{r}", range(self.world_size))
@@ -173,7 +173,7 @@ class JobChannel:
         findings = check(facts, self.world_size)
         errors = [f for f in findings if f.level == "error"]
         if missing:
-            from ddprun.preflight import Finding
+            from ddprun.worker.preflight import Finding
 
             errors.append(Finding("error", f"ranks {missing} did not start within {self.join_timeout:.0f} s"))
         if self.doctor or findings or missing:
@@ -183,7 +183,7 @@ class JobChannel:
             write_json_atomic(os.path.join(self.run_dir, "preflight.json"), {
                 "nodes": facts, "findings": [f.__dict__ for f in findings]})
         if errors:
-            from ddprun.exit import report_failure
+            from ddprun.worker.exit import report_failure
 
             summary = "preflight: " + " | ".join(f.message.split(" HINT:")[0] for f in errors)
             report_failure(self, summary, 1)
@@ -236,7 +236,7 @@ class JobChannel:
 
     # -- monitor -----------------------------------------------------------------------------
     def start_monitor(self) -> None:
-        from ddprun.watchdog import StepCounter
+        from ddprun.worker.stacks import StepCounter
 
         self.counter = StepCounter().install()
         self._thread = threading.Thread(target=self._monitor, name="ddprun-job-monitor", daemon=True)
@@ -300,7 +300,7 @@ class JobChannel:
     def _watch_stragglers(self, store) -> None:
         """Rank 0: read every rank's latest window, keep it in timings.csv, name stragglers."""
         from ddprun.report import EVENTS, TIMING_COLUMNS, TIMINGS
-        from ddprun.straggler import StragglerDetector
+        from ddprun.worker.stragglers import StragglerDetector
 
         keys = [self._key(f"timing/{r}") for r in range(self.world_size)]
         fresh: dict[int, dict] = {}
@@ -333,7 +333,7 @@ class JobChannel:
                                      "window": fresh[event.rank]["w"], "message": event.message()}) + "\n")
 
     def _stopped_by(self, failure: dict) -> None:
-        from ddprun.exit import stopped_message, write_error_file
+        from ddprun.worker.exit import stopped_message, write_error_file
 
         msg = stopped_message(failure)
         print(msg, file=sys.stderr, flush=True)
@@ -343,7 +343,7 @@ class JobChannel:
         os._exit(1)
 
     def _answer_stall(self, store) -> None:
-        from ddprun.watchdog import dump_stacks, main_thread_place
+        from ddprun.worker.stacks import dump_stacks, main_thread_place
 
         if self.run_dir:
             try:
@@ -355,8 +355,8 @@ class JobChannel:
         store.set(self._key(f"place/{self.rank}"), json.dumps(place))
 
     def _report_stall(self, store, stalled_s: float) -> None:
-        from ddprun.exit import write_error_file
-        from ddprun.watchdog import hang_report
+        from ddprun.worker.exit import write_error_file
+        from ddprun.worker.stacks import hang_report
 
         store.set(self._key("stall"), "1")
         self._answer_stall(store)

@@ -1,9 +1,9 @@
 """``ddprun.launch(fn, *args, **kwargs)``: run a function on every device of this machine, from a
 script, a notebook or a REPL, and get rank 0's return value back.
 
-How: the same torch elastic agent as ``ddprun run`` (:func:`ddprun.launch.launch`), with the worker
+How: the same torch elastic agent as ``ddprun run`` (:func:`ddprun.agent.run.launch`), with the worker
 bootstrap of ``ddprun run`` (:mod:`ddprun.worker`: rank logs, rank table, preflight, stall watchdog,
-failure propagation, hard exit) running :mod:`ddprun.fnworker` in place of a script. So workers see
+failure propagation, hard exit) running :mod:`ddprun.worker.fnworker` in place of a script. So workers see
 exactly ``ddprun run``'s environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT, TORCHELASTIC_*, NODE_RANK), and ``ddprun.fit``/``ddprun.init`` inside ``fn`` join it.
 
@@ -14,7 +14,7 @@ cannot be found ("Can't get attribute 'train' on <module '__main__'>"), and a sc
 ``if __name__ == "__main__":`` guard launches itself again in every child. Here each worker is a
 fresh ``python -m ddprun.worker`` process (the agent's subprocess start, as for ``ddprun run``) that
 never imports the caller's ``__main__``; ``fn`` and its arguments travel *by value* (cloudpickle,
-:mod:`ddprun.payload`), together with the caller's ``sys.path`` for what they import by reference.
+:mod:`ddprun.protocol.payload`), together with the caller's ``sys.path`` for what they import by reference.
 No ``__main__`` guard is needed, and CUDA may already be initialised in the caller (nothing forks it).
 """
 
@@ -67,7 +67,7 @@ def _check(fn: Any, nproc_per_node: Any, max_restarts: Any, options: Mapping[str
 
 
 def _payload(fn: Callable, args: tuple, kwargs: dict, *, return_all: bool, timeout: float | None) -> bytes:
-    from ddprun import payload
+    from ddprun.protocol import payload
 
     try:
         call = payload.dumps((fn, args, kwargs))
@@ -93,10 +93,10 @@ def _payload(fn: Callable, args: tuple, kwargs: dict, *, return_all: bool, timeo
 
 def _root_cause(failures: Mapping[int, Any], directory: str, run_dir: str) -> WorkerFailed | LaunchTimeout:
     """One exception for a failed launch: the rank whose own error ended it, not its echoes."""
-    from ddprun import payload
-    from ddprun.exit import STOPPED_MARK
-    from ddprun.fnworker import TIMEOUT_MARK
-    from ddprun.logs import rank_log_path
+    from ddprun.protocol import payload
+    from ddprun.worker.exit import STOPPED_MARK
+    from ddprun.worker.fnworker import TIMEOUT_MARK
+    from ddprun.agent.logs import rank_log_path
 
     def text(f: Any) -> str:
         msg = getattr(f, "message", "") or ""
@@ -132,7 +132,7 @@ def _root_cause(failures: Mapping[int, Any], directory: str, run_dir: str) -> Wo
         code = getattr(f, "exitcode", None)
         how = f.signal_name() if code is not None and code < 0 else f"exit code {code}"
         msg = f"the process ended ({how}) without a Python error"
-    from ddprun.logs import tail_lines
+    from ddprun.agent.logs import tail_lines
 
     tail = "\n".join(tail_lines(log, 12))
     return WorkerFailed(rank, msg.replace("ddprun: ", "", 1), traceback=tail and f"(last lines of its log)\n{tail}",
@@ -217,12 +217,12 @@ def launch(fn: Callable[..., Any], /, *args: Any, nproc_per_node: int | str | No
     from the start; ``ddprun.fit`` inside it resumes from its checkpoint). Ctrl-C (a notebook's
     interrupt) stops every worker and raises KeyboardInterrupt.
     """
-    from ddprun.cli import probe_node
+    from ddprun.cluster.probe import probe_node
     from ddprun.cluster.detect import resolve
     from ddprun.cluster.local import LocalEnvironment
     from ddprun.cluster.torchrun import TorchrunEnvironment
     from ddprun.config import Entry, LaunchConfig
-    from ddprun.launch import launch as run_agent
+    from ddprun.agent.run import launch as run_agent
 
     nproc = _check(fn, nproc_per_node, max_restarts,
                    {"timeout": timeout, "join_timeout": join_timeout, "stall_timeout": stall_timeout})
@@ -240,7 +240,7 @@ def launch(fn: Callable[..., Any], /, *args: Any, nproc_per_node: int | str | No
         with open(os.path.join(directory, "payload.pkl"), "wb") as fp:
             fp.write(blob)
         # One machine, whatever cluster this process runs in: a notebook on a SLURM node launches there only.
-        cfg = LaunchConfig(entry=Entry("ddprun.fnworker", (directory,), is_module=True), nproc_per_node=nproc,
+        cfg = LaunchConfig(entry=Entry("ddprun.worker.fnworker", (directory,), is_module=True), nproc_per_node=nproc,
                            standalone=True, max_restarts=max_restarts, join_timeout=join_timeout,
                            stall_timeout=stall_timeout, run_dir=run_dir, log_dir=log_dir)
         spec = resolve(cfg, environ, node, env=LocalEnvironment(), launcher=True)
@@ -263,7 +263,7 @@ def launch(fn: Callable[..., Any], /, *args: Any, nproc_per_node: int | str | No
 
 def _results(directory: str, world_size: int, return_all: bool, run_dir: str) -> Any:
     """Rank 0's value, or {rank: value} of every rank; a missing one is a LaunchError."""
-    from ddprun import payload
+    from ddprun.protocol import payload
 
     wanted = range(world_size) if return_all else [0]
     values = {}

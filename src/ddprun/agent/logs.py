@@ -114,7 +114,7 @@ class RankLogsSpecs(LogsSpecs):
         """Whether this node ran global rank 0 (it then writes the run report)."""
         self.local_workers: dict[int, tuple[int, str]] = {}
         """Global rank -> (local rank, error file) of this node's latest workers."""
-        # restart count -> the job-wide attempt id (ddprun.attempt.AttemptIds.current), asked once per start
+        # restart count -> the job-wide attempt id (ddprun.agent.attempt.AttemptIds.current), asked once per start
         self._attempt_id = attempt_id
         self._starts = 0
         self._run_dir = run_dir

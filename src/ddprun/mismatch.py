@@ -1,4 +1,4 @@
-"""Lightning's "wrong number of processes" errors, as one line that names both sides.
+"""Launch-mismatch errors (a framework's process count vs the launch), as one line that names both sides.
 
 Never imports lightning: the worker's failure path calls :func:`translate` on every exception that
 leaves the user's script. Every rank of a job raises the same launch-mismatch error within the same
@@ -87,16 +87,3 @@ def translate(exc: BaseException, environ: Mapping[str, str] | None = None) -> s
             note = f"local rank {environ.get('LOCAL_RANK', '?')} has no device among the Trainer's {devices}"
             return TrainerMismatch(devices, int(getattr(strategy, "num_nodes", 1)), environ, note).one_line()
     return None
-
-
-def callbacks_factory() -> list:
-    """Lightning's ``lightning.pytorch.callbacks_factory`` entry point (pyproject.toml): Lightning calls
-    it in every ``Trainer()`` wherever ddprun is installed. Inside a multi-rank ``ddprun run`` worker
-    (DDPRUN_RUN_DIR set, WORLD_SIZE > 1) it returns ddprun.lightning's LaunchCheck; elsewhere nothing,
-    without importing more of ddprun."""
-    shape = launch_shape(os.environ)
-    if not os.environ.get("DDPRUN_RUN_DIR") or shape is None or shape[2] <= 1:
-        return []
-    from ddprun.lightning import LaunchCheck
-
-    return [LaunchCheck()]

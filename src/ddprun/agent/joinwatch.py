@@ -82,7 +82,7 @@ class JoinWatcher:
 
     def _claim(self) -> bool:
         """Claim the endpoint's store for this job as soon as it answers; False when refused."""
-        from ddprun.guard import claim, refusal
+        from ddprun.protocol.store import claim, refusal
 
         other = claim(self._store, self._run_id, self._token)
         if other is None:

@@ -1,8 +1,8 @@
-"""The worker side of :func:`ddprun.launch`: ``python -m ddprun.worker -m ddprun.fnworker DIR``.
+"""The worker side of :func:`ddprun.launch`: ``python -m ddprun.worker -m ddprun.worker.fnworker DIR``.
 
 ddprun.worker has done what it does for any script (NODE_RANK, the rank's log, the rank table,
 preflight, the job monitor, failure records, the hard exit); this module is the "script": it
-loads DIR/payload.pkl (:mod:`ddprun.payload`), runs ``fn(*args, **kwargs)`` and writes the return
+loads DIR/payload.pkl (:mod:`ddprun.protocol.payload`), runs ``fn(*args, **kwargs)`` and writes the return
 value for the launcher (rank 0's, or every rank's with ``return_all``). An exception is recorded
 in DIR for the launcher, then raised on, so that ddprun.worker reports it like a script's.
 
@@ -26,7 +26,7 @@ def _arm_deadline(deadline: float, timeout_s: float) -> None:
     def expire() -> None:
         import faulthandler
 
-        from ddprun.exit import write_error_file
+        from ddprun.worker.exit import write_error_file
 
         msg = f"{TIMEOUT_MARK} of {timeout_s:g} s reached; this rank was still running (stacks in its log)"
         print(f"ddprun: {msg}", file=sys.stderr, flush=True)
@@ -41,7 +41,7 @@ def _arm_deadline(deadline: float, timeout_s: float) -> None:
 
 
 def main(directory: str) -> None:
-    from ddprun import payload
+    from ddprun.protocol import payload
 
     with open(os.path.join(directory, payload.PAYLOAD), "rb") as fp:
         data = fp.read()
@@ -78,5 +78,5 @@ def main(directory: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m ddprun.worker -m ddprun.fnworker DIR (started by ddprun.launch)")
+        raise SystemExit("usage: python -m ddprun.worker -m ddprun.worker.fnworker DIR (started by ddprun.launch)")
     main(sys.argv[1])

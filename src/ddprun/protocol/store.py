@@ -1,0 +1,112 @@
+"""The store key schema: every key ddprun writes in the agent's TCPStore, and the endpoint claim.
+
+Values are JSON text (or plain integers for counters); ddprun never unpickles what it reads. Keys
+of one attempt of the worker group live under ``ddprun/<run id>/<attempt id>/`` (the store outlives
+attempts: torch's c10d shares one store server for the whole job, see agent/attempt.py):
+
+    rank/<N>           JSON row of rank N (host, pid, device, ranks); rank/<N>/count catches twins
+    node/<N>           preflight facts of the node whose local rank 0 is global rank N
+    preflight          rank 0's verdict: "ok" or the error; every rank waits for it before user code
+    progress/<N>       rank N's progress count (optimizer steps, collectives, heartbeats)
+    stall              set by the observer that found no progress for the stall threshold
+    place/<N>          where rank N's main thread is, answered on ``stall``
+    timing/<N>         rank N's step-time medians over its latest window (telemetry), every window
+    failures           a counter; failure/<k> the k-th failure record (protocol/failure.py)
+    acks               how many ranks have read the first failure
+    pg                 the prefix of this attempt's process-group keys (gloo/NCCL bootstrap)
+
+and one job-wide key, ``ddprun/endpoint-owner``: ``<run id>:<digest of the job token>`` of the job
+that first reached the store (:func:`claim`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+OWNER_KEY = "ddprun/endpoint-owner"
+
+
+def attempt_id(environ: Mapping[str, str]) -> str:
+    """This worker group's attempt id: DDPRUN_ATTEMPT (set by ``ddprun run``), else ``c<restart count>``."""
+    return environ.get("DDPRUN_ATTEMPT") or f"c{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def store_prefix(environ: Mapping[str, str]) -> str:
+    """``ddprun/<run id>/<attempt id>/``: where this attempt's keys live in the agent's store."""
+    return f"ddprun/{environ.get('TORCHELASTIC_RUN_ID', 'run')}/{attempt_id(environ)}/"
+
+
+class Keys:
+    """The keys of one attempt (module docstring), under ``prefix``."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+
+    def _k(self, name: str) -> str:
+        return self.prefix + name
+
+    def rank(self, r: int) -> str:
+        return self._k(f"rank/{r}")
+
+    def rank_count(self, r: int) -> str:
+        return self._k(f"rank/{r}/count")
+
+    def node(self, r: int) -> str:
+        return self._k(f"node/{r}")
+
+    def progress(self, r: int) -> str:
+        return self._k(f"progress/{r}")
+
+    def place(self, r: int) -> str:
+        return self._k(f"place/{r}")
+
+    def timing(self, r: int) -> str:
+        return self._k(f"timing/{r}")
+
+    def failure(self, k: int) -> str:
+        return self._k(f"failure/{k}")
+
+    @property
+    def preflight(self) -> str:
+        return self._k("preflight")
+
+    @property
+    def stall(self) -> str:
+        return self._k("stall")
+
+    @property
+    def failures(self) -> str:
+        return self._k("failures")
+
+    @property
+    def acks(self) -> str:
+        return self._k("acks")
+
+    @property
+    def pg(self) -> str:
+        return self._k("pg")
+
+
+def owner_value(run_id: str, token: str) -> str:
+    return f"{run_id}:{hashlib.sha256(token.encode()).hexdigest()[:16]}"
+
+
+def claim(store: Any, run_id: str, token: str) -> str | None:
+    """Claim the store for this job; None if it is ours, else the run id of the job that holds it."""
+    mine = owner_value(run_id, token)
+    current = store.compare_set(OWNER_KEY, "", mine)
+    current = current.decode(errors="replace") if isinstance(current, bytes) else str(current)
+    if current == mine:
+        return None
+    return current.rsplit(":", 1)[0] or "?"
+
+
+def refusal(endpoint: str, other: str, run_id: str) -> str:
+    """The console's message for a job refused at ``endpoint`` held by run ``other``."""
+    same = other == run_id
+    who = (f"another job with the same run id '{run_id}' but a different DDPRUN_JOB_TOKEN" if same
+           else f"another job (run id '{other}'; this one is '{run_id}')")
+    return (f"ddprun: refused: the rendezvous endpoint {endpoint} is in use by {who}.\n"
+            f"HINT: give each job its own --rdzv-endpoint port and --rdzv-id, or wait for the other job to end.")
