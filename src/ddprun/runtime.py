@@ -167,6 +167,10 @@ def init(backend: str | None = None, *, timeout: float = DEFAULT_INIT_TIMEOUT_S,
     MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK are exported to ``os.environ`` before
     ``init_process_group(init_method="env://")``: the one explicit export ddprun does in a worker.
 
+    Right after joining, one bounded all_reduce (:mod:`ddprun.firstcollective`; seconds from
+    DDPRUN_FIRST_COLLECTIVE_TIMEOUT, default 30, 0 = off) names a blocked transport with its
+    interface and addresses (ClusterError) instead of hanging in the first collective.
+
     Idempotent: a second call returns the first call's RankInfo. If a process group already exists
     (the user's, Lightning's) it is used as it is. On CUDA, ``torch.cuda.set_device`` is called.
     """
@@ -207,8 +211,15 @@ def init(backend: str | None = None, *, timeout: float = DEFAULT_INIT_TIMEOUT_S,
 
         for key, value in network_plan(spec, os.environ).worker_env.items():
             os.environ.setdefault(key, value)
+    from ddprun.firstcollective import first_collective, probe_timeout
+
+    probe_s = probe_timeout(environ)
+    # device_id binds each rank to its GPU (NCCL connects eagerly, no rank lands on another's GPU)
     dist.init_process_group(backend=backend, init_method="env://", rank=info.rank, world_size=info.world_size,
-                            timeout=timedelta(seconds=timeout))
+                            timeout=timedelta(seconds=timeout),
+                            device_id=info.device if info.device.type == "cuda" else None)
+    # gloo/NCCL read os.environ (exported above), so the error names what they really used
+    first_collective(info.device, backend, info.world_size, os.environ, arrival_timeout_s=timeout, timeout_s=probe_s)
     info = replace(info, distributed=True, backend=backend)
     _state = _State(info, timeout, train_timeout)
     return info

@@ -16,6 +16,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ddprun import gpufacts
+
 
 @dataclass(frozen=True)
 class Finding:
@@ -84,6 +86,8 @@ def node_facts(environ: Mapping[str, str], script: str | None) -> dict:
         "ddprun": f"{__version__}+{_package_hash()}",
         "run_id": environ.get("TORCHELASTIC_RUN_ID", ""),
         "free_disk_gb": free_gb,
+        # NVML, NCCL settings and plugin, InfiniBand (gpufacts.py); NVML creates no CUDA context
+        "gpu": gpufacts.collect(environ, int(environ.get("LOCAL_WORLD_SIZE", "1"))),
     }
 
 
@@ -138,6 +142,7 @@ def check(facts: Sequence[dict], world_size: int) -> list[Finding]:
     for f in facts:
         if 0 <= f.get("free_disk_gb", -1) < 1:
             out.append(Finding("warning", f"{_name(f)} has {f['free_disk_gb']} GB free in the run directory."))
+    out.extend(Finding(level, message) for level, message in gpufacts.check(facts))
     return out
 
 
@@ -146,6 +151,7 @@ def render_facts(facts: Sequence[dict], findings: Sequence[Finding]) -> str:
 
     cols = ("node_rank", "host", "nproc", "gpus", "torch", "cuda", "nccl", "python", "script_sha", "free_disk_gb")
     text = render_table(sorted(facts, key=lambda f: f["node_rank"]), cols, "ddprun preflight: node facts")
+    text += "".join(gpufacts.summary(f) + "\n" for f in sorted(facts, key=lambda f: f["node_rank"]) if "gpu" in f)
     if findings:
         text += "\n".join(f"preflight {f.level}: {f.message}" for f in findings) + "\n"
     else:

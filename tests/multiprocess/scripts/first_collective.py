@@ -1,0 +1,17 @@
+"""One rank of a two-process gloo group started by ddprun.init(); ``--stuck`` makes this rank's
+first collective never run (as when its transport is blocked), so its peer's stays unanswered."""
+
+import sys
+import time
+
+import ddprun
+from ddprun import firstcollective
+
+if "--stuck" in sys.argv:
+    firstcollective._all_reduce = lambda device: time.sleep(60)
+try:
+    info = ddprun.init(timeout=30)
+except Exception as e:  # noqa: BLE001 - the test reads the message
+    print(f"{type(e).__name__}: {e}", flush=True)
+    sys.exit(3)
+print(f"rank {info.rank} ok", flush=True)

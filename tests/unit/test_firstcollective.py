@@ -1,0 +1,95 @@
+"""The bounded first collective of ddprun.init(): its timeout setting, the transport it names, and
+its bounds over a real gloo group of one (the collective itself faked where it must hang or fail)."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddprun import firstcollective, runtime
+from ddprun.errors import ClusterError, ConfigError
+from tests.helpers import free_port
+from tests.unit.test_runtime import torchrun_env
+
+
+@pytest.fixture(autouse=True)
+def clean_state():
+    saved = dict(os.environ)
+    runtime._reset()
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    runtime._reset()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_probe_timeout_default_off_and_bad_values():
+    assert firstcollective.probe_timeout({}) == 30.0
+    assert firstcollective.probe_timeout({"DDPRUN_FIRST_COLLECTIVE_TIMEOUT": "0"}) == 0.0
+    with pytest.raises(ConfigError, match="DDPRUN_FIRST_COLLECTIVE_TIMEOUT='soon'.*\n.*HINT"):
+        firstcollective.probe_timeout({"DDPRUN_FIRST_COLLECTIVE_TIMEOUT": "soon"})
+
+
+def test_transport_seen_names_backend_interfaces_master_and_this_host():
+    env = {"NCCL_SOCKET_IFNAME": "ib0", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "RANK": "13"}
+    assert firstcollective.transport_seen("nccl", env, "gpu07", {"lo": ("127.0.0.1",), "ib0": ("10.1.0.7",)}) == (
+        "backend nccl; GLOO_SOCKET_IFNAME unset (the library picks), NCCL_SOCKET_IFNAME='ib0'; "
+        "MASTER_ADDR:MASTER_PORT=10.0.0.1:29500; this rank 13 on gpu07 (lo 127.0.0.1; ib0 10.1.0.7)")
+
+
+def join_group_of_one(**env):
+    os.environ.update(torchrun_env(port=free_port()), **env)
+
+
+def test_init_runs_the_first_collective(monkeypatch):
+    join_group_of_one()
+    runtime.init(timeout=30)
+    assert dist.distributed_c10d._get_default_store().add(firstcollective.ARRIVAL_KEY, 0) == 1
+
+
+def test_a_first_collective_that_never_completes_is_an_error_within_its_timeout(monkeypatch):
+    join_group_of_one(DDPRUN_FIRST_COLLECTIVE_TIMEOUT="0.5", GLOO_SOCKET_IFNAME="lo")
+    monkeypatch.setattr(firstcollective, "_all_reduce", lambda device: time.sleep(30))
+    t0 = time.monotonic()
+    with pytest.raises(ClusterError, match=r"did not complete within 0.5 s, although all 1 ranks joined") as e:
+        runtime.init(timeout=30)
+    assert time.monotonic() - t0 < 5
+    assert "backend gloo; GLOO_SOCKET_IFNAME='lo'" in str(e.value) and "HINT: " in str(e.value)
+
+
+def test_a_first_collective_that_fails_is_one_error_naming_the_transport(monkeypatch):
+    join_group_of_one()
+
+    def refused(device):
+        raise RuntimeError("Connection refused")
+
+    monkeypatch.setattr(firstcollective, "_all_reduce", refused)
+    with pytest.raises(ClusterError, match=r"\(gloo all_reduce of one element\) failed: RuntimeError: Connection "
+                                           r"refused\nSeen: backend gloo; "):
+        runtime.init(timeout=30)
+
+
+def test_the_probe_can_be_turned_off(monkeypatch):
+    join_group_of_one(DDPRUN_FIRST_COLLECTIVE_TIMEOUT="0")
+    monkeypatch.setattr(firstcollective, "_all_reduce", lambda device: pytest.fail("probe ran"))
+    assert runtime.init(timeout=30).distributed
+
+
+def test_on_cuda_init_binds_the_rank_to_its_gpu_with_device_id(monkeypatch):
+    os.environ.update(torchrun_env(rank=1, local_rank=1, world=2, local_world=2, port=free_port()))
+    seen = {}
+
+    def fake_init(**kwargs):
+        seen.update(kwargs)
+        raise KeyboardInterrupt  # stop before any collective: there is no GPU here
+
+    monkeypatch.setattr(runtime, "_use_cuda", lambda environ: True)
+    monkeypatch.setattr(runtime, "_device", lambda local_rank, use_cuda: torch.device("cuda", local_rank))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "init_process_group", fake_init)
+    with pytest.raises(KeyboardInterrupt):
+        runtime.init(timeout=30)
+    assert seen["backend"] == "nccl" and seen["device_id"] == torch.device("cuda", 1)
