@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import sys
 from collections.abc import Mapping, Sequence
 
-from ddprun.cluster.probe import probe_node
+from ddprun.cluster.probe import check_endpoint, probe_node
 from ddprun.config import DEFAULT_JOIN_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, Entry, LaunchConfig
+from ddprun.protocol.defaults import EXIT_TIMEOUT_S
 from ddprun.errors import ConfigError, DdprunError
 
 
@@ -54,8 +56,14 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     _flag(g, "--log-dir", help="root of run directories (default runs/); the run goes to LOG_DIR/<run id>")
     _flag(g, "--run-dir", help="exact run directory (overrides --log-dir)")
     _flag(g, "--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S,
-          help=f"seconds with no rank making an optimizer step before every rank's stack is collected, the "
-               f"hang report printed and the job ended (default {DEFAULT_STALL_TIMEOUT_S:.0f}; 0 = off)")
+          help=f"seconds with no progress on any rank (optimizer steps, collectives, ddprun.heartbeat()) before "
+               f"every rank's stack is collected and the hang report printed (default "
+               f"{DEFAULT_STALL_TIMEOUT_S:.0f}; 0 = off)")
+    _flag(g, "--stall-end-after", type=float, default=None,
+          help="seconds a reported stall may go on before the job ends (default: as long as --stall-timeout; "
+               "0 = end right after the report)")
+    _flag(g, "--exit-timeout", type=float, default=EXIT_TIMEOUT_S,
+          help=f"seconds a worker's atexit handlers may take after the script returned (default {EXIT_TIMEOUT_S:.0f})")
     _flag(g, "--straggler-margin", type=float, default=0.2,
           help="name a rank whose data wait / compute / step exceeds the other ranks' median by this fraction "
                "(default 0.2 = 20%%)")
@@ -134,18 +142,9 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     doctor = args.command == "doctor"
     if doctor:
         entry = Entry(target="ddprun.worker.doctor_job", is_module=True)
+    check_numbers(args)
     stall = getattr(args, "stall_timeout", DEFAULT_STALL_TIMEOUT_S)
-    if stall < 0:
-        raise ConfigError("--stall-timeout must be 0 (off) or positive.", seen=f"--stall-timeout {stall}",
-                          hint="Give seconds, e.g. --stall-timeout 300.")
-    if args.join_timeout <= 0:
-        raise ConfigError("--join-timeout must be positive.", seen=f"--join-timeout {args.join_timeout}",
-                          hint="Give seconds, e.g. --join-timeout 120.")
     margin, windows = getattr(args, "straggler_margin", 0.2), getattr(args, "straggler_windows", 3)
-    if margin <= 0 or windows < 1:
-        raise ConfigError("--straggler-margin must be > 0 and --straggler-windows >= 1.",
-                          seen=f"--straggler-margin {margin}, --straggler-windows {windows}",
-                          hint="e.g. --straggler-margin 0.2 --straggler-windows 3.")
     return LaunchConfig(
         entry=entry, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
         master_addr=args.master_addr, master_port=args.master_port, rdzv_backend=args.rdzv_backend,
@@ -155,8 +154,42 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         start_method=getattr(args, "start_method", "spawn"), log_dir=getattr(args, "log_dir", None),
         run_dir=getattr(args, "run_dir", None), redirects=getattr(args, "redirects", "0"),
         tee=getattr(args, "tee", "0"), hostfile=args.hostfile, stall_timeout=stall, doctor=doctor,
-        straggler_margin=margin, straggler_windows=windows,
+        straggler_margin=margin, straggler_windows=windows, stall_end=getattr(args, "stall_end_after", None),
+        exit_timeout=getattr(args, "exit_timeout", EXIT_TIMEOUT_S),
     )
+
+
+def _seconds(flag: str, value: float | None, *, zero_ok: bool, example: str) -> None:
+    if value is None:
+        return
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        raise ConfigError(f"{flag} takes a finite number of seconds {'>= 0' if zero_ok else '> 0'}.",
+                          seen=f"{flag} {value}", hint=f"e.g. {flag} {example}" + (" (0 = off)" if zero_ok else ""))
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """Every numeric or per-rank flag checked once, with the flag and the value in the message."""
+    from ddprun.agent.run import parse_local_ranks
+
+    _seconds("--join-timeout", args.join_timeout, zero_ok=False, example="120")
+    for flag, zero_ok, example in (("--stall-timeout", True, "300"), ("--stall-end-after", True, "300"),
+                                   ("--exit-timeout", False, "60"), ("--monitor-interval", False, "0.1")):
+        _seconds(flag, getattr(args, flag[2:].replace("-", "_"), None), zero_ok=zero_ok, example=example)
+    if getattr(args, "max_restarts", 0) < 0:
+        raise ConfigError("--max-restarts takes a number of restarts >= 0.", seen=f"--max-restarts {args.max_restarts}",
+                          hint="0 (default): a failure ends the job; N: the worker group is restarted up to N times.")
+    margin, windows = getattr(args, "straggler_margin", 0.2), getattr(args, "straggler_windows", 3)
+    if not (math.isfinite(margin) and margin > 0) or windows < 1:
+        raise ConfigError("--straggler-margin must be > 0 and --straggler-windows >= 1.",
+                          seen=f"--straggler-margin {margin}, --straggler-windows {windows}",
+                          hint="e.g. --straggler-margin 0.2 --straggler-windows 3.")
+    for flag in ("--tee", "--redirects"):
+        value = getattr(args, flag[2:], None)
+        if value is not None:
+            parse_local_ranks(value, 1, flag)
+    if getattr(args, "master_port", None) is not None and not 0 <= args.master_port <= 65535:
+        raise ConfigError("--master-port takes a TCP port 1-65535 (0: a free one, single node only).",
+                          seen=f"--master-port {args.master_port}", hint="e.g. --master-port 29500.")
 
 
 def cmd_plan(cfg: LaunchConfig, args: argparse.Namespace, environ: Mapping[str, str]) -> int:
@@ -209,6 +242,7 @@ def cmd_run(cfg: LaunchConfig, environ: Mapping[str, str]) -> int:
         )
     node = probe_node(environ)
     spec = resolve(cfg, environ, node, launcher=True)
+    check_endpoint(spec)
     for note in spec.notes:
         print(f"ddprun: note: {note}", file=sys.stderr)
     return launch(cfg, spec, environ, node.hostname).exit_code

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-DEFAULT_JOIN_TIMEOUT_S = 120.0
-"""Seconds the rendezvous waits for every node (torchrun: 600 s, and it prints nothing meanwhile)."""
+from ddprun.protocol import defaults
 
-DEFAULT_RUNS_ROOT = "runs"
-
-DEFAULT_STALL_TIMEOUT_S = 300.0
-"""Seconds with no rank advancing before the hang report (gloo's own timeout: 30 min, silent)."""
+# The defaults live in protocol/defaults.py; these names are what the CLI and callers import.
+DEFAULT_JOIN_TIMEOUT_S = defaults.JOIN_TIMEOUT_S
+DEFAULT_RUNS_ROOT = defaults.RUNS_ROOT
+DEFAULT_STALL_TIMEOUT_S = defaults.STALL_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,7 @@ class LaunchConfig:
     standalone: bool = False
     local_addr: str | None = None
     max_restarts: int = 0
-    monitor_interval: float = 0.1
+    monitor_interval: float = defaults.AGENT_MONITOR_INTERVAL_S
     """Seconds between the agent's checks of its workers."""
     join_timeout: float = DEFAULT_JOIN_TIMEOUT_S
     """Seconds the rendezvous waits for all nodes before every waiting node exits non-zero."""
@@ -65,12 +64,16 @@ class LaunchConfig:
     tee: str = "0"
     """Local ranks whose output is also shown on the console (torchrun's --tee); rank 0 always is."""
     stall_timeout: float = DEFAULT_STALL_TIMEOUT_S
-    """Seconds without any rank's optimizer step before the hang report and a non-zero exit; 0 = off."""
-    straggler_margin: float = 0.2
+    """Seconds without progress on any rank (steps, collectives, heartbeats) before the hang report; 0 = off."""
+    stall_end: float | None = None
+    """Seconds a reported stall may last more before the job ends; None = as long as stall_timeout, 0 = at once."""
+    exit_timeout: float = defaults.EXIT_TIMEOUT_S
+    """Seconds a worker's atexit handlers may take before it exits anyway, naming the one that hangs."""
+    straggler_margin: float = defaults.STRAGGLER_MARGIN
     """A rank is a straggler when a part of its step exceeds the others' median by this fraction."""
-    straggler_windows: int = 3
+    straggler_windows: int = defaults.STRAGGLER_WINDOWS
     """... in this many consecutive telemetry windows (2 s each)."""
     doctor: bool = False
     """Rank 0 prints the preflight facts table even when every check passes."""
-    start_method: str = "spawn"
+    start_method: str = defaults.START_METHOD
     hostfile: str | None = None

@@ -47,7 +47,7 @@ def transport_seen(backend: str, environ: Mapping[str, str], host: str, addresse
 
 
 def _failure(what: str, backend: str, environ: Mapping[str, str]) -> ClusterError:
-    from ddprun.netaddr import interface_addresses
+    from ddprun.cluster.netaddr import interface_addresses
 
     try:
         addresses = interface_addresses()

@@ -58,3 +58,36 @@ def summarize(records: list[tuple[float, ...]]) -> dict[str, float] | None:
         if values:
             out[name] = statistics.median(values)
     return out
+
+
+class Progress:
+    """Proof that this process is alive, counted without I/O: optimizer steps, completed
+    collectives and heartbeats (``ddprun.heartbeat()``, ddprun.fit's validation and checkpoints).
+
+    The worker's monitor publishes ``total`` through the store; the stall observers compare totals.
+    ``steps`` alone is what the hang report shows as the rank's step.
+    """
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.collectives = 0
+        self.beats = 0
+        self.phase = ""
+        """What the process says it is doing (``validation``, ``checkpoint``, ...); "" = training or unknown."""
+
+    @property
+    def total(self) -> int:
+        return self.steps + self.collectives + self.beats
+
+
+PROGRESS = Progress()
+
+
+def heartbeat(phase: str | None = None) -> None:
+    """Tell ddprun's stall watchdog this process is making progress (e.g. once per evaluation batch,
+    or around a long save): a job whose ranks all beat is never reported as stalled. Cheap (an integer
+    increment, no I/O, no collective); safe to call outside a ddprun job. ``phase`` names the work in the
+    hang report (``None`` keeps the current one, ``""`` clears it)."""
+    PROGRESS.beats += 1
+    if phase is not None:
+        PROGRESS.phase = phase

@@ -13,6 +13,7 @@ from ddprun.agent import attempt
 from ddprun.protocol import store as keys
 from ddprun.worker import pgstore
 from ddprun.agent.logs import RankLogsSpecs
+from ddprun.protocol.env import WorkerEnv
 from tests.helpers import free_port
 
 
@@ -104,7 +105,7 @@ def test_logs_spec_gives_every_worker_the_attempt_and_keeps_each_attempts_log(tm
         seen.append(count)
         return f"r{len(seen)}"
 
-    spec = RankLogsSpecs(str(tmp_path), None, set(), {"DDPRUN_RUN_DIR": str(tmp_path)}, attempt_id=attempt_of)
+    spec = RankLogsSpecs(str(tmp_path), None, set(), WorkerEnv(run_dir=str(tmp_path)), attempt_id=attempt_of)
     envs = {0: {"RANK": "0", "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0"}}
     spec.reify(envs)
     assert envs[0]["DDPRUN_ATTEMPT"] == "r1"

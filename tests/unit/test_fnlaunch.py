@@ -4,7 +4,6 @@ and fit's on_checkpoint hook (the one ddprun.ray reports checkpoints through), i
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -14,7 +13,8 @@ import ddprun
 from ddprun import runtime
 from ddprun.protocol import payload
 from ddprun.errors import ClusterError, ConfigError, LaunchTimeout, WorkerFailed
-from ddprun.worker.exit import STOPPED_MARK
+from ddprun.agent.run import Outcome
+from ddprun.protocol import failure as fr
 from ddprun.agent.fnlaunch import _payload, _root_cause
 
 
@@ -74,14 +74,8 @@ def test_what_cannot_be_sent_is_named():
     assert "HINT" in str(caught.value)
 
 
-@dataclass
-class Failure:  # torch's ProcessFailure, as much as the launcher reads of it
-    local_rank: int
-    exitcode: int
-    message: object = ""
-
-    def signal_name(self) -> str:
-        return "SIGKILL" if self.exitcode == -9 else ""
+def outcome(run_dir, records):
+    return Outcome(1, str(run_dir), 0.0, records, fr.root_cause(records.values()))
 
 
 def test_the_rank_that_raised_is_the_cause_not_the_ranks_it_stopped(tmp_path):
@@ -89,9 +83,10 @@ def test_the_rank_that_raised_is_the_cause_not_the_ranks_it_stopped(tmp_path):
         raise KeyError("missing column 'y'")
     except KeyError as e:
         payload.write_error(str(tmp_path), 3, e, skip_frames=0)
-    failures = {0: Failure(0, -15), 1: Failure(1, 1, f"{STOPPED_MARK} rank 3 (node 0, h) failed: KeyError"),
-                3: Failure(3, 1, {"message": "KeyError: \"missing column 'y'\""})}
-    err = _root_cause(failures, str(tmp_path), "/runs/x")
+    cause = fr.FailureRecord(fr.ERROR, 3, "KeyError: \"missing column 'y'\"", 0, "h", 3, 1, t=2.0)
+    records = {0: fr.stopped_by(cause, rank=0, node_rank=0, host="h", local_rank=0, t=1.0),
+               1: fr.stopped_by(cause, rank=1, node_rank=0, host="h", local_rank=1, t=1.5), 3: cause}
+    err = _root_cause(outcome("/runs/x", records), str(tmp_path))
     assert isinstance(err, WorkerFailed) and err.rank == 3
     assert isinstance(err.error, KeyError) and "missing column" in err.traceback
     assert err.log == "/runs/x/logs/rank-3.log" and "[0, 1]" in str(err)
@@ -100,14 +95,17 @@ def test_the_rank_that_raised_is_the_cause_not_the_ranks_it_stopped(tmp_path):
 def test_a_rank_killed_by_a_signal_is_named_with_its_log(tmp_path):
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "rank-1.log").write_text("step 1\nstep 2\n")
-    failures = {0: Failure(0, -15), 1: Failure(1, -9, "Signal 9 (SIGKILL) received by PID 42")}
-    err = _root_cause(failures, str(tmp_path / "none"), str(tmp_path))
+    killed = fr.from_exit(1, -9, node_rank=0, host="h", local_rank=1, t=2.0)
+    echo = fr.FailureRecord(fr.ERROR, 0, "RuntimeError: Connection reset by peer", 0, "h", 0, t=1.0)
+    err = _root_cause(outcome(tmp_path, {0: echo, 1: killed}), str(tmp_path / "none"))
     assert err.rank == 1 and "SIGKILL" in err.message and "step 2" in err.traceback
+    assert "out-of-memory" in str(err)
 
 
 def test_a_timeout_is_its_own_error(tmp_path):
-    failures = {0: Failure(0, 124, "ddprun.launch: timeout of 5 s reached; this rank was still running")}
-    assert isinstance(_root_cause(failures, str(tmp_path), str(tmp_path)), LaunchTimeout)
+    msg = "ddprun.launch: timeout of 5 s reached; this rank was still running"
+    records = {0: fr.FailureRecord(fr.TIMEOUT, 0, msg, 0, "h", 0, 124)}
+    assert isinstance(_root_cause(outcome(tmp_path, records), str(tmp_path)), LaunchTimeout)
 
 
 # -- fit's on_checkpoint hook, one process ------------------------------------------------------------

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from ddprun import gpufacts
-from ddprun.preflight import check as preflight_check
-from ddprun.preflight import render_facts
+from ddprun.worker import gpufacts
+from ddprun.worker.preflight import check as preflight_check
+from ddprun.worker.preflight import render_facts
 
 FAKE = Path(__file__).resolve().parents[1] / "fakes" / "nvml" / "pynvml.py"
 
@@ -234,7 +234,7 @@ def test_the_preflight_check_and_table_include_the_gpu_findings(nvml, tmp_path):
 
 
 def test_node_facts_carry_the_gpu_facts_of_this_machine():
-    from ddprun.preflight import node_facts
+    from ddprun.worker.preflight import node_facts
 
     g = node_facts({"LOCAL_WORLD_SIZE": "1"}, None)["gpu"]
     assert g["nvml"] == "ok" or g["nvml"].startswith("not available: ")

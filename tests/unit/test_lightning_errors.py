@@ -1,11 +1,6 @@
-"""Launch-mismatch errors as one line, and the launcher's account of ranks that failed alike.
+"""Launch-mismatch errors as one line (the launcher's account of ranks that failed alike: test_console.py).
 No lightning import here: the worker's failure path must not need it."""
 
-import os
-from dataclasses import dataclass
-
-from ddprun.worker.exit import STOPPED_MARK
-from ddprun.agent.run import summarize_failures
 from ddprun.mismatch import TrainerMismatch, launch_shape, translate
 
 LAUNCH_2X2 = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2", "LOCAL_RANK": "1"}
@@ -40,42 +35,6 @@ def test_launch_shape():
     assert launch_shape(LAUNCH_2X2) == (2, 2, 4)
     assert launch_shape({"WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "3"}) == (3, 2, 6)
     assert launch_shape({}) is None
-
-
-@dataclass
-class Failure:  # the fields of torch's ProcessFailure that summarize_failures reads
-    local_rank: int
-    exitcode: int
-    message: str
-
-    def signal_name(self) -> str:
-        return "SIGTERM"
-
-
-def test_ranks_that_failed_alike_are_one_line_and_their_logs_are_not_repeated(tmp_path):
-    line = translate(ValueError(LIGHTNING_MSG), LAUNCH_2X2)
-    os.makedirs(tmp_path / "logs")
-    (tmp_path / "logs" / "rank-3.log").write_text(f"Adding 1 callbacks\nddprun: {line}\n")
-    stopped = f"{STOPPED_MARK} rank 2 (node 1, h) failed: {line} (its log: logs/rank-2.log on h)"
-    text = summarize_failures({2: Failure(0, 1, line), 3: Failure(1, 1, line), 4: Failure(0, 1, stopped),
-                               5: Failure(1, -15, "")}, str(tmp_path), "h")
-    assert text.count(line) == 2, text  # once for the failed ranks, once in the stopped ranks' cause
-    assert "ranks 2, 3 (local ranks 0, 1 on h) exited with code 1" in text
-    assert "last lines" not in text  # rank 3's log ends with the same line
-    assert "rank(s) 4, 5 on h were stopped because rank 2" in text
-
-
-def test_a_rank_terminated_after_reporting_its_own_error_is_a_root_cause(tmp_path):
-    text = summarize_failures({0: Failure(0, -15, "RuntimeError: boom"), 1: Failure(1, 1, "RuntimeError: other")},
-                              str(tmp_path), "h")
-    assert "rank 0 (local rank 0 on h) failed: RuntimeError: boom" in text
-    assert "rank 1 (local rank 1 on h) exited with code 1: RuntimeError: other" in text
-
-
-def test_torchs_text_for_a_terminated_rank_is_no_message_of_its_own(tmp_path):
-    text = summarize_failures({0: Failure(0, -15, "Signal 15 (SIGTERM) received by PID 7"),
-                               1: Failure(1, 1, "ValueError: x")}, str(tmp_path), "h")
-    assert "rank(s) 0 on h were stopped because of the failure above." in text and "PID 7" not in text
 
 
 def test_the_lightning_entry_point_adds_nothing_outside_a_multi_rank_ddprun_worker(monkeypatch):

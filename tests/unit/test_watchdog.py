@@ -3,7 +3,7 @@
 import threading
 import time
 
-from ddprun.worker.channel import stall_threshold
+from ddprun.worker.monitor import stall_threshold
 from ddprun.worker.stacks import hang_report, main_thread_place
 
 

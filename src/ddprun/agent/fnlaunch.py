@@ -91,52 +91,34 @@ def _payload(fn: Callable, args: tuple, kwargs: dict, *, return_all: bool, timeo
     return pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _root_cause(failures: Mapping[int, Any], directory: str, run_dir: str) -> WorkerFailed | LaunchTimeout:
-    """One exception for a failed launch: the rank whose own error ended it, not its echoes."""
+def _root_cause(outcome: Any, directory: str) -> WorkerFailed | LaunchTimeout:
+    """One exception for a failed launch: the rank whose own failure ended it, never an echo of it."""
+    from ddprun.agent.logs import tail_lines
+    from ddprun.protocol import failure as fr
     from ddprun.protocol import payload
-    from ddprun.worker.exit import STOPPED_MARK
-    from ddprun.worker.fnworker import TIMEOUT_MARK
-    from ddprun.agent.logs import rank_log_path
+    from ddprun.protocol.rundir import RunDir
 
-    def text(f: Any) -> str:
-        msg = getattr(f, "message", "") or ""
-        if isinstance(msg, dict):  # torch keeps the error file's JSON object when it has extraInfo
-            msg = str(msg.get("message", ""))
-        return "" if msg.startswith("To enable traceback") or "received by PID" in msg else msg
-
-    msgs = {rank: text(f) for rank, f in failures.items()}
-    timed_out = sorted(r for r, m in msgs.items() if TIMEOUT_MARK in m)
-    if timed_out:
-        return LaunchTimeout(f"ddprun.launch ran past its timeout; rank(s) {timed_out} were still running.",
-                             seen=msgs[timed_out[0]].replace("ddprun: ", ""),
-                             hint=f"Every rank's stacks are at the end of its log in {run_dir}/logs; raise timeout= "
+    rundir, cause = RunDir(outcome.run_dir), outcome.cause
+    if cause is not None and cause.kind == fr.TIMEOUT:
+        ranks = sorted(r for r, rec in outcome.records.items() if rec.kind == fr.TIMEOUT)
+        return LaunchTimeout(f"ddprun.launch ran past its timeout; rank(s) {ranks} were still running.",
+                             seen=cause.summary.replace("ddprun: ", ""),
+                             hint=f"Every rank's stacks are at the end of its log in {rundir.logs}; raise timeout= "
                                   "if the work needs longer.")
-    records = {rank: payload.read_error(directory, rank) for rank in failures}
-    # Ranks that raised in fn first, then ranks with their own message, then the rest (killed by a signal);
-    # a rank only stopped because of another's failure (STOPPED_MARK, SIGTERM from the agent) comes last.
-    def order(rank: int) -> tuple:
-        f, msg = failures[rank], msgs[rank]
-        echo = msg.startswith(STOPPED_MARK) or (getattr(f, "exitcode", 1) == -15 and not records[rank])
-        return (echo, records[rank] is None, not msg, rank)
-
-    rank = min(failures, key=order)
-    f, record = failures[rank], records[rank]
-    log = rank_log_path(run_dir, rank)
-    others = sorted(r for r in failures if r != rank)
+    rank = cause.rank if cause is not None and cause.rank >= 0 else min(outcome.records, default=0)
+    others = sorted(r for r in outcome.records if r != rank)
     also = f"ranks {others} were stopped or failed after it" if others else ""
+    log = rundir.rank_log(rank)
+    record = payload.read_error(directory, rank)
     if record is not None:
         return WorkerFailed(rank, record["message"], traceback=record["traceback"], error=record["exception"],
                             log=log, others=also)
-    msg = msgs[rank]
-    if not msg:
-        code = getattr(f, "exitcode", None)
-        how = f.signal_name() if code is not None and code < 0 else f"exit code {code}"
-        msg = f"the process ended ({how}) without a Python error"
-    from ddprun.agent.logs import tail_lines
-
+    msg = (cause.summary or cause.how()) if cause is not None else "the job failed"
+    if cause is not None and cause.kind in (fr.SIGNAL, fr.EXIT):
+        msg = f"the process {cause.how()} without a Python error"
     tail = "\n".join(tail_lines(log, 12))
-    return WorkerFailed(rank, msg.replace("ddprun: ", "", 1), traceback=tail and f"(last lines of its log)\n{tail}",
-                        log=log, others=also)
+    return WorkerFailed(rank, msg, traceback=tail and f"(last lines of its log)\n{tail}", log=log, others=also,
+                        hint=cause.hint if cause is not None and cause.hint else None)
 
 
 class _TorchLogging:
@@ -250,8 +232,8 @@ def launch(fn: Callable[..., Any], /, *args: Any, nproc_per_node: int | str | No
         if code == 128 + signal.SIGINT:
             raise KeyboardInterrupt("ddprun.launch was interrupted; every worker was stopped.")
         if code != 0:
-            if outcome.failures:
-                raise _root_cause(outcome.failures, directory, outcome.run_dir)
+            if outcome.records or outcome.cause is not None:
+                raise _root_cause(outcome, directory)
             how = f"stopped by signal {code - 128}" if code > 128 else f"exit code {code}"
             raise LaunchError("ddprun.launch failed; no worker reported an error of its own.",
                               seen=f"{how}; run dir {outcome.run_dir}",

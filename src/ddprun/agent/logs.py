@@ -10,10 +10,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from dataclasses import replace
 from collections.abc import Callable, Mapping
 from typing import TextIO
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
+
+from ddprun.protocol.env import WorkerEnv
 
 
 def rank_log_path(run_dir: str, rank: int | str) -> str:
@@ -106,7 +109,8 @@ class RankLogsSpecs(LogsSpecs):
     """torch LogsSpecs naming each worker's log by global rank, with ddprun's worker variables."""
 
     def __init__(self, run_dir: str, follower: LogFollower | None, tee_local_ranks: set[int],
-                 worker_env: Mapping[str, str], on_workers_start: Callable[[], None] | None = None,
+                 worker_env: WorkerEnv, extra_env: Mapping[str, str] | None = None,
+                 on_workers_start: Callable[[], None] | None = None,
                  attempt_id: Callable[[str], str] | None = None):
         super().__init__(log_dir=run_dir)
         self._on_workers_start = on_workers_start
@@ -120,7 +124,10 @@ class RankLogsSpecs(LogsSpecs):
         self._run_dir = run_dir
         self._follower = follower
         self._tee_local = tee_local_ranks
-        self._worker_env = dict(worker_env)
+        self._worker_env = worker_env
+        self._extra_env = dict(extra_env or {})
+        self.attempt = ""
+        """The attempt id given to the latest workers."""
 
     @property
     def root_log_dir(self) -> str:
@@ -133,9 +140,11 @@ class RankLogsSpecs(LogsSpecs):
         os.makedirs(logs_dir, exist_ok=True)
         stdouts, stderrs, errors, follow = {}, {}, {}, {}
         self._starts += 1
-        attempt = None
+        attempt = ""
         if self._attempt_id is not None and envs:
             attempt = self._attempt_id(next(iter(envs.values())).get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.attempt = attempt or f"c{next(iter(envs.values())).get('TORCHELASTIC_RESTART_COUNT', '0')}" if envs else ""
+        exported = replace(self._worker_env, attempt=attempt, merge_stderr=True).to_environ()
         for local_rank, env in envs.items():
             rank = env["RANK"]
             path = rank_log_path(self._run_dir, rank)
@@ -146,11 +155,9 @@ class RankLogsSpecs(LogsSpecs):
             error_file = os.path.join(logs_dir, f"rank-{rank}.error.json")
             if os.path.exists(error_file):
                 os.unlink(error_file)
-            env.update(self._worker_env)
+            env.update(self._extra_env)
+            env.update(exported)
             env["NODE_RANK"] = env["GROUP_RANK"]
-            env["DDPRUN_MERGE_STDERR"] = "1"
-            if attempt is not None:
-                env["DDPRUN_ATTEMPT"] = attempt
             env["TORCHELASTIC_ERROR_FILE"] = error_file
             stdouts[local_rank] = path
             # The worker joins stderr to stdout as its first act; this file keeps only what a

@@ -1,33 +1,38 @@
 """``ddprun run``: turn a resolved ClusterSpec into one torch elastic agent on this node.
 
-torch does the rendezvous, the worker processes and their supervision
-(``torch.distributed.launcher.api.launch_agent``); this module decides what to launch, where the
-output goes, and what the console says when it ends.
+torch does the rendezvous, the worker processes and their supervision (agent/torch_agent.py, torch's
+LocalElasticAgent); this module decides what to launch and where its output goes, and says on the
+console how it ended. The steps of :func:`launch`: the network plan, the run (id, directory, token,
+worker environment), torch's logging and C++ stderr into the agent log (:class:`AgentLog`), the
+endpoint claim, the agent with ddprun's failure hooks (agent/failures.py), and one line or summary
+per way it can end (:func:`ending`).
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import TextIO
+from dataclasses import dataclass, field, replace
+from typing import Any, TextIO
 
 from ddprun._util import cpu_count
-from ddprun.cluster.base import ClusterSpec
-from ddprun.config import DEFAULT_RUNS_ROOT, LaunchConfig
-from ddprun.errors import LaunchError
+from ddprun.agent import console as agent_console
 from ddprun.agent.endpoint import claim_endpoint, free_port
-from ddprun.protocol.rundir import new_run_id
-from ddprun.worker.exit import STOPPED_MARK
-
+from ddprun.agent.failures import AgentFailures
+from ddprun.cluster.base import ClusterSpec
+from ddprun.config import LaunchConfig
+from ddprun.errors import ConfigError, LaunchError
+from ddprun.protocol import defaults
+from ddprun.protocol import failure as fr
+from ddprun.protocol.env import WorkerEnv
+from ddprun.protocol.rundir import RunDir, new_run_id
 
 
 def job_token(environ: Mapping[str, str], spec: ClusterSpec) -> str:
-    """The job's secret: DDPRUN_JOB_TOKEN if set (every node must agree); else one derived from the
+    """The job's token: DDPRUN_JOB_TOKEN if set (every node must agree); else one derived from the
     scheduler's job id where there is one; else, single-node, a random one; else empty (then jobs
     are told apart by run id only)."""
     if environ.get("DDPRUN_JOB_TOKEN"):
@@ -41,7 +46,7 @@ def job_token(environ: Mapping[str, str], spec: ClusterSpec) -> str:
 def run_dir_for(cfg: LaunchConfig, run_id: str) -> str:
     if cfg.run_dir:
         return os.path.abspath(cfg.run_dir)
-    return os.path.abspath(os.path.join(cfg.log_dir or DEFAULT_RUNS_ROOT, run_id))
+    return os.path.abspath(os.path.join(cfg.log_dir or defaults.RUNS_ROOT, run_id))
 
 
 def omp_threads(environ: Mapping[str, str], nproc_per_node: int, cpus: int) -> str | None:
@@ -51,15 +56,20 @@ def omp_threads(environ: Mapping[str, str], nproc_per_node: int, cpus: int) -> s
     return str(max(1, cpus // nproc_per_node))
 
 
-def parse_local_ranks(spec: str, nproc: int) -> set[int]:
-    """torchrun's --tee/--redirects value: ``3`` (all), ``0`` (none), or ``0:3,1:0`` per local rank."""
-    if ":" not in spec:
-        return set(range(nproc)) if spec.strip() not in ("0", "") else set()
+def parse_local_ranks(spec: str, nproc: int, flag: str = "--tee") -> set[int]:
+    """torchrun's --tee/--redirects value: ``3`` (all), ``0`` (none), or ``0:3,1:0`` per local rank.
+
+    Raises ConfigError naming ``flag`` for anything else."""
+    bad = ConfigError(f"{flag} takes 0-3 (for every local rank) or LOCAL_RANK:0-3,...", seen=f"{flag} {spec!r}",
+                      hint=f"e.g. {flag} 3 (all ranks) or {flag} 0:3,1:0; rank 0 is always on the console.")
+    items = [p.strip() for p in spec.split(",")] if ":" in spec else [spec.strip()]
     out = set()
-    for part in spec.split(","):
-        lr, _, val = part.partition(":")
-        if val.strip() not in ("0", ""):
-            out.add(int(lr))
+    for part in items:
+        lr, sep, val = part.rpartition(":") if ":" in part else ("", "", part)
+        if val not in ("0", "1", "2", "3") or (sep and not lr.isdigit()):
+            raise bad
+        if val != "0":
+            out.update({int(lr)} if sep else set(range(nproc)))
     return out
 
 
@@ -68,86 +78,263 @@ class Outcome:
     exit_code: int
     run_dir: str
     wall_s: float
-    failures: Mapping[int, object] = field(default_factory=dict)
-    """This node's failed workers by global rank (torch's ProcessFailure or a RecordedFailure)."""
-
-
-def summarize_failures(failures: Mapping[int, object], run_dir: str, host: str) -> str:
-    """The console's account of a failed job on this node: root causes with their log tails
-    first, then the ranks that were only stopped because of them (one line)."""
-    from ddprun.agent.logs import early_log_path, rank_log_path, tail_lines
-
-    roots, stopped, cause = [], [], ""
-    for rank, f in sorted(failures.items()):
-        msg = getattr(f, "message", "") or ""
-        if isinstance(msg, dict):  # torch keeps the error file's JSON object when it has extraInfo
-            msg = str(msg.get("message", ""))
-        if msg.startswith("To enable traceback") or (msg.startswith("Signal ") and "received by PID" in msg):
-            msg = ""  # torch's text when the worker wrote no error file: nothing of its own to say
-        if msg.startswith(STOPPED_MARK):
-            stopped.append(rank)
-            cause = cause or msg[len("ddprun: "):]
-        elif f.exitcode == -15 and not msg:  # SIGTERM from the agent after a local rank failed
-            stopped.append(rank)
-        else:
-            roots.append((rank, f, msg))
-    # Ranks that failed alike (same exit, same message: e.g. every rank refusing one bad Trainer
-    # setting) are one line; the log tail of the first only, none with rank 0 (followed on the console).
-    groups: dict[tuple, list] = {}
-    for rank, f, msg in roots:
-        how = f"was killed by {f.signal_name()}" if f.exitcode < 0 else f"exited with code {f.exitcode}"
-        if f.exitcode == -15 and msg:  # it had reported its error; the agent's SIGTERM came while it waited
-            how = "failed"
-        groups.setdefault((how, msg) if msg else (how, rank), []).append((rank, f, how, msg))
-    lines = []
-    for members in groups.values():
-        rank, _, how, msg = members[0]
-        pl = "s" if len(members) > 1 else ""
-        ranks, local = ", ".join(str(m[0]) for m in members), ", ".join(str(m[1].local_rank) for m in members)
-        lines.append(f"ddprun: rank{pl} {ranks} (local rank{pl} {local} on {host}) {how}" + (f": {msg}" if msg else ""))
-        if any(m[0] == 0 for m in members):
-            continue
-        for log in (early_log_path(run_dir, rank), rank_log_path(run_dir, rank)):
-            tail = tail_lines(log, 8)
-            if tail and tail[-1].strip() != f"ddprun: {msg}":  # a log ending in its one-line error adds nothing
-                lines.append(f"  last lines of {os.path.relpath(log)}:")
-                lines.extend(f"    [rank{rank}] {line}" for line in tail)
-    if stopped:
-        ranks = ", ".join(str(r) for r in stopped)
-        if cause:
-            lines.append(f"ddprun: rank(s) {ranks} on {host} were {cause}")
-        else:
-            lines.append(f"ddprun: rank(s) {ranks} on {host} were stopped because of the failure above.")
-    lines.append("ddprun: the job failed.")
-    return "\n".join(lines)
+    records: Mapping[int, fr.FailureRecord] = field(default_factory=dict)
+    """This node's failed workers by global rank."""
+    cause: fr.FailureRecord | None = None
+    """The job's root cause as this node knows it (None: no failure)."""
 
 
 @dataclass
-class RecordedFailure:
-    """A worker failure read back from its error file (when torch's agent could not report it)."""
+class _Run:
+    """One launch on this node, as prepared before the agent starts."""
 
-    local_rank: int
-    message: str
-    exitcode: int = 1
+    cfg: LaunchConfig
+    spec: ClusterSpec
+    run_id: str
+    rundir: RunDir
+    host: str
+    port: int
+    token: str
+    wenv: WorkerEnv
+    extra_env: dict[str, str]
+    shared_store_off: bool = False
+    """TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the workers cannot reach the agents' store."""
 
-    def signal_name(self) -> str:
-        return ""
+    @property
+    def endpoint(self) -> str:
+        return f"{self.spec.master_addr}:{self.port}"
 
 
-def recorded_failures(local_workers: Mapping[int, tuple[int, str]]) -> dict[int, RecordedFailure]:
-    """This node's workers that wrote an error file, by global rank."""
-    import json
+def prepare(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hostname: str,
+            extra_env: Mapping[str, str]) -> _Run:
+    """Run id, run directory, port, token and the workers' environment (pure but for a free port)."""
+    run_id = spec.run_id or new_run_id()
+    rundir = RunDir(run_dir_for(cfg, run_id))
+    port = spec.master_port or free_port(spec.master_addr)
+    token = job_token(environ, spec)
+    wenv = WorkerEnv(run_dir=rundir.path, device_kind=spec.device, join_timeout=cfg.join_timeout,
+                     stall_timeout=cfg.stall_timeout, stall_end=cfg.stall_timeout if cfg.stall_end is None else cfg.stall_end,
+                     exit_timeout=cfg.exit_timeout, min_nodes=spec.min_nodes,
+                     max_nodes=spec.max_nodes, job_token=token, straggler_margin=cfg.straggler_margin,
+                     straggler_windows=cfg.straggler_windows, doctor=cfg.doctor)
+    extra = dict(extra_env)
+    threads = omp_threads(environ, spec.nproc_per_node, cpu_count())
+    if threads is not None:
+        extra["OMP_NUM_THREADS"] = threads
+    off = environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1"
+    return _Run(cfg, spec, run_id, rundir, hostname, port, token, wenv, extra, off)
 
-    out = {}
-    for rank, (local_rank, path) in local_workers.items():
+
+class AgentLog:
+    """torch's logging and every C++ write to fd 2 go to ``logs/agent-HOST.log`` while the agent runs;
+    :attr:`console` is the real stderr. Restored on exit, also when the block raises (then the error
+    is said on the real stderr: a launch never ends with an empty console)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __enter__(self) -> AgentLog:
+        from ddprun.agent.logs import route_torch_logging
+
+        self.handler = route_torch_logging(self.path)
+        self._saved = os.dup(2)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(fd, 2)
+        os.close(fd)
+        self.console: TextIO = os.fdopen(os.dup(self._saved), "w", buffering=1)
+        return self
+
+    def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
+        self.handler.flush()
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        if value is not None and not isinstance(value, (KeyboardInterrupt, SystemExit)):
+            print(f"ddprun: the launcher failed: {type(value).__name__}: {value}\nSee {self.path}",
+                  file=self.console, flush=True)
+        self.console.close()
+
+
+def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hostname: str,
+           console: TextIO | None = None) -> Outcome:
+    """Run this node's agent until the job ends; return the exit code for this node (and its failures)."""
+    from ddprun.cluster.netaddr import network_plan
+
+    if cfg.entry is None:
+        raise LaunchError("Nothing to run.", hint="Give a script: ddprun run train.py, or a module: ddprun run -m pkg.train")
+    console = console or sys.stdout
+    tee = parse_local_ranks(cfg.tee, spec.nproc_per_node)
+    # the network plan prints before stderr goes to the agent log, so that its errors reach the console
+    net = network_plan(spec, environ, cfg.local_addr, cfg.rdzv_conf)
+    cfg = replace(cfg, local_addr=net.local_addr, rdzv_conf={**net.rdzv_conf, **cfg.rdzv_conf})
+    if net.summary():
+        print(net.summary(), file=console, flush=True)
+    t0 = time.monotonic()
+    run = prepare(cfg, spec, environ, hostname, net.worker_env)
+    os.makedirs(run.rundir.logs, exist_ok=True)
+    with AgentLog(run.rundir.agent_log(hostname)) as log:
+        outcome = supervise(run, tee, console, log.console)
+    outcome.wall_s = time.monotonic() - t0
+    if outcome.exit_code == 0:
+        print(f"ddprun: run {run.run_id} finished on this node in {outcome.wall_s:.1f} s", file=console, flush=True)
+    return outcome
+
+
+def _announce(run: _Run, console: TextIO) -> None:
+    spec = run.spec
+    nodes = str(spec.max_nodes) if not spec.elastic else f"{spec.min_nodes}-{spec.max_nodes}"
+    print(f"ddprun: run {run.run_id}: {nodes} node(s) x {spec.nproc_per_node} process(es) on {spec.device}, "
+          f"{spec.rdzv_backend} rendezvous at {run.endpoint}; logs in {os.path.relpath(run.rundir.path)}/logs",
+          file=console, flush=True)
+    if run.shared_store_off:
+        print("ddprun: warning: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the workers get no access to the agents' "
+              "store, so the rank table, preflight, stall watchdog and failure propagation are off (restarts work "
+              "without it: ddprun keeps each attempt's keys apart). HINT: unset it.", file=console, flush=True)
+
+
+def supervise(run: _Run, tee: set[int], console: TextIO, err: TextIO) -> Outcome:
+    """Claim the endpoint, run torch's agent with ddprun's hooks, and say how it ended."""
+    from ddprun.agent.joinwatch import JoinWatcher
+    from ddprun.agent.logs import LogFollower, remove_empty_early_logs
+
+    _announce(run, console)
+    refused = claim_endpoint(run.spec.master_addr, run.port, run.run_id, run.token)
+    if refused:
+        print(refused, file=err, flush=True)
+        return Outcome(1, run.rundir.path, 0.0)
+    follower = LogFollower(console)
+    watcher = None
+    if run.spec.rdzv_backend == "c10d" and run.spec.max_nodes > 1:
+        watcher = JoinWatcher(run.spec.master_addr, run.port, run.run_id, run.token, run.spec.max_nodes,
+                              run.cfg.join_timeout, err).start()
+    failures = AgentFailures(run.rundir, run.host, run.spec.master_addr, run.port, run.run_id, err)
+    agent = _AgentRun(run, tee, follower, watcher, failures)
+    try:
+        outcome = agent.run(err)
+    finally:
+        follower.stop()
+        failures.stop()
+        if watcher is not None:
+            watcher.stop()
+        remove_empty_early_logs(run.rundir.path)
+    if agent.logs_specs.has_rank0:
+        write_run_report(run.rundir.path, console)
+    return outcome
+
+
+class _AgentRun:
+    """torch's agent for one launch, wired to the log follower, join watcher and failure hooks."""
+
+    def __init__(self, run: _Run, tee: set[int], follower: Any, watcher: Any, failures: AgentFailures):
+        from ddprun.agent.attempt import AttemptIds
+        from ddprun.agent.logs import RankLogsSpecs
+
+        self.run_, self.failures, self.watcher = run, failures, watcher
+        attempts = AttemptIds(run.spec.rdzv_backend, run.spec.master_addr, run.port, run.run_id)
+        self.logs_specs = RankLogsSpecs(run.rundir.path, follower, tee, run.wenv, run.extra_env,
+                                        on_workers_start=watcher.stop if watcher else None,
+                                        attempt_id=attempts.current)
+
+    def _started(self, group: Any, pids: Mapping[int, int]) -> None:
+        workers = {w.global_rank: (w.local_rank, pids.get(w.local_rank, 0),
+                                   self.logs_specs.local_workers.get(w.global_rank, (0, ""))[1])
+                   for w in group.workers}
+        self.failures.on_workers_started(self.logs_specs.attempt, group.group_rank, group.group_world_size, workers)
+
+    def torch_config(self) -> Any:
+        from torch.distributed.launcher.api import LaunchConfig as TorchLaunchConfig
+
+        run, spec, cfg = self.run_, self.run_.spec, self.run_.cfg
+        rdzv: dict[str, Any] = dict(cfg.rdzv_conf)
+        rdzv.setdefault("timeout", int(cfg.join_timeout))
+        rdzv.setdefault("join_timeout", int(cfg.join_timeout))
+        if spec.rdzv_backend == "static":
+            rdzv["rank"] = spec.node_rank
+        return TorchLaunchConfig(
+            min_nodes=spec.min_nodes, max_nodes=spec.max_nodes, nproc_per_node=spec.nproc_per_node,
+            logs_specs=self.logs_specs, run_id=run.run_id, role="trainer", rdzv_endpoint=run.endpoint,
+            rdzv_backend=spec.rdzv_backend, rdzv_configs=rdzv, max_restarts=cfg.max_restarts,
+            monitor_interval=cfg.monitor_interval, start_method=cfg.start_method, local_addr=cfg.local_addr)
+
+    def run(self, err: TextIO) -> Outcome:
+        from ddprun.agent.torch_agent import AgentHooks, run_agent
+
+        hooks = AgentHooks(on_worker_exit=self.failures.on_worker_exit, on_workers_started=self._started,
+                           on_signal=self.failures.on_signal, exit_barrier_done=self.failures.exit_barrier_done)
+        argv = self.run_.cfg.entry.argv() if self.run_.cfg.entry is not None else []
         try:
-            with open(path) as fp:
-                data = json.load(fp)
-        except (OSError, ValueError):
-            continue
-        msg = data.get("message", "")
-        out[rank] = RecordedFailure(local_rank, str(msg.get("message", "") if isinstance(msg, dict) else msg))
-    return out
+            run_agent(self.torch_config(), sys.executable, ["-m", "ddprun.worker", *argv], hooks)
+        except BaseException as e:  # noqa: BLE001 - every way torch's agent ends gets its one message
+            return ending(e, self, err)
+        return Outcome(0, self.run_.rundir.path, 0.0)
+
+
+def _known(agent: _AgentRun, local: Mapping[int, fr.FailureRecord]) -> list[fr.FailureRecord]:
+    """Every record this node knows of; when they hold no first-hand cause (only peers' echoes: the
+    dead rank's agent could not write one), which nodes are gone (agent/failures.py probe)."""
+    known = agent.failures.records()
+    cause = fr.root_cause([*known, *local.values()])
+    if cause is None or cause.is_echo:
+        known = [*agent.failures.probe_lost(), *agent.failures.records()]
+    return known
+
+
+def _child_failed(e: Any, agent: _AgentRun, err: TextIO) -> Outcome:
+    run, f = agent.run_, agent.failures
+    recorded = {rank: f.local_record(rank) for rank in e.failures}
+    local = agent_console.local_records(e.failures, recorded, run.host, f.node_rank, f.root_cause())
+    known = _known(agent, local)
+    cause = fr.root_cause([*known, *local.values()])
+    followed = {0} if agent.logs_specs.has_rank0 else set()
+    print(agent_console.summary(local, known, run.rundir, run.host, followed), file=err, flush=True)
+    return Outcome(1, run.rundir.path, 0.0, local, cause)
+
+
+def _from_records(agent: _AgentRun, err: TextIO, fallback: str) -> Outcome:
+    """The node's agent ended without torch naming a worker (the store host went first, a lost node):
+    say the root cause this node knows of, else ``fallback``."""
+    run, f = agent.run_, agent.failures
+    local = {rank: rec for rank in agent.logs_specs.local_workers if (rec := f.local_record(rank)) is not None}
+    known = _known(agent, local) if agent.logs_specs.local_workers else f.records()
+    cause = fr.root_cause([*known, *local.values()])
+    if cause is None:
+        print(fallback, file=err, flush=True)
+        return Outcome(1, run.rundir.path, 0.0)
+    print(agent_console.summary(local, known, run.rundir, run.host, {0} if agent.logs_specs.has_rank0 else ()),
+          file=err, flush=True)
+    return Outcome(1, run.rundir.path, 0.0, local, cause)
+
+
+def ending(e: BaseException, agent: _AgentRun, err: TextIO) -> Outcome:
+    """One table from the way torch's agent ended to (exit code, what the console says)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
+
+    run, name = agent.run_, type(e).__name__
+    if isinstance(e, ChildFailedError):
+        return _child_failed(e, agent, err)
+    if isinstance(e, RendezvousTimeoutError) and not agent.failures.records():
+        seen = agent.watcher.timeout_message() if agent.watcher else "the rendezvous did not complete"
+        print(f"ddprun: not every node joined within {run.cfg.join_timeout:.0f} s: {seen}.\n"
+              f"HINT: start ddprun on every node with the same --rdzv-endpoint {run.endpoint} and --rdzv-id "
+              f"{run.run_id}; check the missing nodes' own output; raise --join-timeout if nodes start late.",
+              file=err, flush=True)
+        return Outcome(1, run.rundir.path, 0.0)
+    if isinstance(e, RendezvousError):
+        return _from_records(agent, err, (
+            f"ddprun: rendezvous at {run.endpoint} failed: {name}: {e}\nHINT: check that every node runs ddprun "
+            f"with the same --rdzv-endpoint and --rdzv-id, that {run.spec.master_addr} is reachable from every "
+            f"node, and see {run.rundir.agent_log(run.host)}"))
+    if isinstance(e, KeyboardInterrupt):
+        print("ddprun: interrupted; workers stopped.", file=err, flush=True)
+        return Outcome(130, run.rundir.path, 0.0)
+    if name == "SignalException":
+        if agent.watcher is not None and agent.watcher.refused:
+            return Outcome(1, run.rundir.path, 0.0)  # the refusal is printed already
+        sig = int(getattr(e, "sigval", 15))
+        print(f"ddprun: stopped by {e}; workers stopped.", file=err, flush=True)
+        return Outcome(128 + sig, run.rundir.path, 0.0)
+    return _from_records(agent, err, f"ddprun: the launcher failed: {name}: {e}\n"
+                                     f"See {run.rundir.agent_log(run.host)}")
 
 
 def write_run_report(run_dir: str, console: TextIO) -> None:
@@ -165,163 +352,3 @@ def write_run_report(run_dir: str, console: TextIO) -> None:
         print(f"ddprun: the run report could not be written: {type(e).__name__}: {e}", file=console)
         return
     print(f"ddprun: report: {os.path.relpath(path)}", file=console, flush=True)
-
-
-def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hostname: str,
-           console: TextIO | None = None) -> Outcome:
-    """Run this node's agent until the job ends; return the exit code for this node."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
-    from torch.distributed.launcher.api import LaunchConfig as TorchLaunchConfig
-    from torch.distributed.launcher.api import launch_agent
-
-    from ddprun.agent.joinwatch import JoinWatcher
-    from ddprun.agent.logs import LogFollower, RankLogsSpecs, remove_empty_early_logs, route_torch_logging
-
-    if cfg.entry is None:
-        raise LaunchError("Nothing to run.", hint="Give a script: ddprun run train.py, or a module: ddprun run -m pkg.train")
-    # --- network (netaddr.py): is_host, the address other nodes reach, the gloo/NCCL interface ------
-    # Before stderr goes to the agent log, so that a ClusterError reaches the console. Single node and
-    # loopback rendezvous: nothing changes. The user's --rdzv-conf goes over ours.
-    from dataclasses import replace
-
-    from ddprun.cluster.netaddr import network_plan
-
-    net = network_plan(spec, environ, cfg.local_addr, cfg.rdzv_conf)
-    cfg = replace(cfg, local_addr=net.local_addr, rdzv_conf={**net.rdzv_conf, **cfg.rdzv_conf})
-    if net.summary():
-        print(net.summary(), file=console or sys.stdout, flush=True)
-    # --- end network; net.worker_env is added to worker_env below ---------------------------------
-    t0 = time.monotonic()
-    run_id = spec.run_id or new_run_id()
-    run_dir = run_dir_for(cfg, run_id)
-    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
-
-    console = console or sys.stdout
-    # C++ warnings (TCPStore, gloo) go straight to fd 2; keep them in the agent log, off the console.
-    agent_log = os.path.join(run_dir, "logs", f"agent-{hostname}.log")
-    handler = route_torch_logging(agent_log)
-    saved_stderr = os.dup(2)
-    log_fd = os.open(agent_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(log_fd, 2)
-    os.close(log_fd)
-    err_console = os.fdopen(os.dup(saved_stderr), "w", buffering=1)
-
-    master_port = spec.master_port
-    if master_port == 0:
-        master_port = free_port(spec.master_addr)
-    endpoint = f"{spec.master_addr}:{master_port}"
-
-    token = job_token(environ, spec)
-    worker_env = {
-        "DDPRUN_RUN_DIR": run_dir,
-        "DDPRUN_DEVICE_KIND": spec.device,
-        "DDPRUN_JOIN_TIMEOUT": str(cfg.join_timeout),
-        "DDPRUN_STALL_TIMEOUT": str(cfg.stall_timeout),
-        "DDPRUN_NNODES": f"{spec.min_nodes}:{spec.max_nodes}",
-        "DDPRUN_JOB_TOKEN": token,
-        "DDPRUN_STRAGGLER_MARGIN": str(cfg.straggler_margin),
-        "DDPRUN_STRAGGLER_WINDOWS": str(cfg.straggler_windows),
-        **net.worker_env,
-    }
-    if cfg.doctor:
-        worker_env["DDPRUN_DOCTOR"] = "1"
-    threads = omp_threads(environ, spec.nproc_per_node, cpu_count())
-    if threads is not None:
-        worker_env["OMP_NUM_THREADS"] = threads
-
-    follower = LogFollower(console)
-    watcher = None
-    if spec.rdzv_backend == "c10d" and spec.max_nodes > 1:
-        watcher = JoinWatcher(spec.master_addr, master_port, run_id, token, spec.max_nodes, cfg.join_timeout,
-                              err_console)
-    from ddprun.agent.attempt import AttemptIds  # one attempt id per worker-group start, the same on every node
-
-    attempts = AttemptIds(spec.rdzv_backend, spec.master_addr, master_port, run_id)
-    logs_specs = RankLogsSpecs(run_dir, follower, parse_local_ranks(cfg.tee, spec.nproc_per_node), worker_env,
-                               on_workers_start=watcher.stop if watcher else None, attempt_id=attempts.current)
-    rdzv_configs: dict = dict(cfg.rdzv_conf)
-    rdzv_configs.setdefault("timeout", int(cfg.join_timeout))
-    rdzv_configs.setdefault("join_timeout", int(cfg.join_timeout))
-    if spec.rdzv_backend == "static":
-        rdzv_configs["rank"] = spec.node_rank
-    torch_cfg = TorchLaunchConfig(
-        min_nodes=spec.min_nodes, max_nodes=spec.max_nodes, nproc_per_node=spec.nproc_per_node,
-        logs_specs=logs_specs, run_id=run_id, role="trainer", rdzv_endpoint=endpoint,
-        rdzv_backend=spec.rdzv_backend, rdzv_configs=rdzv_configs, max_restarts=cfg.max_restarts,
-        monitor_interval=cfg.monitor_interval, start_method=cfg.start_method, local_addr=cfg.local_addr,
-    )
-    nodes = str(spec.max_nodes) if not spec.elastic else f"{spec.min_nodes}-{spec.max_nodes}"
-    print(f"ddprun: run {run_id}: {nodes} node(s) x {spec.nproc_per_node} process(es) on {spec.device}, "
-          f"{spec.rdzv_backend} rendezvous at {endpoint}; logs in {os.path.relpath(run_dir)}/logs", file=console,
-          flush=True)
-
-    refused = claim_endpoint(spec.master_addr, master_port, run_id, token)
-    if refused:
-        follower.stop()
-        print(refused, file=err_console, flush=True)
-        os.dup2(saved_stderr, 2)
-        os.close(saved_stderr)
-        err_console.close()
-        return Outcome(exit_code=1, run_dir=run_dir, wall_s=time.monotonic() - t0)
-    code = 0
-    failures: Mapping[int, object] = {}
-    if watcher is not None:
-        watcher.start()
-    try:
-        launch_agent(torch_cfg, sys.executable, ["-m", "ddprun.worker", *cfg.entry.argv()])
-    except ChildFailedError as e:
-        follower.stop()
-        failures = e.failures
-        print(summarize_failures(e.failures, run_dir, hostname), file=err_console, flush=True)
-        code = 1
-    except RendezvousTimeoutError:
-        follower.stop()
-        seen = watcher.timeout_message() if watcher else "the rendezvous did not complete"
-        print(f"ddprun: not every node joined within {cfg.join_timeout:.0f} s: {seen}.\n"
-              f"HINT: start ddprun on every node with the same --rdzv-endpoint {endpoint} and --rdzv-id {run_id}; "
-              f"check the missing nodes' own output; raise --join-timeout if nodes start late.",
-              file=err_console, flush=True)
-        code = 1
-    except RendezvousError as e:
-        follower.stop()
-        recorded = failures = recorded_failures(logs_specs.local_workers)
-        if recorded:  # this node's workers failed, and the node hosting the store ended first
-            print(summarize_failures(recorded, run_dir, hostname), file=err_console, flush=True)
-        else:
-            print(f"ddprun: rendezvous at {endpoint} failed: {type(e).__name__}: {e}\n"
-              f"HINT: check that every node runs ddprun with the same --rdzv-endpoint and --rdzv-id, that "
-                  f"{spec.master_addr} is reachable from every node, and see {agent_log}", file=err_console,
-                  flush=True)
-        code = 1
-    except KeyboardInterrupt:
-        follower.stop()
-        print("ddprun: interrupted; workers stopped.", file=err_console, flush=True)
-        code = 130
-    except Exception as e:  # noqa: BLE001 - torch's agent raises many kinds; each must end with a message
-        follower.stop()
-        name = type(e).__name__
-        if name == "SignalException" and watcher is not None and watcher.refused:
-            code = 1  # the refusal is printed already
-        elif name == "SignalException":
-            print(f"ddprun: stopped by {e}; workers stopped.", file=err_console, flush=True)
-            code = 128 + int(getattr(e, "sigval", 15))
-        else:
-            print(f"ddprun: the launcher failed: {name}: {e}\nSee {agent_log}", file=err_console, flush=True)
-            code = 1
-    else:
-        follower.stop()
-    finally:
-        if watcher is not None:
-            watcher.stop()
-        handler.flush()
-        remove_empty_early_logs(run_dir)
-        os.dup2(saved_stderr, 2)
-        os.close(saved_stderr)
-    if logs_specs.has_rank0:
-        write_run_report(run_dir, console)
-    wall = time.monotonic() - t0
-    if code == 0:
-        print(f"ddprun: run {run_id} finished on this node in {wall:.1f} s", file=console, flush=True)
-    err_console.close()
-    return Outcome(exit_code=code, run_dir=run_dir, wall_s=wall, failures=failures)

@@ -1,7 +1,7 @@
 """A hostfile given with ``--hostfile PATH``: the same file on every node, ``ddprun run`` once on each.
 
 The format is DeepSpeed's and Open MPI's: one host per line, ``host slots=N``; ``#`` starts a comment,
-blank lines are skipped, other ``key=value`` items (``max_slots=8``) are ignored. Selected by the flag,
+blank lines are skipped, ``max_slots=8`` is ignored, any other item (a typo like ``slot=8``) is an error. Selected by the flag,
 never by the environment (``detect`` is always false; resolve() picks it when --hostfile is given).
 
 node rank = the line of the host that is this node: its hostname (or short name), or one of its
@@ -12,6 +12,8 @@ one-host file.
 """
 
 from __future__ import annotations
+
+import difflib
 
 import ipaddress
 from collections.abc import Mapping
@@ -41,6 +43,10 @@ def load_hostfile(path: str) -> str:
                            hint="Give a path that exists on every node (lines like `node1 slots=4`).") from None
 
 
+KNOWN_ITEMS = ("slots", "max_slots", "max-slots")
+"""``key=value`` items of a line: slots (processes on that host); Open MPI's max_slots is ignored."""
+
+
 def parse_hostfile(text: str, path: str) -> list[HostLine]:
     """Hosts in file order; ClusterError on a malformed line, a repeated host, or no host at all."""
     hosts: list[HostLine] = []
@@ -59,6 +65,11 @@ def parse_hostfile(text: str, path: str) -> list[HostLine]:
                     raise ClusterError(f"Hostfile line {number}: slots is not a positive number.",
                                        seen=f"{path}:{number}: {raw.strip()!r}", hint="e.g. `node1 slots=4`.")
                 slots = int(value)
+            elif key not in KNOWN_ITEMS:
+                close = difflib.get_close_matches(key, KNOWN_ITEMS, n=1)
+                raise ClusterError(f"Hostfile line {number}: unknown item {item!r}.", seen=f"{path}:{number}: "
+                                   f"{raw.strip()!r}", hint=(f"did you mean {close[0]}={value}? " if close else "")
+                                   + "Lines are `host slots=N` (max_slots=M is accepted and ignored).")
         if any(h.host.lower() == words[0].lower() for h in hosts):
             raise ClusterError(f"Hostfile line {number} repeats a host.", seen=f"{path}:{number}: {raw.strip()!r}",
                                hint="List each node once, with all its slots.")

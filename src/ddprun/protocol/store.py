@@ -8,7 +8,8 @@ attempts: torch's c10d shares one store server for the whole job, see agent/atte
     node/<N>           preflight facts of the node whose local rank 0 is global rank N
     preflight          rank 0's verdict: "ok" or the error; every rank waits for it before user code
     progress/<N>       rank N's progress count (optimizer steps, collectives, heartbeats)
-    stall              set by the observer that found no progress for the stall threshold
+    stall              set by the observer that found no progress for the stall threshold (who, when)
+    stall/summary      the hang report's one-line summary, once written (every agent prints it)
     place/<N>          where rank N's main thread is, answered on ``stall``
     timing/<N>         rank N's step-time medians over its latest window (telemetry), every window
     failures           a counter; failure/<k> the k-th failure record (protocol/failure.py)
@@ -75,6 +76,10 @@ class Keys:
     @property
     def stall(self) -> str:
         return self._k("stall")
+
+    @property
+    def stall_summary(self) -> str:
+        return self._k("stall/summary")
 
     @property
     def failures(self) -> str:

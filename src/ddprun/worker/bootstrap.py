@@ -1,32 +1,56 @@
 """Worker bootstrap: ``python -m ddprun.worker [-m] TARGET ARGS...``, started by torch's agent.
 
-Before the user's code: NODE_RANK is set, stderr joins stdout in the rank's log file, the rank
-publishes its row (host, pid, device) to the agent's store, and rank 0 prints the gathered rank
-table once and writes ``plan.json``. The user's script then runs unmodified (runpy, as ``python``
-would run it). Afterwards the process ends through :func:`ddprun.worker.exit.hard_exit`, which runs atexit
-handlers and flushes files but skips interpreter and C++ static teardown: that teardown is where
-healthy gloo/NCCL workers abort with SIGABRT ("terminate called without an active exception").
+Before the user's code: the worker ties its life to its agent's (PR_SET_PDEATHSIG), NODE_RANK is
+set, stderr joins stdout in the rank's log file, progress counting is installed
+(worker/progress.py), the rank publishes its row to the agent's store, and rank 0 prints the
+gathered rank table once and writes ``plan.json`` (worker/preflight.py). The user's script then runs
+unmodified (runpy, as ``python`` would run it), with the monitor thread beside it
+(worker/monitor.py). Afterwards the process ends through :func:`ddprun.worker.exit.hard_exit`.
 
-A rank that fails records a failure in the store; the other ranks' job monitor stops them within a
-second, naming that rank, instead of leaving them in a collective until the 30-minute timeout. An
-error every rank raises alike (a Lightning Trainer that disagrees with the launch, see
-:mod:`ddprun.mismatch`) is reported as one line without a traceback.
+A rank that fails writes a failure record (protocol/failure.py). One whose error is only a peer's
+echo ("Connection reset by peer": the peer died) waits briefly for the first-hand record (the dead
+rank's agent writes it) and then says one line naming that cause, without a traceback. An error
+every rank raises alike (:mod:`ddprun.mismatch`) is one line, no traceback.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import sys
+
+from ddprun.errors import ConfigError
+from ddprun.protocol import defaults
+from ddprun.protocol import failure as fr
+from ddprun.protocol.env import MERGE_STDERR, WorkerEnv
+from ddprun.worker import exit as ddp_exit
+from ddprun.worker.channel import JobChannel, JobRefused
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_agent() -> None:
+    """SIGKILL this process when its parent (the agent) dies, so a worker never outlives its agent."""
+    if not sys.platform.startswith("linux"):
+        return  # the monitor thread's parent check covers other platforms
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the agent died before the call: nothing would deliver the signal
+        os._exit(1)
 
 
 def _merge_stderr_into_stdout() -> None:
     # The agent points stdout at logs/rank-N.log; one file per rank keeps tracebacks next to prints.
-    if os.environ.get("DDPRUN_MERGE_STDERR") == "1":
+    if os.environ.get(MERGE_STDERR) == "1":
         sys.stdout.flush()
         sys.stderr.flush()
         os.dup2(1, 2)
-    sys.stdout.reconfigure(line_buffering=True)
-    sys.stderr.reconfigure(line_buffering=True)
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
 
 
 def _run_user_code(argv: list[str]) -> None:
@@ -57,65 +81,96 @@ def _known_failure(e: BaseException) -> str | None:
         return None
 
 
+def _worker_env() -> WorkerEnv | None:
+    """This worker's DDPRUN_* environment; a malformed value ends the process with one message (exit 2)."""
+    try:
+        return WorkerEnv.from_environ(os.environ)
+    except ConfigError as e:
+        print(f"ddprun: error: {e}", file=sys.stderr, flush=True)
+        rec = ddp_exit.own_record(fr.ERROR, str(e).replace("\n", " "), os.environ, 2)
+        ddp_exit.write_error_file(str(e).splitlines()[0], record=rec)
+        ddp_exit.hard_exit(2)
+        return None
+
+
+def _open_channel(argv: list[str], wenv: WorkerEnv | None) -> JobChannel | None:
+    """The job channel, started (claim, row, preflight); ends the process on a refusal or a preflight error."""
+    script = None if (argv and argv[0] == "-m") else (argv[0] if argv else None)
+    channel = JobChannel.from_environ(os.environ, script, wenv) if wenv is not None else None
+    if channel is None:
+        return None
+    try:
+        channel.start()
+    except JobRefused as e:  # another job's store: write nothing there, say why, leave
+        print(e, file=sys.stderr, flush=True)
+        ddp_exit.write_error_file(str(e).splitlines()[0])
+        ddp_exit.hard_exit(1)
+    except SystemExit as e:  # preflight failed; already reported
+        ddp_exit.hard_exit(ddp_exit.exit_code_of(e))
+    return channel
+
+
+def _on_error(e: BaseException, channel: JobChannel | None) -> None:
+    """Record and report a failure that left the user's code (module docstring)."""
+    text = f"{type(e).__name__}: {e}"
+    known = _known_failure(e)
+    if channel is None:
+        if known is not None:
+            print(f"ddprun: {known}", file=sys.stderr, flush=True)
+        else:
+            ddp_exit.print_user_traceback(e)
+        ddp_exit.write_error_file(known or text, e, ddp_exit.own_record(fr.MISMATCH if known else fr.ERROR,
+                                                                        known or text, os.environ))
+        return
+    if known is not None:
+        # Every rank raised this same configuration error: one line from each, no tracebacks.
+        print(f"ddprun: {known}", file=sys.stderr, flush=True)
+        ddp_exit.record(channel.me(fr.MISMATCH, known), channel, e)
+        return
+    cause = channel.cause()
+    if (cause is None or cause.is_echo) and fr.looks_like_echo(text):
+        cause = channel.await_cause(defaults.ECHO_WAIT_S)
+    if cause is not None and not cause.is_echo:
+        # A peer failed first and this rank's error is its echo: one line naming the cause.
+        first_line = (str(e).splitlines() or [""])[0][:200]
+        msg = ddp_exit.stopped_message(cause)
+        print(f"{msg}\n  (this rank then saw {type(e).__name__}: {first_line})", file=sys.stderr, flush=True)
+        ddp_exit.record(channel.stopped(cause, seen=f"{type(e).__name__}: {first_line}"), channel, message=msg)
+        channel.ack_failure()
+        return
+    ddp_exit.print_user_traceback(e)
+    ddp_exit.record(channel.me(fr.ERROR, text), channel, e)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    die_with_agent()
     os.environ.setdefault("NODE_RANK", os.environ.get("GROUP_RANK", "0"))
     _merge_stderr_into_stdout()
-
-    from ddprun.worker import exit as ddp_exit
+    from ddprun.worker import progress
+    from ddprun.worker.monitor import Monitor
     from ddprun.worker.pgstore import namespace_process_groups
-    from ddprun.worker.channel import JobChannel, JobRefused
 
-    script = None if (argv and argv[0] == "-m") else (argv[0] if argv else None)
-    channel = JobChannel.from_environ(os.environ, script)
-    if channel is not None:
-        try:
-            channel.start()
-        except JobRefused as e:
-            # Another job's store: write nothing there, say why, leave.
-            print(e, file=sys.stderr, flush=True)
-            ddp_exit.write_error_file(str(e).splitlines()[0])
-            ddp_exit.hard_exit(1)
-        except SystemExit as e:  # preflight failed; already reported
-            ddp_exit.hard_exit(ddp_exit.exit_code_of(e))
-        channel.start_monitor()
+    progress.install()
+    wenv = _worker_env()
+    channel = _open_channel(argv, wenv)
+    monitor = Monitor(channel).start() if channel is not None else None
     # Each attempt's process group in its own part of the agent's store, which outlives attempts:
-    # without it a restarted group reads the dead group's gloo/NCCL keys (ddprun.agent.attempt, ddprun.worker.pgstore).
+    # without it a restarted group reads the dead group's gloo/NCCL keys (agent/attempt.py).
     namespace_process_groups(os.environ)
-
     code = 0
     try:
         _run_user_code(argv)
     except SystemExit as e:
         code = ddp_exit.exit_code_of(e)
         if code != 0:
-            ddp_exit.report_failure(channel, f"SystemExit({e.code!r})", code)
+            summary = f"SystemExit({e.code!r})"
+            rec = channel.me(fr.ERROR, summary, exit_code=code) if channel else ddp_exit.own_record(
+                fr.ERROR, summary, os.environ, code)
+            ddp_exit.record(rec, channel)
     except BaseException as e:  # noqa: BLE001 - every failure must be recorded before exiting
         code = 1
-        cause = channel.first_failure() if channel is not None else None
-        known = _known_failure(e)
-        if known is not None:
-            # Every rank raised this same configuration error (Lightning vs the launch): the same one
-            # line from each, no tracebacks, so the launcher prints it once with the ranks' numbers.
-            print(f"ddprun: {known}", file=sys.stderr, flush=True)
-            if cause is not None and cause["rank"] != channel.rank:
-                ddp_exit.write_error_file(known, e)
-                channel.ack_failure()
-            else:
-                ddp_exit.report_failure(channel, known, code, exc=e)
-        elif cause is not None and cause["rank"] != channel.rank:
-            # A peer failed first and this rank's error (usually "connection closed by peer") is
-            # its echo: one line here, the root cause named, no second wall of traceback.
-            first_line = (str(e).splitlines() or [""])[0][:200]
-            msg = ddp_exit.stopped_message(cause)
-            print(f"{msg}\n  (this rank then saw {type(e).__name__}: {first_line})", file=sys.stderr, flush=True)
-            ddp_exit.write_error_file(msg)
-            channel.ack_failure()
-        else:
-            ddp_exit.print_user_traceback(e)
-            ddp_exit.report_failure(channel, f"{type(e).__name__}: {e}", code, exc=e)
-    ddp_exit.hard_exit(code, channel)
-
-
-if __name__ == "__main__":
-    main()
+        _on_error(e, channel)
+    if monitor is not None:
+        monitor.stop()
+    ddp_exit.hard_exit(code, wenv.exit_timeout if wenv is not None else defaults.EXIT_TIMEOUT_S)

@@ -1,5 +1,5 @@
-"""How a worker ends: failures recorded where the launcher and the other ranks find them, and a
-hard exit that skips the interpreter and C++ teardown after the user's atexit handlers ran.
+"""How a worker ends: its failure recorded where the agent and the other ranks find it, and a hard
+exit that skips the interpreter and C++ teardown after the user's atexit handlers ran (bounded).
 
 Why the hard exit: a healthy worker that returns from its script normally goes through Python
 finalization and C++ static destructors. With a gloo/NCCL process group still alive (never
@@ -8,6 +8,10 @@ there, and std::terminate aborts the process with SIGABRT ("terminate called wit
 exception") after training finished. ``os._exit`` after the atexit handlers and an explicit flush of
 every open file gives the user's cleanup its turn and leaves nothing for teardown to break. Set
 ``DDPRUN_SOFT_EXIT=1`` to exit through the interpreter instead.
+
+Where a record goes (protocol/failure.py): torch's error file (``extraInfo.ddprun``: the agent
+reads it back), ``failures/rank-N.json`` in the run directory, and the job store (the other ranks'
+monitors and every agent read it there; it is also the copy that survives a full disk).
 """
 
 from __future__ import annotations
@@ -17,13 +21,24 @@ import gc
 import io
 import json
 import os
+import socket
 import sys
+import threading
 import time
 import traceback
+from collections.abc import Mapping
+from dataclasses import asdict
 from typing import TYPE_CHECKING
+
+from ddprun.protocol import defaults
+from ddprun.protocol import env as wenv
+from ddprun.protocol.atomic import write_text_atomic
+from ddprun.protocol.failure import FailureRecord
 
 if TYPE_CHECKING:
     from ddprun.worker.channel import JobChannel
+
+STOPPED_MARK = "ddprun: stopped because"
 
 
 def exit_code_of(e: SystemExit) -> int:
@@ -36,45 +51,65 @@ def exit_code_of(e: SystemExit) -> int:
     return 1
 
 
-STOPPED_MARK = "ddprun: stopped because"
-
-
-def stopped_message(cause: dict) -> str:
-    """What a rank ended by another rank's failure says (the launcher groups these)."""
-    return (f"{STOPPED_MARK} rank {cause['rank']} (node {cause['node_rank']}, {cause['host']}) failed: "
-            f"{cause['summary']} (its log: logs/rank-{cause['rank']}.log on {cause['host']})")
+def stopped_message(cause: FailureRecord) -> str:
+    """What a rank ended by another rank's failure says (the agent groups these)."""
+    if cause.rank < 0:
+        return f"{STOPPED_MARK} {cause.headline()}"
+    return (f"{STOPPED_MARK} {cause.headline()} (its log: logs/rank-{cause.rank}.log on {cause.host})")
 
 
 def print_user_traceback(e: BaseException) -> None:
     """The traceback from the user's code down, without ddprun's and runpy's frames above it."""
     tb = e.__traceback__
-    while tb is not None and (tb.tb_frame.f_code.co_filename.endswith(("ddprun/worker/bootstrap.py", "ddprun/worker/fnworker.py", "runpy.py"))
-                              or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")):
+    while tb is not None and (tb.tb_frame.f_code.co_filename.endswith(
+            ("ddprun/worker/bootstrap.py", "ddprun/worker/fnworker.py", "runpy.py"))
+            or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")):
         tb = tb.tb_next
     traceback.print_exception(type(e), e, tb or e.__traceback__)
     sys.stderr.flush()
 
 
-def write_error_file(message: str, exc: BaseException | None = None) -> None:
-    """Write torch's error-file JSON so the agent's failure record carries our message."""
+def own_record(kind: str, summary: str, environ: Mapping[str, str], exit_code: int | None = 1) -> FailureRecord:
+    """A record of this process's failure from torchrun's variables (where there is no job channel)."""
+    def num(name: str) -> int:
+        try:
+            return int(environ.get(name, "-1"))
+        except ValueError:
+            return -1
+
+    return FailureRecord(kind, num("RANK"), summary, num("GROUP_RANK"), socket.gethostname(), num("LOCAL_RANK"),
+                         exit_code, t=time.time())
+
+
+def write_error_file(message: str, exc: BaseException | None = None, record: FailureRecord | None = None) -> None:
+    """torch's error-file JSON, so the agent's failure carries our message (and our record)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     stack = "".join(traceback.format_exception(exc)) if exc is not None else ""
-    data = {"message": {"message": message,
-                        "extraInfo": {"py_callstack": stack, "timestamp": str(int(time.time()))}}}
+    extra: dict[str, object] = {"py_callstack": stack, "timestamp": str(int(time.time()))}
+    if record is not None:
+        extra["ddprun"] = asdict(record)
     try:
         with open(path, "w") as fp:
-            json.dump(data, fp)
-    except OSError:
-        pass
+            json.dump({"message": {"message": message, "extraInfo": extra}}, fp)
+    except OSError as e:
+        print(f"ddprun: could not write the error file {path}: {e}", file=sys.stderr, flush=True)
 
 
-def report_failure(channel: JobChannel | None, summary: str, code: int, exc: BaseException | None = None) -> None:
-    """Record this rank's failure in its error file and, for the other ranks, in the job store."""
-    write_error_file(summary, exc)
+def record(rec: FailureRecord, channel: JobChannel | None, exc: BaseException | None = None,
+           message: str | None = None) -> None:
+    """Write ``rec`` everywhere it is read (module docstring); the store last, it may wait for acks."""
+    write_error_file(message if message is not None else rec.summary, exc, rec)
+    run_dir = os.environ.get(wenv.RUN_DIR)
+    if run_dir:
+        try:
+            os.makedirs(os.path.join(run_dir, "failures"), exist_ok=True)
+            write_text_atomic(os.path.join(run_dir, "failures", f"rank-{rec.rank}.json"), rec.to_json())
+        except OSError as e:
+            print(f"ddprun: could not write this rank's failure record: {e}", file=sys.stderr, flush=True)
     if channel is not None:
-        channel.record_failure(summary, code)
+        channel.record_failure(rec)
 
 
 _WRITABLE = (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)
@@ -91,17 +126,28 @@ def _flush_open_files() -> None:
                 pass
 
 
-def hard_exit(code: int, channel: JobChannel | None = None) -> None:
-    """Run atexit handlers, flush every open file, then ``os._exit(code)`` (module docstring)."""
-    if channel is not None:
-        channel.stop_monitor()
-    if os.environ.get("DDPRUN_SOFT_EXIT") == "1":
+def _hung_handlers(code: int, limit_s: float) -> None:
+    """The atexit handlers ran past ``limit_s``: say where the main thread is, then leave."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    where = "".join(traceback.format_stack(frame)[-3:]) if frame is not None else "?\n"
+    print(f"ddprun: an atexit handler did not return within {limit_s:.0f} s; exiting anyway. It is at:\n{where}",
+          file=sys.stderr, flush=True)
+    os._exit(code or 1)
+
+
+def hard_exit(code: int, handlers_s: float = defaults.EXIT_TIMEOUT_S) -> None:
+    """Run atexit handlers (at most ``handlers_s``), flush every open file, then ``os._exit(code)``."""
+    if wenv.soft_exit(os.environ):
         sys.exit(code)
+    guard = threading.Timer(handlers_s, _hung_handlers, args=(code, handlers_s))
+    guard.daemon = True
+    guard.start()
     try:
         atexit._run_exitfuncs()
     except Exception:  # noqa: BLE001
         traceback.print_exc()
         code = code or 1
+    guard.cancel()
     _flush_open_files()
     for stream in (sys.stdout, sys.stderr):
         try:

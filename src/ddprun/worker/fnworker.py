@@ -26,12 +26,13 @@ def _arm_deadline(deadline: float, timeout_s: float) -> None:
     def expire() -> None:
         import faulthandler
 
-        from ddprun.worker.exit import write_error_file
+        from ddprun.protocol.failure import TIMEOUT
+        from ddprun.worker.exit import own_record, write_error_file
 
         msg = f"{TIMEOUT_MARK} of {timeout_s:g} s reached; this rank was still running (stacks in its log)"
         print(f"ddprun: {msg}", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        write_error_file(msg)
+        write_error_file(msg, record=own_record(TIMEOUT, msg, os.environ, 124))
         sys.stdout.flush()
         os._exit(124)
 

@@ -8,6 +8,8 @@ names them), warnings are printed. ``ddprun doctor`` prints the same facts and f
 from __future__ import annotations
 
 import hashlib
+import json
+import sys
 import os
 import platform
 import shutil
@@ -15,8 +17,9 @@ import socket
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from ddprun import gpufacts
+from ddprun.worker import gpufacts
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,7 @@ def file_sha256(path: str | None) -> str:
 
 
 def _package_hash() -> str:
-    root = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the whole ddprun package
     h = hashlib.sha256()
     for dirpath, _, files in sorted(os.walk(root)):
         for name in sorted(files):
@@ -157,3 +160,81 @@ def render_facts(facts: Sequence[dict], findings: Sequence[Finding]) -> str:
     else:
         text += "preflight: every check passed\n"
     return text
+
+
+# -- the preflight protocol over the job channel (worker/channel.py) ------------------------------
+def announce(ch: Any) -> None:
+    """Publish this rank's row (and, on a node's local rank 0, the node's facts); rank 0 then checks."""
+    from ddprun.protocol import failure as fr
+    from ddprun.worker.exit import record
+
+    if ch.store.add(ch.keys.rank_count(ch.rank), 1) > 1:
+        msg = (f"preflight: global rank {ch.rank} was started twice (this one on {ch.host}, node rank "
+               f"{ch.node_rank}): two nodes share a node rank. HINT: give each node its own --node-rank, "
+               f"or use c10d rendezvous (the default), which numbers nodes itself.")
+        print(f"ddprun: {msg}", file=sys.stderr, flush=True)
+        record(ch.me(fr.PREFLIGHT, msg), ch)
+        raise SystemExit(1)
+    ch.store.set(ch.keys.rank(ch.rank), json.dumps(ch.row()))
+    ch.store.set(ch.keys.progress(ch.rank), "0")
+    if ch.local_rank == 0:
+        ch.store.set(ch.keys.node(ch.rank), json.dumps(node_facts(ch.environ, ch.script)))
+    if ch.rank == 0:
+        run_checks(ch)
+
+
+def await_verdict(ch: Any) -> None:
+    """Wait for rank 0's verdict; a rank other than 0 that reads an error stops, naming its cause."""
+    from ddprun.protocol import failure as fr
+    from ddprun.worker.exit import record, stopped_message
+
+    bound = ch.wenv.join_timeout + 10
+    if not ch.wait_for([ch.keys.preflight], bound):
+        print(f"ddprun: rank 0's preflight verdict did not come within {bound:.0f} s; going on without it",
+              file=sys.stderr)
+        return
+    verdict = ch.store.get(ch.keys.preflight).decode(errors="replace")
+    if verdict != "ok" and ch.rank != 0:
+        cause = ch.cause() or fr.FailureRecord(fr.PREFLIGHT, 0, verdict, 0, "?")
+        msg = stopped_message(cause)
+        print(msg, file=sys.stderr, flush=True)
+        record(ch.stopped(cause), ch, message=msg)
+        ch.ack_failure()
+        raise SystemExit(1)
+
+
+def run_checks(ch: Any) -> None:
+    """Rank 0: gather every row and node's facts, print the rank table, check, publish the verdict."""
+    from ddprun.protocol import failure as fr
+    from ddprun.protocol.atomic import write_json_atomic
+    from ddprun.protocol.rundir import RunDir
+    from ddprun.ranktable import print_rank_table, write_plan_json
+    from ddprun.worker.exit import record
+
+    timeout = ch.wenv.join_timeout
+    rows = list(ch.gather((ch.keys.rank(r) for r in range(ch.world_size)), timeout).values())
+    ch.hosts = {r["rank"]: r["host"] for r in rows}
+    print_rank_table(rows, ch.world_size)
+    rundir = RunDir(ch.run_dir)
+    write_plan_json(ch.run_dir, rows, ch.world_size)
+    missing = sorted(set(range(ch.world_size)) - {r["rank"] for r in rows})
+    heads = [r["rank"] for r in rows if r["local_rank"] == 0]
+    facts = list(ch.gather((ch.keys.node(r) for r in heads), timeout).values())
+    findings = check(facts, ch.world_size)
+    errors = [f for f in findings if f.level == "error"]
+    if missing:
+        errors.append(Finding("error", f"ranks {missing} did not start within {timeout:.0f} s"))
+    if ch.wenv.doctor or findings or missing:
+        sys.stdout.write(render_facts(facts, findings))
+        sys.stdout.flush()
+    try:
+        write_json_atomic(rundir.preflight_json, {"nodes": facts, "findings": [f.__dict__ for f in findings]})
+    except OSError as e:
+        print(f"ddprun: could not write {rundir.preflight_json}: {e}", file=sys.stderr)
+    if errors:
+        summary = "preflight: " + " | ".join(f.message.split(" HINT:")[0] for f in errors)
+        ch.store.set(ch.keys.preflight, summary)
+        print(f"ddprun: {summary}", file=sys.stderr, flush=True)
+        record(ch.me(fr.PREFLIGHT, summary), ch)
+        raise SystemExit(1)
+    ch.store.set(ch.keys.preflight, "ok")

@@ -1,11 +1,7 @@
-"""The stall watchdog's parts that run in every worker: step progress, stack snapshots, and the
-hang report built from them.
+"""Stacks and the hang report: where each rank's main thread is at a stall, every thread's stack
+in ``stacks/rank-N.txt``, and the report naming the rank(s) whose place differs from the rest.
 
-Steps are counted by torch's global optimizer step hook, so unmodified scripts are covered; the
-hook only increments an integer. The job channel (jobstore.py) publishes the count every 0.5 s and
-rank 0 watches the maxima: when no rank advanced for the stall threshold, every rank writes its
-Python stacks to ``stacks/rank-N.txt`` and a summary of where its main thread is, and rank 0 names
-the rank(s) whose place differs from the rest.
+Progress counting is worker/progress.py; who observes a stall and when, worker/monitor.py.
 """
 
 from __future__ import annotations
@@ -18,27 +14,6 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
-from ddprun.telemetry import TIMER
-
-
-class StepCounter:
-    """Counts optimizer steps in this process (any torch optimizer, via the global hook)."""
-
-    def __init__(self) -> None:
-        self.steps = 0
-        self.last_step_time = time.monotonic()
-        self._handle = None
-
-    def install(self) -> StepCounter:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        self._handle = register_optimizer_step_post_hook(self._hook)
-        return self
-
-    def _hook(self, optimizer, args, kwargs) -> None:  # noqa: ARG002 - torch's hook signature
-        self.steps += 1
-        self.last_step_time = time.monotonic()
-        TIMER.on_optimizer_step()
 
 
 def _frame_kind(filename: str, func: str) -> str:

@@ -73,3 +73,59 @@ class StragglerDetector:
         # one message per rank: its first slow part (data before compute before the whole step)
         seen: set[int] = set()
         return [e for e in events if not (e.rank in seen or seen.add(e.rank))]
+
+
+class StragglerWatch:
+    """Rank 0's side: each window, read every rank's latest timing (one batched read), append the new
+    ones to timings.csv, and name stragglers on the console and in events.jsonl."""
+
+    def __init__(self, run_dir: str, margin: float, windows: int):
+        from ddprun.protocol.rundir import RunDir
+
+        self.rundir = RunDir(run_dir)
+        self.detector = StragglerDetector(margin=margin, k=windows)
+        self._seen: dict[int, int] = {}
+
+    def fresh(self, values: Mapping[int, object]) -> dict[int, dict]:
+        """The windows not seen before among rank -> parsed timing values (malformed ones skipped)."""
+        out = {}
+        for rank, summary in values.items():
+            if not isinstance(summary, dict) or not isinstance(summary.get("w"), int):
+                continue
+            if summary["w"] != self._seen.get(rank):
+                self._seen[rank] = summary["w"]
+                out[rank] = summary
+        return out
+
+    def update(self, values: Mapping[int, object], hosts: Mapping[int, str], now: float) -> list[str]:
+        """Feed one read; returns the console lines it printed (also appended to events.jsonl)."""
+        import json
+        import os
+        import sys
+        import time
+
+        from ddprun.report import TIMING_COLUMNS
+
+        fresh = self.fresh(values)
+        if not fresh:
+            return []
+        path = self.rundir.timings_csv
+        new_file = not os.path.exists(path)
+        with open(path, "a") as fp:
+            if new_file:
+                fp.write(",".join(TIMING_COLUMNS) + "\n")
+            for r, s in sorted(fresh.items()):
+                row = {**s, "rank": r, "window": s["w"]}
+                fp.write(",".join("" if row.get(c) is None else str(row[c]) for c in TIMING_COLUMNS) + "\n")
+        if len(fresh) < 2:
+            return []
+        lines = []
+        for event in self.detector.update(fresh, hosts, now):
+            msg = f"ddprun: straggler: {event.message()}"
+            print(msg, file=sys.stderr, flush=True)
+            lines.append(msg)
+            with open(self.rundir.events_jsonl, "a") as fp:
+                fp.write(json.dumps({"kind": "straggler", "t": time.time(), "rank": event.rank, "host": event.host,
+                                     "what": event.what, "value_s": event.value_s, "median_s": event.median_s,
+                                     "window": fresh[event.rank]["w"], "message": event.message()}) + "\n")
+        return lines

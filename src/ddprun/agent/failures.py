@@ -1,0 +1,305 @@
+"""The agent's part in failure handling: it records what it sees, keeps every record it can read,
+and notices a node that is gone.
+
+* A local worker that ends non-zero without a record of its own (a signal: the OOM killer's
+  SIGKILL; an exit without a Python error) gets one from its agent, within one monitor interval:
+  in the run directory (``failures/rank-N.json``) and in the job store, where the workers'
+  monitors and the other agents read it before the peers' echoes.
+* A thread keeps a copy of every record in the store (so the real cause is still known when the
+  node hosting the store ends first), publishes this agent's heartbeat, and watches one other
+  node's heartbeat (a ring: node i watches node i+1, one read per agent per beat at any scale).
+  A node whose heartbeat stops for ``lost_after_s`` gets a ``lost`` record naming it; a store that
+  stops answering for as long means the node hosting it is gone: the local workers are stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TextIO
+
+from ddprun.protocol import failure as fr
+from ddprun.protocol.atomic import write_text_atomic
+from ddprun.protocol.rundir import RunDir
+from ddprun.protocol.store import Keys
+
+BEAT_S = 1.0
+LOST_AFTER_S = 10.0
+
+
+def oom_kills(proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> int | None:
+    """The oom_kill count of this process's cgroup (v2 ``memory.events``), None where unreadable."""
+    try:
+        with open(os.path.join(proc_root, "self", "cgroup")) as fp:
+            path = next(line.split(":", 2)[2].strip() for line in fp if line.startswith("0::"))
+        with open(os.path.join(cgroup_root, path.lstrip("/"), "memory.events")) as fp:
+            return int(next(line.split()[1] for line in fp if line.startswith("oom_kill ")))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+def worker_record(error_file: str) -> fr.FailureRecord | None:
+    """The record a worker left in its torch error file (``extraInfo.ddprun``), if any."""
+    try:
+        with open(error_file) as fp:
+            data = json.load(fp)
+        return fr.FailureRecord.from_dict(data["message"]["extraInfo"]["ddprun"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+class AgentFailures:
+    """One per ``ddprun run`` agent; see the module docstring. Thread-safe; never raises into torch."""
+
+    def __init__(self, run_dir: RunDir, host: str, addr: str, port: int, run_id: str, out: TextIO,
+                 lost_after_s: float = LOST_AFTER_S, connect: Callable[[], Any] | None = None):
+        self.run_dir, self.host, self.out = run_dir, host, out
+        self._addr, self._port, self._run_id = addr, port, run_id
+        self._lost_after = lost_after_s
+        self._connect_fn = connect
+        self._lock = threading.Lock()
+        self._cache: dict[str, fr.FailureRecord] = {}
+        self._local: dict[int, fr.FailureRecord] = {}
+        self._workers: dict[int, tuple[int, int, str]] = {}  # rank -> (local rank, pid, error file)
+        self._keys: Keys | None = None
+        self._node, self._nnodes = 0, 1
+        self._store: Any = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._oom0 = oom_kills()
+        self.lost: fr.FailureRecord | None = None
+        self._hang_said: bytes | None = None
+        self.stopping_for: fr.FailureRecord | None = None
+
+    # -- attempts --------------------------------------------------------------------------
+    def on_workers_started(self, attempt: str, node_rank: int, nnodes: int,
+                           workers: dict[int, tuple[int, int, str]]) -> None:
+        """A worker group (re)started: its attempt id, this node's rank, and rank -> (local rank, pid, error file)."""
+        with self._lock:
+            self._keys = Keys(f"ddprun/{self._run_id}/{attempt}/")
+            self._node, self._nnodes, self._workers = node_rank, nnodes, dict(workers)
+            self._local.clear()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="ddprun-agent-failures", daemon=True)
+            self._thread.start()
+
+    @property
+    def node_rank(self) -> int:
+        return self._node
+
+    def stop(self) -> None:
+        """End the thread; this node's heartbeat says it ended (never taken for a lost node)."""
+        self._stop.set()
+        try:
+            if self._keys is not None and self._store is not None:
+                self._store.set(self._keys._k(f"agent/{self._node}"), json.dumps({"host": self.host, "done": True}))
+        except Exception:  # noqa: BLE001
+            pass
+
+    # -- local deaths ----------------------------------------------------------------------
+    def on_worker_exit(self, rank: int, local_rank: int, pid: int, code: int) -> None:
+        """torch's agent saw a worker end with ``code`` != 0 (agent/torch_agent.py)."""
+        try:
+            self._on_exit(rank, local_rank, code)
+        except Exception as e:  # noqa: BLE001 - the agent must go on supervising whatever happens here
+            print(f"ddprun: could not record rank {rank}'s exit ({type(e).__name__}: {e})", file=sys.stderr)
+
+    def _on_exit(self, rank: int, local_rank: int, code: int) -> None:
+        error_file = self._workers.get(rank, (0, 0, ""))[2]
+        own = worker_record(error_file) if error_file else None
+        if own is not None:
+            with self._lock:
+                self._local[rank] = own
+            return
+        now = time.time()
+        if self.stopping_for is not None:
+            rec = fr.stopped_by(self.stopping_for, rank=rank, node_rank=self._node, host=self.host,
+                                local_rank=local_rank, t=now)
+        else:
+            rec = fr.from_exit(rank, code, node_rank=self._node, host=self.host, local_rank=local_rank, t=now,
+                               oom_evidence=self._oom_evidence(code))
+        with self._lock:
+            self._local[rank] = rec
+        self._publish(rec)
+
+    def _oom_evidence(self, code: int) -> str:
+        if code != -signal.SIGKILL or self._oom0 is None:
+            return ""
+        now = oom_kills()
+        return f"memory.events oom_kill {self._oom0} -> {now}" if now is not None and now > self._oom0 else ""
+
+    def _publish(self, rec: fr.FailureRecord) -> None:
+        """Into the run directory and the store (best effort: the store may be gone)."""
+        try:
+            os.makedirs(self.run_dir.failures, exist_ok=True)
+            write_text_atomic(self.run_dir.failure_record(rec.rank if rec.rank >= 0 else f"node{rec.node_rank}"),
+                              rec.to_json())
+        except OSError as e:
+            print(f"ddprun: could not write the failure record of {rec.where()}: {e}", file=sys.stderr)
+        try:
+            store, keys = self._client(), self._keys
+            if keys is not None:
+                k = store.add(keys.failures, 1)
+                store.set(keys.failure(k), rec.to_json())
+        except Exception:  # noqa: BLE001
+            pass
+
+    # -- what is known ---------------------------------------------------------------------
+    def records(self) -> list[fr.FailureRecord]:
+        """Every record seen: this node's, and every one read from the store while it answered."""
+        with self._lock:
+            out = dict(self._cache)
+            for rank, rec in self._local.items():
+                out.setdefault(f"local/{rank}", rec)
+            if self.lost is not None:
+                out.setdefault("lost", self.lost)
+        return list(out.values())
+
+    def local_record(self, rank: int) -> fr.FailureRecord | None:
+        with self._lock:
+            rec = self._local.get(rank)
+        if rec is None and rank in self._workers:
+            rec = worker_record(self._workers[rank][2])
+        return rec
+
+    def root_cause(self) -> fr.FailureRecord | None:
+        return fr.root_cause(self.records())
+
+    # -- the thread ------------------------------------------------------------------------
+    def _client(self) -> Any:
+        if self._store is None:
+            if self._connect_fn is not None:
+                self._store = self._connect_fn()
+            else:
+                from torch.distributed import TCPStore
+
+                self._store = TCPStore(self._addr, self._port, is_master=False, wait_for_workers=False,
+                                       timeout=timedelta(seconds=5))
+        return self._store
+
+    def _loop(self) -> None:
+        beat, seen_at, last_ok = 0, (None, time.monotonic()), time.monotonic()
+        while not self._stop.wait(BEAT_S / 2):
+            try:
+                beat += 1
+                seen_at = self._tick(beat, seen_at)
+                last_ok = time.monotonic()
+            except Exception:  # noqa: BLE001 - the store is unreachable; how long decides
+                self._store = None
+                if time.monotonic() - last_ok >= self._lost_after and self.lost is None:
+                    self._store_lost()
+            if self._stop.is_set():
+                return
+
+    def _tick(self, beat: int, seen_at: tuple[Any, float]) -> tuple[Any, float]:
+        store, keys = self._client(), self._keys
+        if keys is None:
+            return seen_at
+        store.set(keys._k(f"agent/{self._node}"), json.dumps({"host": self.host, "beat": beat}))
+        n = int(store.add(keys.failures, 0))
+        with self._lock:
+            missing = [k for k in range(1, n + 1) if keys.failure(k) not in self._cache]
+        if missing:
+            got = [keys.failure(k) for k in missing]
+            values = store.multi_get(got) if store.check(got) else []
+            for key, rec in zip(got, fr.parse_many(values)):
+                with self._lock:
+                    self._cache[key] = rec
+        self._say_hang_report(store, keys)
+        return self._watch_neighbour(store, keys, seen_at)
+
+    def _say_hang_report(self, store: Any, keys: Keys) -> None:
+        """A stall report appeared: one line on this node's console (the report is in the run dir)."""
+        if not store.check([keys.stall_summary]):
+            return
+        raw = store.get(keys.stall_summary)
+        if raw == self._hang_said:
+            return
+        self._hang_said = raw
+        try:
+            data = json.loads(raw)
+            text, by, host = str(data["summary"]), int(data["by"]), str(data.get("host", "?"))
+        except (ValueError, KeyError, TypeError):
+            return
+        print(f"ddprun: hang report: {text}\n  (by rank {by}: every rank's stacks in stacks/ of the run directory "
+              f"on each node; the full report in stacks/hang-report.txt on {host})", file=self.out, flush=True)
+
+    def _watch_neighbour(self, store: Any, keys: Keys, seen_at: tuple[Any, float]) -> tuple[Any, float]:
+        if self._nnodes < 2:
+            return seen_at
+        other = (self._node + 1) % self._nnodes
+        key = keys._k(f"agent/{other}")
+        value = store.get(key) if store.check([key]) else None
+        now = time.monotonic()
+        if value != seen_at[0]:
+            return value, now
+        if value is not None and b'"done"' not in value and now - seen_at[1] >= self._lost_after and self.lost is None:
+            try:
+                host = str(json.loads(value).get("host", "?"))
+            except (ValueError, AttributeError):
+                host = "?"
+            self.lost = fr.FailureRecord(fr.LOST, -1, f"its agent stopped answering for {now - seen_at[1]:.0f} s",
+                                         other, host, by="observer", t=time.time())
+            self._publish(self.lost)
+        return seen_at
+
+    def _store_lost(self) -> None:
+        """The store's host is gone: name it, stop this node's workers (torch's agent then ends)."""
+        self.lost = fr.FailureRecord(fr.LOST, -1, f"the job store at {self._addr}:{self._port} stopped answering "
+                                     f"for {self._lost_after:.0f} s", 0, self._addr, by="observer", t=time.time())
+        self.stopping_for = self.root_cause() if self._cache else self.lost
+        print(f"ddprun: {self.lost.headline()}; stopping this node's workers", file=self.out, flush=True)
+        for _, pid, _ in list(self._workers.values()):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except OSError:
+                pass
+
+    def on_signal(self, sig: int) -> None:
+        """This agent got ``sig``: say so in the store before its workers are stopped (their peers then
+        name this node, not the stopped workers' connection errors)."""
+        name = fr.signal_name(-sig)
+        self.stopping_for = fr.FailureRecord(fr.SIGNAL, -1, f"its agent got {name} and stopped its workers",
+                                             self._node, self.host, signal=name, by="agent", t=time.time())
+        self._publish(self.stopping_for)
+
+    def probe_lost(self, wait_s: float = 2 * BEAT_S + 0.5) -> list[fr.FailureRecord]:
+        """Which nodes are gone now: agents whose heartbeat does not move within ``wait_s`` (one batched
+        read before and after), or the store itself when it does not answer. For a failure whose only
+        record is a peer's echo; bounded by ``wait_s`` + the store's timeout."""
+        keys = self._keys
+        if keys is None:
+            return []
+        names = [keys._k(f"agent/{n}") for n in range(self._nnodes) if n != self._node]
+        try:
+            before = self._beats(names)
+            time.sleep(wait_s)
+            after = self._beats(names)
+        except Exception:  # noqa: BLE001 - the store's host is gone
+            self._store = None
+            return [fr.FailureRecord(fr.LOST, -1, f"the job store at {self._addr}:{self._port} stopped answering",
+                                     0, self._addr, by="observer", t=time.time())]
+        out = []
+        for name in names:
+            raw = after.get(name)
+            if raw is not None and raw == before.get(name) and b'"done"' not in raw:
+                node = int(name.rsplit("/", 1)[1])
+                host = json.loads(raw).get("host", "?")
+                out.append(fr.FailureRecord(fr.LOST, -1, "its agent stopped answering", node, host,
+                                            by="observer", t=time.time()))
+        return out
+
+    def _beats(self, names: list[str]) -> dict[str, bytes]:
+        store = self._client()
+        present = [n for n in names if store.check([n])]
+        return dict(zip(present, store.multi_get(present))) if present else {}
+
+    def exit_barrier_done(self) -> bool:
+        """Leave the agents' exit barrier early: a node is lost, it will never arrive."""
+        return self.lost is not None

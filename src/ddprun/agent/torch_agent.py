@@ -1,0 +1,123 @@
+"""torch's elastic agent, set up the way ``torch.distributed.launcher.api.launch_agent`` does, with
+three hooks ddprun needs and torch does not offer:
+
+* ``on_worker_exit(global_rank, local_rank, pid, exit_code)``: called within one monitor interval of
+  a worker ending non-zero, *before* torch stops its siblings (which may take torch's 30 s SIGTERM
+  grace): the agent records a worker that died by a signal while the peers' echoes are still in
+  flight (agent/failures.py).
+* ``on_workers_started(worker_group, pids)``: after each (re)start of the worker group (local rank -> pid).
+* ``on_signal(sig)``: the agent got a death signal; called before torch stops the workers, so the
+  record of why reaches the other nodes before the echoes of the stopped workers do.
+* a bounded exit barrier that ends early when ``exit_barrier_done()`` says so (a node was lost),
+  instead of torch's fixed 300 s wait for agents that may be gone.
+
+Everything else (rendezvous, worker processes, restarts, supervision) is torch's LocalElasticAgent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+
+@dataclass
+class AgentHooks:
+    """What ddprun adds to torch's agent; every callback must return quickly and never raise."""
+
+    on_worker_exit: Callable[[int, int, int, int], None] = lambda rank, local_rank, pid, code: None
+    on_workers_started: Callable[[WorkerGroup, dict[int, int]], None] = lambda group, pids: None
+    on_signal: Callable[[int], None] = lambda sig: None
+    """This agent got a death signal (SIGTERM, SIGINT, ...): called before torch stops the workers."""
+    exit_barrier_done: Callable[[], bool] = lambda: False
+    exit_barrier_s: float = 300.0
+    seen: set[int] = field(default_factory=set)
+    """pids already reported to on_worker_exit."""
+
+
+class DdprunAgent(LocalElasticAgent):
+    """LocalElasticAgent with :class:`AgentHooks` (module docstring)."""
+
+    def __init__(self, *args: Any, hooks: AgentHooks, **kwargs: Any):
+        super().__init__(*args, exit_barrier_timeout=hooks.exit_barrier_s, **kwargs)
+        self._hooks = hooks
+        self._hooks_said_signal: int | None = None
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        pids = super()._start_workers(worker_group)
+        self._hooks.on_workers_started(worker_group, pids)
+        return pids
+
+    def _monitor_workers(self, worker_group: WorkerGroup):  # type: ignore[override]
+        self._report_exits(worker_group)
+        return super()._monitor_workers(worker_group)
+
+    def _report_exits(self, worker_group: WorkerGroup) -> None:
+        handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
+        for local_rank, handler in handlers.items():
+            code = handler.proc.poll()
+            if code is None or code == 0 or handler.proc.pid in self._hooks.seen:
+                continue
+            self._hooks.seen.add(handler.proc.pid)
+            worker = worker_group.workers[local_rank]
+            self._hooks.on_worker_exit(worker.global_rank, local_rank, handler.proc.pid, code)
+
+    def _shutdown(self, death_sig: Any = None, timeout: int = 30, **kwargs: Any) -> None:  # type: ignore[override]
+        import signal
+
+        # torch passes death_sig only when a signal ended the agent (else only the timeout, at every end)
+        if death_sig is not None and self._hooks_said_signal is None:
+            self._hooks_said_signal = int(death_sig)
+            self._hooks.on_signal(int(death_sig))
+        super()._shutdown(death_sig if death_sig is not None else signal.SIGTERM, timeout, **kwargs)
+
+    def _exit_barrier(self) -> None:
+        """torch's barrier of agents at the end, bounded and left early when a node is lost."""
+        store, n = self._store, self._worker_group.group_world_size
+        key = "ddprun/exit-barrier/" + str(self._worker_group.spec.rdzv_handler.get_run_id())
+        deadline = time.monotonic() + self._exit_barrier_timeout
+        try:
+            store.add(key, 1)
+            while store.add(key, 0) < n and time.monotonic() < deadline and not self._hooks.exit_barrier_done():
+                time.sleep(0.1)
+        except Exception:  # noqa: BLE001 - the store host ended first: nothing left to wait for
+            pass
+
+
+def run_agent(config: Any, entrypoint: str, args: list[str], hooks: AgentHooks) -> dict[int, Any]:
+    """torch's ``launch_agent(config, entrypoint, args)`` with :class:`DdprunAgent` (same exceptions)."""
+    params = RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
+                                  min_nodes=config.min_nodes, max_nodes=config.max_nodes,
+                                  local_addr=config.local_addr, **config.rdzv_configs)
+    master_addr, master_port = None, None
+    if config.rdzv_backend == "static":
+        master_addr, master_port = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=-1)
+    spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
+                      args=tuple(args), rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
+                      max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
+                      master_addr=master_addr, master_port=master_port, local_addr=config.local_addr)
+    agent = DdprunAgent(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method, hooks=hooks)
+    shutdown = True
+    try:
+        result = agent.run()
+        if result.is_failed():
+            raise ChildFailedError(name=entrypoint, failures=result.failures)
+        return result.return_values
+    except Exception as e:
+        # a SignalException ends this agent, not the rendezvous: other nodes may go on (torch's rule)
+        shutdown = type(e).__name__ != "SignalException"
+        raise
+    finally:
+        if shutdown:
+            spec.rdzv_handler.shutdown()
+
+
+__all__ = ["AgentHooks", "DdprunAgent", "WorkerState", "run_agent"]

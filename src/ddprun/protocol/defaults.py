@@ -1,0 +1,60 @@
+"""Every default of ddprun, once: the CLI, :mod:`ddprun.config`, the agent and the workers read them here.
+
+Units are seconds unless a name says otherwise.
+"""
+
+from __future__ import annotations
+
+RUNS_ROOT = "runs"
+"""Where run directories go (``runs/<run id>``) unless --log-dir or --run-dir says otherwise."""
+
+JOIN_TIMEOUT_S = 120.0
+"""The rendezvous waits this long for every node (torchrun: 600 s, and it prints nothing meanwhile)."""
+
+JOIN_PROGRESS_S = 3.0
+"""A join-progress line every this many seconds while nodes are missing."""
+
+STALL_TIMEOUT_S = 300.0
+"""No rank advancing for this long is a stall: hang report (gloo's own timeout: 30 min, silent)."""
+
+STALL_FIRST_STEP_MIN_S = 30.0
+"""Before the first progress (imports, data preparation, compilation) the bound is max(2 x stall, this)."""
+
+INIT_TIMEOUT_S = 600.0
+"""``init_process_group``'s timeout: generous, every node's workers import and start."""
+
+TRAIN_TIMEOUT_S = 300.0
+"""Collectives' timeout once training runs (after the first completed step)."""
+
+STRAGGLER_MARGIN = 0.2
+"""A rank is a straggler when a part of its step exceeds the others' median by this fraction ..."""
+
+STRAGGLER_WINDOWS = 3
+"""... in this many consecutive telemetry windows."""
+
+TELEMETRY_WINDOW_S = 2.0
+"""Each rank publishes its step-time medians once per window."""
+
+MONITOR_POLL_S = 0.5
+"""The worker's monitor thread polls the store this often (failures, progress, stall requests)."""
+
+STALL_CHECK_S = 1.0
+"""The stall observer compares every rank's progress this often."""
+
+PLACES_WAIT_S = 5.0
+"""At a stall, the observer waits this long for every rank's answer (where its main thread is)."""
+
+ECHO_WAIT_S = 2.0
+"""A rank that sees only a peer's connection error waits this long for the first-hand record (its agent's)."""
+
+ACK_WAIT_S = 3.0
+"""A failing rank waits at most this long for the others to read its failure record."""
+
+EXIT_TIMEOUT_S = 60.0
+"""A worker's atexit handlers get this long after the user's code returned; then it exits anyway."""
+
+AGENT_MONITOR_INTERVAL_S = 0.1
+"""torch's agent checks its workers this often."""
+
+START_METHOD = "spawn"
+"""How torch's agent starts workers (a fresh interpreter: safe with CUDA and threads)."""

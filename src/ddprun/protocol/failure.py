@@ -1,0 +1,196 @@
+"""Failure records: who failed, how, and who was only stopped because of it; and the one classifier.
+
+A record is written by whoever sees the failure first-hand: the worker that raised (its error file
+and the job store), or the worker's agent when the worker died without one (a signal such as the
+OOM killer's SIGKILL, or an exit without a record). Records are JSON; a malformed one is skipped,
+never trusted. :func:`root_cause` picks the cause that every node's console names and that
+:class:`~ddprun.errors.WorkerFailed` carries: first-hand failures before echoes ("Connection reset
+by peer" is what the peers of a dead rank see, never a cause), then the earliest.
+"""
+
+from __future__ import annotations
+
+import json
+import signal as _signal
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+ERROR = "error"
+"""The user's code raised (or exited non-zero through SystemExit)."""
+SIGNAL = "signal"
+"""The process was killed by a signal (recorded by its agent)."""
+EXIT = "exit"
+"""The process exited non-zero without a record of its own (recorded by its agent)."""
+STALL = "stall"
+PREFLIGHT = "preflight"
+MISMATCH = "mismatch"
+"""A configuration error every rank raised alike (e.g. Lightning's Trainer vs the launch)."""
+TIMEOUT = "timeout"
+"""``ddprun.launch``'s own timeout ran out."""
+LOST = "lost"
+"""A node stopped answering: its agent vanished (kill -9, the machine died) or its store did."""
+STOPPED = "stopped"
+"""Ended because of another rank's failure (``cause_rank``): an echo, never a cause."""
+KINDS = (ERROR, SIGNAL, EXIT, STALL, PREFLIGHT, MISMATCH, TIMEOUT, LOST, STOPPED)
+
+ECHOES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "ECONNRESET",
+          "connection refused", "Connection refused", "remote process exited", "NCCL communicator was aborted",
+          "Socket closed", "Read error", "Write error", "recvBytes", "sendBytes", "DistNetworkError",
+          "failed to recv, got 0 bytes", "Timed out waiting for peer")
+"""What a rank sees when a peer of its collective died; the peer's failure is the cause."""
+
+SIGKILL_HINT = ("killed by SIGKILL: the out-of-memory killer? see `dmesg` or the cgroup's memory.events "
+                "(memory.max_usage / oom_kill); or a scheduler that ended the job")
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """One rank's failure. ``rank`` is the global rank (-1: a whole node, see ``node_rank``)."""
+
+    kind: str
+    rank: int
+    summary: str
+    node_rank: int = -1
+    host: str = "?"
+    local_rank: int = -1
+    exit_code: int | None = None
+    signal: str | None = None
+    hint: str = ""
+    cause_rank: int | None = None
+    by: str = "worker"
+    """``worker`` (first-hand), ``agent`` (its agent saw it die), or ``observer`` (another node saw it go)."""
+    t: float = 0.0
+    """Wall-clock time (s since the epoch) the record was made; orders causes across nodes."""
+    cause: dict[str, Any] | None = None
+    """For ``stopped``: the cause's own record, so that whoever holds this one knows the cause too
+    (the store it came from may be gone)."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> FailureRecord:
+        """The record in ``text``; ValueError when it is not one (wrong type, missing fields)."""
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("a failure record is a JSON object")
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FailureRecord:
+        known = {f.name: f for f in fields(cls)}
+        kw = {k: v for k, v in data.items() if k in known}
+        if kw.get("kind") not in KINDS or not isinstance(kw.get("rank"), int) or not isinstance(kw.get("summary"), str):
+            raise ValueError(f"not a failure record: {str(data)[:200]}")
+        for name in ("node_rank", "local_rank"):
+            if not isinstance(kw.get(name, -1), int):
+                raise ValueError(f"{name} is not an integer")
+        kw["summary"] = kw["summary"][:2000]
+        if kw.get("cause") is not None:
+            kw["cause"] = asdict(cls.from_dict(kw["cause"])) if isinstance(kw["cause"], dict) else None
+        return cls(**kw)
+
+    @property
+    def is_echo(self) -> bool:
+        """Only a consequence of another failure: stopped by one, or a peer's connection error."""
+        return self.kind == STOPPED or (self.kind == ERROR and looks_like_echo(self.summary))
+
+    def how(self) -> str:
+        """``was killed by SIGKILL`` / ``exited with code 3`` / ``failed``."""
+        if self.kind == SIGNAL:
+            return f"was {'stopped' if self.rank < 0 else 'killed'} by {self.signal or 'a signal'}"
+        if self.kind == EXIT:
+            return f"exited with code {self.exit_code}"
+        if self.kind == LOST:
+            return "was lost"
+        if self.kind == STALL:
+            return "found the job stalled"
+        if self.kind == STOPPED:
+            return "was stopped"
+        return "failed"
+
+    def where(self) -> str:
+        """``rank 1 (node 1, host-b)``, or ``node 1 (host-b)`` for a whole node."""
+        if self.rank < 0:
+            return f"node {self.node_rank} ({self.host})"
+        return f"rank {self.rank} (node {self.node_rank}, {self.host})"
+
+    def headline(self) -> str:
+        """One line for every console: where, how, and what it said."""
+        text = f"{self.where()} {self.how()}"
+        if self.summary and self.summary != self.how():
+            text += f": {self.summary}"
+        return text
+
+
+def looks_like_echo(text: str) -> bool:
+    """Whether an error text is what a rank sees when a peer died (module docstring)."""
+    return any(p in text for p in ECHOES)
+
+
+def signal_name(exit_code: int) -> str:
+    """``SIGKILL`` for -9 (a negative exit code is the signal that ended the process)."""
+    try:
+        return _signal.Signals(-exit_code).name
+    except ValueError:
+        return f"signal {-exit_code}"
+
+
+def from_exit(rank: int, exit_code: int, *, node_rank: int, host: str, local_rank: int, t: float,
+              oom_evidence: str = "") -> FailureRecord:
+    """The agent's record of a worker that ended with ``exit_code`` and left no record of its own."""
+    if exit_code < 0:
+        name = signal_name(exit_code)
+        hint = SIGKILL_HINT if name == "SIGKILL" else ""
+        if oom_evidence:
+            hint = f"the out-of-memory killer ended it ({oom_evidence})"
+        return FailureRecord(SIGNAL, rank, "", node_rank, host, local_rank, exit_code, name, hint, by="agent", t=t)
+    return FailureRecord(EXIT, rank, "the process ended without a Python error", node_rank, host, local_rank,
+                         exit_code, by="agent", t=t)
+
+
+def parse_many(raw: Iterable[str | bytes]) -> list[FailureRecord]:
+    """The well-formed records among ``raw``; the rest are skipped (a bad value never breaks a reader)."""
+    out = []
+    for text in raw:
+        try:
+            out.append(FailureRecord.from_json(text))
+        except (ValueError, TypeError):
+            continue
+    return out
+
+
+def _order(r: FailureRecord) -> tuple[bool, bool, float, int]:
+    return (r.is_echo, r.kind == LOST and r.by == "observer", r.t, r.rank)
+
+
+def with_causes(records: Iterable[FailureRecord]) -> list[FailureRecord]:
+    """``records`` and the causes the stopped ones carry."""
+    out = []
+    for r in records:
+        out.append(r)
+        if r.cause is not None:
+            try:
+                out.append(FailureRecord.from_dict(r.cause))
+            except (ValueError, TypeError):
+                continue
+    return out
+
+
+def root_cause(records: Iterable[FailureRecord]) -> FailureRecord | None:
+    """The failure that ended the job: first-hand before echoes, then the earliest (then lowest rank).
+    Causes carried by stopped records count too."""
+    records = with_causes(records)
+    return min(records, key=_order) if records else None
+
+
+def stopped_by(cause: FailureRecord, *, rank: int, node_rank: int, host: str, local_rank: int, t: float,
+               seen: str = "") -> FailureRecord:
+    """The record of a rank ended because of ``cause`` (``seen``: what it saw itself, e.g. a reset)."""
+    carried = asdict(replace(cause, cause=None))
+    return FailureRecord(STOPPED, rank, seen, node_rank, host, local_rank, cause_rank=cause.rank, t=t, cause=carried)
+
+
+def with_summary(record: FailureRecord, summary: str) -> FailureRecord:
+    return replace(record, summary=summary)

@@ -1,0 +1,301 @@
+"""The monitor thread beside the user's code in every worker (a few store calls per poll, never on the
+training step's path).
+
+Every rank: publishes its progress count (telemetry.PROGRESS: optimizer steps, collectives,
+heartbeats) when it changed; ends itself when another rank failed (last attempt only: with restarts
+left torch's agent restarts the group), naming the root cause; answers a stall report's request for
+its stacks; publishes its step timings once per window; ends itself if its agent is gone.
+
+Stall observers (rank 0 and the last rank, so a stopped or GIL-bound rank 0 is covered): when no
+rank's progress changed for the threshold, the first observer to claim the ``stall`` key collects
+every rank's place and stacks and writes the hang report (once); the job ends only when the stall
+lasts ``stall_end`` seconds more (then a ``stall`` failure record ends every rank). Progress after
+the report re-arms it. Bad values in the store are skipped; a failing poll is said once on the
+console and in the run directory, and the thread goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from ddprun.protocol import defaults
+from ddprun.protocol import failure as fr
+from ddprun.protocol.rundir import RunDir
+from ddprun.telemetry import PROGRESS, TIMER, summarize
+from ddprun.worker import stacks
+from ddprun.worker.channel import JobChannel
+from ddprun.worker.exit import record, stopped_message
+
+MAX_FAILED_POLLS = 20
+"""Consecutive failing polls (the store gone: the job is ending) before the thread gives up, saying so."""
+
+
+def stall_threshold(stall_s: float, armed: bool) -> float:
+    """Seconds without progress that count as a stall. Before any progress at all (imports, data
+    preparation, compilation) the bound is max(2 x threshold, 30 s)."""
+    return stall_s if armed else max(2 * stall_s, defaults.STALL_FIRST_STEP_MIN_S)
+
+
+def observers(world_size: int) -> set[int]:
+    """The ranks that watch for stalls: rank 0 and the last rank."""
+    return {0, world_size - 1}
+
+
+def parse_int(raw: Any) -> int | None:
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        return None
+
+
+class StallObserver:
+    """One observer's view: the job's progress total over time, and the report/end decisions (pure)."""
+
+    def __init__(self, stall_s: float, end_s: float, grace_s: float = 0.0):
+        self.stall_s, self.end_s, self.grace_s = stall_s, end_s, grace_s
+        self.total, self.since = -1, time.monotonic()
+        self.reported_at: float | None = None
+
+    def update(self, total: int, now: float) -> str:
+        """``report``, ``end``, ``resumed`` or ``""`` for the job-wide progress ``total`` seen at ``now``."""
+        if total != self.total:
+            resumed = self.reported_at is not None
+            self.total, self.since, self.reported_at = total, now, None
+            return "resumed" if resumed else ""
+        stalled = now - self.since
+        if self.reported_at is None and stalled >= stall_threshold(self.stall_s, armed=total > 0) + self.grace_s:
+            self.reported_at = now
+            return "report"
+        if self.reported_at is not None and now - self.reported_at >= self.end_s:
+            return "end"
+        return ""
+
+
+class Monitor:
+    """The thread (module docstring); :meth:`start` after the channel started, :meth:`stop` at exit."""
+
+    def __init__(self, ch: JobChannel):
+        self.ch = ch
+        self.rundir = RunDir(ch.run_dir)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="ddprun-monitor", daemon=True)
+        self._ppid = os.getppid()
+        self._published = -1
+        self._answered = ""
+        self._last_window = self._last_check = time.monotonic()
+        self._window = 0
+        self._failed_polls = 0
+        self._echo_seen: float | None = None
+        self._detail = self._summary = ""
+        wenv = ch.wenv
+        # rank 0 reports first (its output is on a console); the backup only if rank 0 does not
+        grace = 0.0 if ch.rank == 0 else defaults.PLACES_WAIT_S + 2 * defaults.STALL_CHECK_S
+        self.observer = (StallObserver(wenv.stall_timeout, wenv.stall_end, grace)
+                         if wenv.stall_timeout > 0 and ch.rank in observers(ch.world_size) else None)
+        self.stragglers = None
+        if ch.rank == 0:
+            from ddprun.worker.stragglers import StragglerWatch
+
+            self.stragglers = StragglerWatch(ch.run_dir, wenv.straggler_margin, wenv.straggler_windows)
+
+    def start(self) -> Monitor:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        store = None
+        while not self._stop.wait(defaults.MONITOR_POLL_S):
+            try:
+                store = store or self.ch.connect()  # its own connection: never queue behind the main thread
+                self._tick(store)
+                self._failed_polls = 0
+            except Exception as e:  # noqa: BLE001 - say it, keep watching; the store may be briefly away
+                store = None
+                if self._poll_failed(e):
+                    return
+
+    def _poll_failed(self, e: Exception) -> bool:
+        """Say a failing poll once; True when the thread should give up (the store is gone for good)."""
+        self._failed_polls += 1
+        what = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        if self._failed_polls == 1:
+            self._note(f"rank {self.ch.rank}'s monitor: a poll of the job store failed ({what}); still watching")
+        if self._failed_polls >= MAX_FAILED_POLLS:
+            self._note(f"rank {self.ch.rank}'s monitor: the job store has not answered for "
+                       f"{MAX_FAILED_POLLS * defaults.MONITOR_POLL_S:.0f} s; this rank's watchdog stops")
+            return True
+        return False
+
+    def _note(self, msg: str) -> None:
+        print(f"ddprun: {msg}", file=sys.stderr, flush=True)
+        try:
+            with open(self.rundir.join("logs", f"monitor-rank-{self.ch.rank}.log"), "a") as fp:
+                fp.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
+        except OSError:
+            pass
+
+    def _tick(self, store: Any) -> None:
+        if os.getppid() != self._ppid:  # the agent is gone (PR_SET_PDEATHSIG does this on Linux first)
+            os._exit(1)
+        ch = self.ch
+        if ch.world_size > 1:
+            self._watch_failures(store)
+        total = PROGRESS.total
+        if total != self._published:
+            store.set(ch.keys.progress(ch.rank), str(total))
+            self._published = total
+        self._answer_stall(store)
+        now = time.monotonic()
+        if now - self._last_window >= ch.wenv.telemetry_window:
+            self._last_window = now
+            self._publish_timing(store)
+            if self.stragglers is not None:
+                self.stragglers.update(self._timings(store), ch.hosts, now)
+        if self.observer is not None and now - self._last_check >= defaults.STALL_CHECK_S:
+            self._last_check = now
+            self._observe(store, now)
+
+    # -- failures ----------------------------------------------------------------------------
+    def _watch_failures(self, store: Any) -> None:
+        if not self.ch.last_attempt or parse_int(store.add(self.ch.keys.failures, 0)) in (0, None):
+            return
+        cause = self.ch.cause(store)
+        if cause is None or self._stop.is_set():
+            return
+        if cause.is_echo:  # give the first-hand record (its agent's, say) a moment to arrive
+            self._echo_seen = self._echo_seen or time.monotonic()
+            if time.monotonic() - self._echo_seen < defaults.ECHO_WAIT_S:
+                return
+        self._stopped_by(cause, store)
+
+    def _stopped_by(self, cause: fr.FailureRecord, store: Any) -> None:
+        msg = stopped_message(cause)
+        print(msg, file=sys.stderr, flush=True)
+        rec = self.ch.stopped(cause)
+        from ddprun.worker.exit import write_error_file
+
+        write_error_file(msg, record=rec)
+        self.ch.ack_failure(store)
+        sys.stdout.flush()
+        os._exit(1)
+
+    # -- stalls ------------------------------------------------------------------------------
+    def _answer_stall(self, store: Any) -> None:
+        """On a stall request not answered yet: this rank's stacks into the run dir, its place into the store."""
+        keys = self.ch.keys
+        if not store.check([keys.stall]):
+            self._answered = ""
+            return
+        request = store.get(keys.stall)
+        if request == self._answered:
+            return
+        self._answered = request
+        try:
+            stacks.dump_stacks(self.rundir.stack_file(self.ch.rank))
+        except OSError:
+            pass
+        place = stacks.main_thread_place()
+        place.update(host=self.ch.host, phase=PROGRESS.phase, steps=PROGRESS.steps)
+        store.set(keys.place(self.ch.rank), json.dumps(place))
+
+    def _progress(self, store: Any) -> dict[int, int]:
+        keys = [self.ch.keys.progress(r) for r in range(self.ch.world_size)]
+        present = [k for k in keys if store.check([k])]
+        values = dict(zip(present, store.multi_get(present))) if present else {}
+        out = {}
+        for r, k in enumerate(keys):
+            v = parse_int(values.get(k))
+            if v is not None:
+                out[r] = v
+        return out
+
+    def _observe(self, store: Any, now: float) -> None:
+        obs = self.observer
+        if obs is None:
+            return
+        decision = obs.update(sum(self._progress(store).values()), now)
+        if decision == "report":
+            self._report(store, now - obs.since)
+        elif decision == "resumed" and self._claimed(store):
+            for r in range(self.ch.world_size):  # the next report must not read this one's answers
+                store.delete_key(self.ch.keys.place(r))
+            store.delete_key(self.ch.keys.stall_summary)
+            store.delete_key(self.ch.keys.stall)
+            self._note("progress resumed after the hang report; the job goes on")
+        elif decision == "end":
+            self._end_stalled(now - obs.since)
+
+    def _claimed(self, store: Any) -> bool:
+        try:
+            return json.loads(store.get(self.ch.keys.stall)).get("by") == self.ch.rank
+        except (ValueError, AttributeError, RuntimeError):
+            return False
+
+    def _report(self, store: Any, stalled_s: float) -> None:
+        """Claim the report; the claimant gathers every rank's place and writes and prints it once."""
+        keys, ch = self.ch.keys, self.ch
+        mine = json.dumps({"by": ch.rank, "t": time.time()})
+        if store.compare_set(keys.stall, "", mine).decode(errors="replace") != mine:
+            return  # another observer reports this stall
+        self._answer_stall(store)
+        places_keys = [keys.place(r) for r in range(ch.world_size)]
+        ch.wait_for(places_keys, defaults.PLACES_WAIT_S, store)
+        got = ch.gather(places_keys, 0, store)
+        places = {r: got[k] for r, k in enumerate(places_keys) if isinstance(got.get(k), dict)
+                  and isinstance(got[k].get("where"), str)}
+        steps = {r: int(p.get("steps", 0)) for r, p in places.items() if isinstance(p.get("steps", 0), int)}
+        summary, report = stacks.hang_report(places, ch.world_size, stalled_s, steps)
+        self._detail = summary.split(": ", 1)[1] if ": " in summary else ""
+        self._summary = summary
+        end_s = ch.wenv.stall_end
+        report += (f"\nThe job ends if no rank advances within {end_s:.0f} s more (--stall-end-after)."
+                   if end_s > 0 else "")
+        self._write_report(report)
+        print(report, file=sys.stderr, flush=True)
+        store.set(keys.stall_summary, json.dumps({"by": ch.rank, "host": ch.host, "summary": summary}))
+
+    def _write_report(self, report: str) -> None:
+        try:
+            os.makedirs(self.rundir.stacks, exist_ok=True)
+            with open(self.rundir.hang_report, "w") as fp:
+                fp.write(report + "\n")
+            with open(self.rundir.events_jsonl, "a") as fp:
+                fp.write(json.dumps({"kind": "hang", "t": time.time(), "message": self._summary}) + "\n")
+        except OSError as e:
+            print(f"ddprun: could not write the hang report: {e}", file=sys.stderr, flush=True)
+
+    def _end_stalled(self, stalled_s: float) -> None:
+        """The stall outlasted the report by stall_end: a ``stall`` record ends every rank (this one now)."""
+        if not self._detail:  # another observer wrote the report: its summary says where the ranks are
+            with_summary = self.ch.gather([self.ch.keys.stall_summary], 0).get(self.ch.keys.stall_summary)
+            text = with_summary.get("summary", "") if isinstance(with_summary, dict) else ""
+            self._detail = text.split(": ", 1)[1] if isinstance(text, str) and ": " in text else ""
+        summary = f"no rank advanced for {stalled_s:.0f} s" + (f": {self._detail}" if self._detail else "")
+        rec = self.ch.me(fr.STALL, f"stall: {summary}")
+        print(f"ddprun: ending the job: {rec.summary}", file=sys.stderr, flush=True)
+        record(rec, self.ch)
+        sys.stdout.flush()
+        os._exit(1)
+
+    # -- timing ------------------------------------------------------------------------------
+    def _publish_timing(self, store: Any) -> None:
+        """This rank's medians over the last window, if it made steps (one store write)."""
+        summary = summarize(TIMER.drain())
+        if summary is None:
+            return
+        self._window += 1
+        summary.update(w=self._window, t=round(time.time(), 3))
+        store.set(self.ch.keys.timing(self.ch.rank), json.dumps(summary))
+
+    def _timings(self, store: Any) -> dict[int, object]:
+        keys = [self.ch.keys.timing(r) for r in range(self.ch.world_size)]
+        got = self.ch.gather(keys, 0, store)
+        return {r: got[k] for r, k in enumerate(keys) if k in got}
