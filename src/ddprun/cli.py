@@ -187,36 +187,44 @@ def probe_node(environ: Mapping[str, str]):
     return NodeFacts(hostname=hostname, cpus=cpu_count(), cuda_devices=gpus, addresses=_node_addresses(hostname))
 
 
+def _plan_network(spec, cfg: LaunchConfig, environ: Mapping[str, str]):
+    """(NetworkPlan or None, the error ``ddprun run`` would stop with or None). Probes this node's
+    network and may resolve names, so only for --explain/--json, and never for an unresolved host."""
+    from ddprun.netaddr import network_plan
+
+    if spec.master_addr is None:
+        return None, None
+    try:
+        return network_plan(spec, environ, cfg.local_addr, cfg.rdzv_conf), None
+    except DdprunError as e:  # `plan` may run on a login node: say it, `run` would fail with it
+        return None, " ".join(str(e).splitlines())
+
+
 def cmd_plan(cfg: LaunchConfig, args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    """A dry run: exit 0 whenever the flags and the environment parse, even with the endpoint unresolved."""
     from ddprun.cluster.detect import explain, resolve
     from ddprun.plan import make_plan
+    from ddprun.plan_json import plan_document, unresolved_reason
     from ddprun.ranktable import render_plan
 
-    spec = resolve(cfg, environ, probe_node(environ), launcher=True)
+    spec = resolve(cfg, environ, probe_node(environ), launcher=True, dry_run=True)
     plan = make_plan(spec.max_nodes, spec.nproc_per_node, spec.device)
-    net_lines: list[str] = []
-    if args.explain:  # probes this node's network (and may resolve names): only when asked
-        from ddprun.netaddr import network_plan
-
-        try:
-            net = network_plan(spec, environ, cfg.local_addr, cfg.rdzv_conf)
-            net_lines = net.explain()
-        except DdprunError as e:  # `plan` may run on a login node: say it, `run` would fail with it
-            net_lines = [f"network: `ddprun run` on this node would fail: {e}"]
+    net, net_error = _plan_network(spec, cfg, environ) if (args.explain or args.json) else (None, None)
     if args.json:
-        out = plan.to_json()
-        out["environment"] = spec.environment
-        out["sources"] = dict(spec.sources)
-        if net_lines:
-            out["network"] = net_lines
-        print(json.dumps(out, indent=2))
+        print(json.dumps(plan_document(spec, plan, net, net_error), indent=2))
         return 0
     title = (f"ddprun plan: {spec.max_nodes} node(s) x {spec.nproc_per_node} = {plan.world_size} processes "
              f"({spec.environment})")
     print(render_plan(plan, title), end="")
+    reason = unresolved_reason(spec)
+    print(f"rendezvous: unresolved ({reason})" if reason else
+          f"rendezvous: {spec.rdzv_endpoint} ({spec.rdzv_backend}), run id {spec.run_id or '(generated at launch)'}")
     if spec.node_rank is None and spec.max_nodes > 1:
         print("Node ranks follow rendezvous arrival order (c10d); the run prints the table it got.")
     if args.explain:
+        net_lines = net.explain() if net else []
+        if net_error:
+            net_lines.append(f"network: `ddprun run` on this node would fail: {net_error}")
         print("\n".join(explain(spec) + net_lines))
     return 0
 
