@@ -1,7 +1,9 @@
 """Which cluster environment this is, and the topology it implies once flags are laid over it.
 
-Priority (shared/DESIGN.md): already inside a torchrun worker > explicit flags > SLURM > MPI >
-SageMaker > Kubernetes PyTorchJob > hostfile > local. The first environment whose ``detect`` is
+Priority (shared/DESIGN.md, with LSF and SkyPilot added): already inside a torchrun worker >
+explicit flags > SLURM > MPI > LSF > SkyPilot > SageMaker > Kubernetes PyTorchJob > hostfile > local.
+MPI comes before the schedulers that can host it (LSF): under mpirun its rank variables describe this
+process; SkyPilot before SageMaker and Kubernetes, whose machines it may provision. The first environment whose ``detect`` is
 true is read, except that ``--hostfile`` selects the hostfile environment over everything but
 torchrun; then every topology flag the user gave overrides the matching value, and anything
 still missing gets ddprun's default. Each value keeps its source for ``ddprun plan --explain``.
@@ -16,8 +18,10 @@ from ddprun.cluster.base import ClusterEnvironment, ClusterSpec, Fact, NodeFacts
 from ddprun.cluster.hostfile import HostfileEnvironment
 from ddprun.cluster.kubernetes import KubernetesEnvironment
 from ddprun.cluster.local import LocalEnvironment
+from ddprun.cluster.lsf import LsfEnvironment
 from ddprun.cluster.mpi import MpiEnvironment
 from ddprun.cluster.sagemaker import SageMakerEnvironment
+from ddprun.cluster.skypilot import SkyPilotEnvironment
 from ddprun.cluster.slurm import SlurmEnvironment
 from ddprun.cluster.torchrun import TorchrunEnvironment
 from ddprun.config import LaunchConfig
@@ -27,8 +31,8 @@ DEFAULT_MASTER_PORT = 29500
 RDZV_BACKENDS = ("c10d", "static", "etcd", "etcd-v2")
 
 PRIORITY: tuple[type[ClusterEnvironment], ...] = (
-    TorchrunEnvironment, SlurmEnvironment, MpiEnvironment, SageMakerEnvironment, KubernetesEnvironment,
-    HostfileEnvironment, LocalEnvironment,
+    TorchrunEnvironment, SlurmEnvironment, MpiEnvironment, LsfEnvironment, SkyPilotEnvironment,
+    SageMakerEnvironment, KubernetesEnvironment, HostfileEnvironment, LocalEnvironment,
 )
 """Environments in the order they are tried; local always detects, so it comes last. The hostfile
 never detects from the environment: it is listed for its place in the order, and chosen by
