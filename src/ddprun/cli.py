@@ -11,8 +11,10 @@ import json
 import os
 import socket
 import sys
+import textwrap
 from collections.abc import Mapping, Sequence
 
+from ddprun.cli_help import DESCRIPTION, EPILOGS, HELP, TOP_EPILOG
 from ddprun.config import DEFAULT_JOIN_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, Entry, LaunchConfig
 from ddprun.errors import ConfigError, DdprunError
 
@@ -67,34 +69,56 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
                         "rank 0 is always shown")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ddprun", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Examples verbatim; every subcommand and its help on one line."""
 
-    run = sub.add_parser("run", help="launch a training script on this node (torchrun's flags)")
+    def add_argument(self, action):
+        super().add_argument(action)
+        # argparse measures subcommand names without the indent it prints them with, so the longest
+        # (slurm-template) would push its help onto the next line.
+        if isinstance(action, argparse._SubParsersAction):
+            longest = max((len(a.metavar or a.dest) for a in action._get_subactions()), default=0)
+            self._action_max_length = max(self._action_max_length, self._current_indent + 2 * self._indent_increment + longest)
+
+
+def _command(sub, name: str, description: str | None = None) -> argparse.ArgumentParser:
+    """A subcommand with its one-line help, a longer description and its examples (kept verbatim)."""
+    text = description or HELP[name][0].upper() + HELP[name][1:] + "."
+    return sub.add_parser(name, help=HELP[name], description=textwrap.fill(text, 96), epilog=EPILOGS[name],
+                          formatter_class=_Formatter)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ddprun", description=DESCRIPTION, epilog=TOP_EPILOG,
+                                     formatter_class=_Formatter)
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
+
+    run = _command(sub, "run")
     add_topology_flags(run)
     add_worker_flags(run)
     run.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
     run.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS")
 
-    doctor = sub.add_parser("doctor", help="launch like `run` (same flags, on every node) and print each "
-                                           "node's preflight facts and the checks over them, training nothing")
+    doctor = _command(sub, "doctor", "Launch like `run` (same flags, on every node) and print each node's "
+                                     "preflight facts and the checks over them, training nothing.")
     add_topology_flags(doctor)
     add_worker_flags(doctor)
 
-    plan = sub.add_parser("plan", help="print the rank table this launch would produce, and why")
+    plan = _command(sub, "plan", "Print the rank table `ddprun run` with these flags would produce here, and why; "
+                                 "starts nothing. Exits 0 also when the rendezvous endpoint is still unknown.")
     add_topology_flags(plan)
-    plan.add_argument("--json", action="store_true", help="print JSON")
+    plan.add_argument("--json", action="store_true",
+                      help="print everything --explain says as one JSON object (schema: docs/plan-json.md)")
     plan.add_argument("--explain", action="store_true", help="print where every number came from")
 
-    report = sub.add_parser("report", help="(re)write RUN_DIR/report.html; --compare OTHER_RUN_DIR overlays a run")
+    report = _command(sub, "report", "(Re)write RUN_DIR/report.html; --compare OTHER_RUN_DIR overlays another run.")
     report.add_argument("run_dir", metavar="RUN_DIR")
     report.add_argument("--compare", metavar="OTHER_RUN_DIR")
     report.add_argument("-o", "--output", help="where to write the HTML (default RUN_DIR/report.html)")
 
-    tpl = sub.add_parser("slurm-template", help="print a ready-to-submit sbatch script: one `ddprun run` per node, "
-                                                "one process per GPU")
+    tpl = _command(sub, "slurm-template", "Print a ready-to-submit sbatch script: one `ddprun run` per node, "
+                                          "one process per GPU.")
     tpl.add_argument("--nodes", type=int, default=5, help="nodes (default 5)")
     tpl.add_argument("--gpus-per-node", type=int, default=4, help="GPUs per node = processes per node (default 4)")
     tpl.add_argument("--cpus-per-task", type=int, default=None,
@@ -106,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="training script (default train.py)")
     tpl.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS")
 
-    demo = sub.add_parser("demo", help="2 simulated nodes x 2 processes on this machine (gloo)")
+    demo = _command(sub, "demo", "Train a small MLP on handwritten digits with ddprun.fit on simulated nodes on this "
+                                 "machine (gloo), and write its report.")
     demo.add_argument("--nnodes", type=int, default=2)
     demo.add_argument("--nproc-per-node", type=int, default=2)
     demo.add_argument("--steps", type=int, default=None, help="training steps (default: the demo's own)")
