@@ -28,6 +28,8 @@ def run_demo(nnodes: int = 2, nproc_per_node: int = 2, steps: int | None = None,
     port = _free_port()
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # every rank shares this machine's cores
+    # The demo trains for about 2 s: half-second timing windows give its report a step-time curve.
+    env.setdefault("DDPRUN_TELEMETRY_WINDOW", "0.5")
     script = ["-m", "ddprun.demo_train"] + (["--steps", str(steps)] if steps else [])
     cmd = [sys.executable, "-m", "ddprun", "run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node),
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "--log-dir", log_dir, *script]

@@ -95,6 +95,8 @@ def hard_exit(code: int, channel: JobChannel | None = None) -> None:
     """Run atexit handlers, flush every open file, then ``os._exit(code)`` (module docstring)."""
     if channel is not None:
         channel.stop_monitor()
+        if code == 0:
+            channel.flush_timing()
     if os.environ.get("DDPRUN_SOFT_EXIT") == "1":
         sys.exit(code)
     try:

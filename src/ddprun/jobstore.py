@@ -32,6 +32,8 @@ POLL_S = 0.5
 PLACES_WAIT_S = 5.0
 ACK_WAIT_S = 3.0
 DEFAULT_WINDOW_S = 2.0
+FINAL_WAIT_S = 2.0
+"""How long rank 0 waits, at a clean exit, for the other ranks' last timing window."""
 DEFAULT_STALL_S = 300.0
 
 
@@ -244,6 +246,22 @@ class JobChannel:
 
     def stop_monitor(self) -> None:
         self._stop.set()
+
+    def flush_timing(self) -> None:
+        """At a clean exit: publish the last, partial timing window, so that a run shorter than a
+        window (the demo trains in about 2 s) still has every rank's step time in timings.csv.
+        Rank 0 waits up to FINAL_WAIT_S for the others' and keeps them. Best effort, never raises."""
+        try:
+            if self._thread is not None:
+                self._thread.join(timeout=2 * POLL_S)  # no window published twice at once
+            self._publish_timing(self._store)
+            self._store.set(self._key(f"timing-final/{self.rank}"), "1")
+            if self.rank == 0:
+                keys = [self._key(f"timing-final/{r}") for r in range(self.world_size)]
+                self._wait_for(keys, FINAL_WAIT_S)
+                self._watch_stragglers(self._store)
+        except Exception:  # noqa: BLE001 - the store may be gone; the run itself has succeeded
+            pass
 
     def _monitor(self) -> None:
         try:
