@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 from ddprun.atomic import write_json_atomic
@@ -47,9 +48,12 @@ def print_rank_table(rows: Sequence[dict], world_size: int) -> None:
 
 
 def write_plan_json(run_dir: str, rows: Sequence[dict], world_size: int) -> None:
+    """The gathered table; ``started_at`` (Unix time, when every rank had reported) starts the
+    report's run duration."""
     nodes = {r["node_rank"] for r in rows}
     write_json_atomic(os.path.join(run_dir, "plan.json"), {
         "world_size": world_size,
         "nnodes": len(nodes),
+        "started_at": round(time.time(), 3),
         "ranks": sorted(rows, key=lambda r: r["rank"]),
     })
