@@ -43,6 +43,9 @@ def add_topology_flags(p: argparse.ArgumentParser) -> None:
     _flag(g, "--local-addr", help="this node's address as other nodes reach it")
     g.add_argument("--hostfile", help="file of `host slots=N` lines, the same on every node: this node's line "
                                       "is its rank, the first host the master, slots the processes per node")
+    _flag(g, "--allow-uneven-nodes", action="store_true",
+          help="let nodes run different numbers of processes (e.g. 8 + 4 GPUs), on every node; "
+               "without it preflight refuses the job")
     _flag(g, "--join-timeout", type=float, default=DEFAULT_JOIN_TIMEOUT_S,
           help=f"seconds to wait for all nodes (default {DEFAULT_JOIN_TIMEOUT_S:.0f}; torchrun waits 600)")
 
@@ -179,7 +182,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         start_method=getattr(args, "start_method", "spawn"), log_dir=getattr(args, "log_dir", None),
         run_dir=getattr(args, "run_dir", None), redirects=getattr(args, "redirects", "0"),
         tee=getattr(args, "tee", "0"), hostfile=args.hostfile, stall_timeout=stall, doctor=doctor,
-        straggler_margin=margin, straggler_windows=windows,
+        straggler_margin=margin, straggler_windows=windows, allow_uneven_nodes=args.allow_uneven_nodes,
     )
 
 

@@ -254,6 +254,8 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
     }
     if cfg.doctor:
         worker_env["DDPRUN_DOCTOR"] = "1"
+    if cfg.allow_uneven_nodes:
+        worker_env["DDPRUN_ALLOW_UNEVEN_NODES"] = "1"
     threads = omp_threads(environ, spec.nproc_per_node, cpu_count())
     if threads is not None:
         worker_env["OMP_NUM_THREADS"] = threads

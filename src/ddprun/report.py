@@ -88,6 +88,7 @@ def summarize_run(data: dict) -> dict:
     last_val = val[-1] if val else {}
     return {
         "world_size": plan.get("world_size"), "nnodes": plan.get("nnodes"),
+        "nproc_per_node": plan.get("nproc_per_node") if plan.get("uneven") else None,
         "hosts": len({r.get("host") for r in plan.get("ranks", [])}) or None,
         "steps": steps, "duration_s": duration,
         "samples_per_s": rates[len(rates) // 2] if rates else None,
@@ -242,7 +243,8 @@ def _fmt(value, unit: str = "", digits: str = ".4g") -> str:
 def _summary_card(s: dict) -> str:
     events = ", ".join(f"{n} {k}" for k, n in sorted(s["events"].items())) or "none"
     items = [
-        ("world", f"{_fmt(s['world_size'], digits='')} ranks on {_fmt(s['nnodes'], digits='')} node(s)"),
+        ("world", f"{_fmt(s['world_size'], digits='')} ranks on {_fmt(s['nnodes'], digits='')} node(s)"
+                  + (f" ({' + '.join(map(str, s['nproc_per_node'].values()))})" if s["nproc_per_node"] else "")),
         ("steps", _fmt(s["steps"], digits="")),
         ("duration", _fmt(s["duration_s"], " s", ".1f")),
         ("samples/s", _fmt(s["samples_per_s"], digits=".0f")),
