@@ -114,12 +114,20 @@ def _shape_environ(info: RankInfo) -> dict[str, str]:
     return {"WORLD_SIZE": str(info.world_size), "LOCAL_WORLD_SIZE": str(info.local_world_size)}
 
 
-def _nodes(info: RankInfo) -> int:
-    if info.world_size % info.local_world_size:
+def _nodes(info: RankInfo, environ: Mapping[str, str] | None = None) -> int:
+    """WORLD_SIZE / LOCAL_WORLD_SIZE; ConfigError when nodes run different counts (Lightning assumes
+    the same devices on every node), seen also where the division comes out whole (4 + 2 = 6 / 2 = 3
+    "nodes"): torch's agent's GROUP_WORLD_SIZE, when set, must agree."""
+    environ = os.environ if environ is None else environ
+    group = environ.get("GROUP_WORLD_SIZE", "")
+    nodes = info.world_size // info.local_world_size
+    if info.world_size % info.local_world_size or (group.isdigit() and int(group) != nodes):
         raise ConfigError("Lightning needs the same number of processes on every node.",
-                          seen=f"WORLD_SIZE={info.world_size} is not a multiple of this node's {info.local_world_size}",
-                          hint="Start as many processes on every node (--nproc-per-node, or srun --ntasks-per-node).")
-    return info.world_size // info.local_world_size
+                          seen=f"WORLD_SIZE={info.world_size}, this node's LOCAL_WORLD_SIZE={info.local_world_size}, "
+                               f"GROUP_WORLD_SIZE={group or '<unset>'}",
+                          hint="Start as many processes on every node (--nproc-per-node, or srun --ntasks-per-node), "
+                               "without --allow-uneven-nodes.")
+    return nodes
 
 
 def trainer_kwargs(info: RankInfo | None = None, *, backend: str | None = None) -> dict[str, Any]:

@@ -164,3 +164,22 @@ def test_fit_works_with_pytorch_lightning_installed_instead_of_lightning(tmp_pat
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=140, env=env,
                          cwd=tmp_path)
     assert out.returncode == 0 and "ok 3" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("module", ["ddprun.lightning", "ddprun.pytorch_lightning"])
+def test_uneven_nodes_are_refused_by_trainer_kwargs_on_every_node(module):
+    import importlib
+
+    from ddprun.errors import ConfigError
+    from ddprun.runtime import RankInfo
+
+    pytest.importorskip("lightning.pytorch" if module == "ddprun.lightning" else "pytorch_lightning")
+    nodes = importlib.import_module(module)._nodes
+    for local in (2, 1):  # 2 + 1 processes: the node with one would otherwise count 3 "nodes"
+        info = RankInfo(rank=0, local_rank=0, node_rank=0, world_size=3, local_world_size=local,
+                        device=torch.device("cpu"), is_main=True)
+        with pytest.raises(ConfigError, match="(?s)same number of processes.*GROUP_WORLD_SIZE=2.*HINT"):
+            nodes(info, {"GROUP_WORLD_SIZE": "2"})
+    even = RankInfo(rank=0, local_rank=0, node_rank=0, world_size=4, local_world_size=2,
+                    device=torch.device("cpu"), is_main=True)
+    assert nodes(even, {"GROUP_WORLD_SIZE": "2"}) == 2
