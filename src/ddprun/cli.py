@@ -81,7 +81,8 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         # (slurm-template) would push its help onto the next line.
         if isinstance(action, argparse._SubParsersAction):
             longest = max((len(a.metavar or a.dest) for a in action._get_subactions()), default=0)
-            self._action_max_length = max(self._action_max_length, self._current_indent + 2 * self._indent_increment + longest)
+            width = self._current_indent + 2 * self._indent_increment + longest
+            self._action_max_length = max(self._action_max_length, width)
 
 
 def _command(sub, name: str, description: str | None = None) -> argparse.ArgumentParser:

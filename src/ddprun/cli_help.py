@@ -53,7 +53,7 @@ examples:
 examples:
   ddprun plan --nnodes 5 --nproc-per-node 4                  # the 20-row table; the endpoint shows as unresolved
   ddprun plan --nnodes 5 --nproc-per-node 4 --rdzv-endpoint node1:29500 --json   # for scripts (docs/plan-json.md)
-  ddprun plan --explain                                      # inside a SLURM/LSF/SkyPilot job: where each number came from""",
+  ddprun plan --explain                       # inside a SLURM/LSF/SkyPilot job: where each number came from""",
     "doctor": """\
 examples:
   # on every node, with the flags you would give `ddprun run`

@@ -8,7 +8,8 @@ The page opens with a summary card (world, steps, duration, samples/s, step time
 metrics, events); then the rank table, loss (train and validation on one axes), each other metric on
 its own axes, throughput, per-rank step time over time and the per-rank time split, with stragglers
 starred and hang/preemption events as dashed lines; a section without data says so, so every run's
-report has the same layout. The numbers behind every plot are embedded too (``<script id="ddprun-data" type="application/json">``).
+report has the same layout. The numbers behind every plot are embedded too
+(``<script id="ddprun-data" type="application/json">``).
 A small inline script marks ``<body data-rendered="N">`` once N plot images have decoded, which
 the browser test reads.
 """
@@ -276,7 +277,8 @@ def _events_table(events: list[dict], t0: float) -> str:
     rows = []
     for e in events:
         when = f"+{e['t'] - t0:.1f} s" if isinstance(e.get("t"), (int, float)) and t0 else ""
-        cells = [str(e.get("kind", "")), when, str(e.get("rank", "")), str(e.get("host", "")), str(e.get("message", ""))]
+        cells = [str(e.get(k, "")) for k in ("kind", "when", "rank", "host", "message")]
+        cells[1] = when
         rows.append(f"<tr class='event-{html.escape(cells[0])}'>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells)
                     + "</tr>")
     head = "".join(f"<th>{c}</th>" for c in ("kind", "when", "rank", "host", "message"))

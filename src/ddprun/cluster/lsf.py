@@ -38,7 +38,8 @@ def job_hosts(environ: Mapping[str, str]) -> tuple[list[tuple[str, int]], str]:
         pairs = list(zip(words[0::2], words[1::2]))
         if not words or len(words) % 2 or not all(n.isdigit() and int(n) > 0 for _, n in pairs):
             raise ClusterError("LSB_MCPU_HOSTS is not a list of `host slots` pairs.", seen=f"LSB_MCPU_HOSTS={raw!r}",
-                               hint='Expected e.g. "hostA 4 hostB 4"; run ddprun inside the LSF job, do not set it by hand.')
+                               hint='Expected e.g. "hostA 4 hostB 4"; run ddprun inside the LSF job, '
+                                    'do not set it by hand.')
         hosts = [(h, int(n)) for h, n in pairs]
         if len({h for h, _ in hosts}) != len(hosts):
             raise ClusterError("LSB_MCPU_HOSTS names a host twice.", seen=f"LSB_MCPU_HOSTS={raw!r}",
