@@ -25,7 +25,7 @@ TOP_EPILOG = """\
 examples:
   ddprun run --nnodes 5 --rdzv-id job1 --rdzv-endpoint node1:29500 train.py   # on each of 5 nodes
   srun --ntasks-per-node=1 ddprun run train.py                                 # SLURM: nothing to give
-  ddprun run train.py                                # SageMaker entry point, once per host: SM_* are read
+  ddprun run train.py                                                          # SageMaker entry point
   ddprun plan --nnodes 5 --nproc-per-node 4                                    # dry run, starts nothing
   ddprun demo                                                                  # see it work here
 
