@@ -38,7 +38,7 @@ def _tail(p: subprocess.CompletedProcess, n: int = 6) -> str:
 # -- steps that run in the driver ------------------------------------------------------------------
 
 def step_nvml(work: Path) -> tuple[str, str]:
-    from ddprun import gpufacts
+    from ddprun.worker import gpufacts
 
     g = gpufacts.collect(os.environ, 1)
     if g.get("nvml") != "ok":

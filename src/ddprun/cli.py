@@ -12,11 +12,13 @@ import math
 import os
 import socket
 import sys
+import textwrap
 from collections.abc import Mapping, Sequence
 
+from ddprun.cli_help import DESCRIPTION, EPILOGS, HELP, TOP_EPILOG
 from ddprun.cluster.probe import check_endpoint, probe_node
 from ddprun.config import DEFAULT_JOIN_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, Entry, LaunchConfig
-from ddprun.protocol.defaults import EXIT_TIMEOUT_S
+from ddprun.protocol.defaults import EXIT_TIMEOUT_S, TELEMETRY_WINDOW_S
 from ddprun.errors import ConfigError, DdprunError
 
 
@@ -44,6 +46,9 @@ def add_topology_flags(p: argparse.ArgumentParser) -> None:
     _flag(g, "--local-addr", help="this node's address as other nodes reach it")
     g.add_argument("--hostfile", help="file of `host slots=N` lines, the same on every node: this node's line "
                                       "is its rank, the first host the master, slots the processes per node")
+    _flag(g, "--allow-uneven-nodes", action="store_true",
+          help="let nodes run different numbers of processes (e.g. 8 + 4 GPUs), on every node; "
+               "without it preflight refuses the job")
     _flag(g, "--join-timeout", type=float, default=DEFAULT_JOIN_TIMEOUT_S,
           help=f"seconds to wait for all nodes (default {DEFAULT_JOIN_TIMEOUT_S:.0f}; torchrun waits 600)")
 
@@ -64,6 +69,9 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
                "0 = end right after the report)")
     _flag(g, "--exit-timeout", type=float, default=EXIT_TIMEOUT_S,
           help=f"seconds a worker's atexit handlers may take after the script returned (default {EXIT_TIMEOUT_S:.0f})")
+    _flag(g, "--telemetry-window", type=float, default=TELEMETRY_WINDOW_S,
+          help=f"seconds per step-timing window: each rank publishes its medians once per window "
+               f"(default {TELEMETRY_WINDOW_S:g})")
     _flag(g, "--straggler-margin", type=float, default=0.2,
           help="name a rank whose data wait / compute / step exceeds the other ranks' median by this fraction "
                "(default 0.2 = 20%%)")
@@ -76,34 +84,57 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
                         "rank 0 is always shown")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ddprun", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Examples verbatim; every subcommand and its help on one line."""
 
-    run = sub.add_parser("run", help="launch a training script on this node (torchrun's flags)")
+    def add_argument(self, action):
+        super().add_argument(action)
+        # argparse measures subcommand names without the indent it prints them with, so the longest
+        # (slurm-template) would push its help onto the next line.
+        if isinstance(action, argparse._SubParsersAction):
+            longest = max((len(a.metavar or a.dest) for a in action._get_subactions()), default=0)
+            width = self._current_indent + 2 * self._indent_increment + longest
+            self._action_max_length = max(self._action_max_length, width)
+
+
+def _command(sub, name: str, description: str | None = None) -> argparse.ArgumentParser:
+    """A subcommand with its one-line help, a longer description and its examples (kept verbatim)."""
+    text = description or HELP[name][0].upper() + HELP[name][1:] + "."
+    return sub.add_parser(name, help=HELP[name], description=textwrap.fill(text, 96), epilog=EPILOGS[name],
+                          formatter_class=_Formatter)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ddprun", description=DESCRIPTION, epilog=TOP_EPILOG,
+                                     formatter_class=_Formatter)
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
+
+    run = _command(sub, "run")
     add_topology_flags(run)
     add_worker_flags(run)
     run.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
     run.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS")
 
-    doctor = sub.add_parser("doctor", help="launch like `run` (same flags, on every node) and print each "
-                                           "node's preflight facts and the checks over them, training nothing")
+    doctor = _command(sub, "doctor", "Launch like `run` (same flags, on every node) and print each node's "
+                                     "preflight facts and the checks over them, training nothing.")
     add_topology_flags(doctor)
     add_worker_flags(doctor)
 
-    plan = sub.add_parser("plan", help="print the rank table this launch would produce, and why")
+    plan = _command(sub, "plan", "Print the rank table `ddprun run` with these flags would produce here, and why; "
+                                 "starts nothing. Exits 0 also when the rendezvous endpoint is still unknown.")
     add_topology_flags(plan)
-    plan.add_argument("--json", action="store_true", help="print JSON")
+    plan.add_argument("--json", action="store_true",
+                      help="print everything --explain says as one JSON object (schema: docs/plan-json.md)")
     plan.add_argument("--explain", action="store_true", help="print where every number came from")
 
-    report = sub.add_parser("report", help="(re)write RUN_DIR/report.html; --compare OTHER_RUN_DIR overlays a run")
+    report = _command(sub, "report", "(Re)write RUN_DIR/report.html; --compare OTHER_RUN_DIR overlays another run.")
     report.add_argument("run_dir", metavar="RUN_DIR")
     report.add_argument("--compare", metavar="OTHER_RUN_DIR")
     report.add_argument("-o", "--output", help="where to write the HTML (default RUN_DIR/report.html)")
 
-    tpl = sub.add_parser("slurm-template", help="print a ready-to-submit sbatch script: one `ddprun run` per node, "
-                                                "one process per GPU")
+    tpl = _command(sub, "slurm-template", "Print a ready-to-submit sbatch script: one `ddprun run` per node, "
+                                          "one process per GPU.")
     tpl.add_argument("--nodes", type=int, default=5, help="nodes (default 5)")
     tpl.add_argument("--gpus-per-node", type=int, default=4, help="GPUs per node = processes per node (default 4)")
     tpl.add_argument("--cpus-per-task", type=int, default=None,
@@ -115,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="training script (default train.py)")
     tpl.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS")
 
-    demo = sub.add_parser("demo", help="2 simulated nodes x 2 processes on this machine (gloo)")
+    demo = _command(sub, "demo", "Train a small MLP on handwritten digits with ddprun.fit on simulated nodes on this "
+                                 "machine (gloo), and write its report.")
     demo.add_argument("--nnodes", type=int, default=2)
     demo.add_argument("--nproc-per-node", type=int, default=2)
     demo.add_argument("--steps", type=int, default=None, help="training steps (default: the demo's own)")
@@ -155,7 +187,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         run_dir=getattr(args, "run_dir", None), redirects=getattr(args, "redirects", "0"),
         tee=getattr(args, "tee", "0"), hostfile=args.hostfile, stall_timeout=stall, doctor=doctor,
         straggler_margin=margin, straggler_windows=windows, stall_end=getattr(args, "stall_end_after", None),
-        exit_timeout=getattr(args, "exit_timeout", EXIT_TIMEOUT_S),
+        exit_timeout=getattr(args, "exit_timeout", EXIT_TIMEOUT_S), allow_uneven_nodes=args.allow_uneven_nodes,
+        telemetry_window=getattr(args, "telemetry_window", TELEMETRY_WINDOW_S),
     )
 
 
@@ -173,7 +206,8 @@ def check_numbers(args: argparse.Namespace) -> None:
 
     _seconds("--join-timeout", args.join_timeout, zero_ok=False, example="120")
     for flag, zero_ok, example in (("--stall-timeout", True, "300"), ("--stall-end-after", True, "300"),
-                                   ("--exit-timeout", False, "60"), ("--monitor-interval", False, "0.1")):
+                                   ("--exit-timeout", False, "60"), ("--monitor-interval", False, "0.1"),
+                                   ("--telemetry-window", False, "2")):
         _seconds(flag, getattr(args, flag[2:].replace("-", "_"), None), zero_ok=zero_ok, example=example)
     if getattr(args, "max_restarts", 0) < 0:
         raise ConfigError("--max-restarts takes a number of restarts >= 0.", seen=f"--max-restarts {args.max_restarts}",
@@ -192,36 +226,44 @@ def check_numbers(args: argparse.Namespace) -> None:
                           seen=f"--master-port {args.master_port}", hint="e.g. --master-port 29500.")
 
 
+def _plan_network(spec, cfg: LaunchConfig, environ: Mapping[str, str]):
+    """(NetworkPlan or None, the error ``ddprun run`` would stop with or None). Probes this node's
+    network and may resolve names, so only for --explain/--json, and never for an unresolved host."""
+    from ddprun.cluster.netaddr import network_plan
+
+    if spec.master_addr is None:
+        return None, None
+    try:
+        return network_plan(spec, environ, cfg.local_addr, cfg.rdzv_conf), None
+    except DdprunError as e:  # `plan` may run on a login node: say it, `run` would fail with it
+        return None, " ".join(str(e).splitlines())
+
+
 def cmd_plan(cfg: LaunchConfig, args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    """A dry run: exit 0 whenever the flags and the environment parse, even with the endpoint unresolved."""
     from ddprun.cluster.detect import explain, resolve
     from ddprun.cluster.plan import make_plan
+    from ddprun.plan_json import plan_document, unresolved_reason
     from ddprun.ranktable import render_plan
 
-    spec = resolve(cfg, environ, probe_node(environ), launcher=True)
+    spec = resolve(cfg, environ, probe_node(environ), launcher=True, dry_run=True)
     plan = make_plan(spec.max_nodes, spec.nproc_per_node, spec.device)
-    net_lines: list[str] = []
-    if args.explain:  # probes this node's network (and may resolve names): only when asked
-        from ddprun.cluster.netaddr import network_plan
-
-        try:
-            net = network_plan(spec, environ, cfg.local_addr, cfg.rdzv_conf)
-            net_lines = net.explain()
-        except DdprunError as e:  # `plan` may run on a login node: say it, `run` would fail with it
-            net_lines = [f"network: `ddprun run` on this node would fail: {e}"]
+    net, net_error = _plan_network(spec, cfg, environ) if (args.explain or args.json) else (None, None)
     if args.json:
-        out = plan.to_json()
-        out["environment"] = spec.environment
-        out["sources"] = dict(spec.sources)
-        if net_lines:
-            out["network"] = net_lines
-        print(json.dumps(out, indent=2))
+        print(json.dumps(plan_document(spec, plan, net, net_error), indent=2))
         return 0
     title = (f"ddprun plan: {spec.max_nodes} node(s) x {spec.nproc_per_node} = {plan.world_size} processes "
              f"({spec.environment})")
     print(render_plan(plan, title), end="")
+    reason = unresolved_reason(spec)
+    print(f"rendezvous: unresolved ({reason})" if reason else
+          f"rendezvous: {spec.rdzv_endpoint} ({spec.rdzv_backend}), run id {spec.run_id or '(generated at launch)'}")
     if spec.node_rank is None and spec.max_nodes > 1:
         print("Node ranks follow rendezvous arrival order (c10d); the run prints the table it got.")
     if args.explain:
+        net_lines = net.explain() if net else []
+        if net_error:
+            net_lines.append(f"network: `ddprun run` on this node would fail: {net_error}")
         print("\n".join(explain(spec) + net_lines))
     return 0
 

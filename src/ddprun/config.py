@@ -72,8 +72,13 @@ class LaunchConfig:
     straggler_margin: float = defaults.STRAGGLER_MARGIN
     """A rank is a straggler when a part of its step exceeds the others' median by this fraction."""
     straggler_windows: int = defaults.STRAGGLER_WINDOWS
+    telemetry_window: float = defaults.TELEMETRY_WINDOW_S
+    """Seconds per step-timing window (each rank publishes its medians once per window)."""
     """... in this many consecutive telemetry windows (2 s each)."""
     doctor: bool = False
     """Rank 0 prints the preflight facts table even when every check passes."""
     start_method: str = defaults.START_METHOD
     hostfile: str | None = None
+    allow_uneven_nodes: bool = False
+    """Let nodes run different process counts (e.g. 8 + 4 GPUs); ranks then follow torch's agent: a
+    node's ranks follow those of every node with a lower node rank. Off: preflight refuses it."""

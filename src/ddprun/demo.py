@@ -30,7 +30,9 @@ def run_demo(nnodes: int = 2, nproc_per_node: int = 2, steps: int | None = None,
     env.setdefault("OMP_NUM_THREADS", "1")  # every rank shares this machine's cores
     script = ["-m", "ddprun.demo_train"] + (["--steps", str(steps)] if steps else [])
     cmd = [sys.executable, "-m", "ddprun", "run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node),
-           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "--log-dir", log_dir, *script]
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "--log-dir", log_dir,
+           # the demo trains for about 2 s: half-second timing windows give its report a step-time curve
+           "--telemetry-window", "0.5", *script]
     run_dir = os.path.join(log_dir, run_id)
     os.makedirs(run_dir, exist_ok=True)
     print(f"ddprun demo: {nnodes} simulated nodes x {nproc_per_node} processes on this machine "

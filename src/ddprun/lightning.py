@@ -30,14 +30,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from importlib import import_module
+
+PACKAGE: str = globals().get("PACKAGE", "lightning.pytorch")
+"""The Lightning package this module drives. ddprun.pytorch_lightning runs this same source with
+``PACKAGE = "pytorch_lightning"`` (the standalone package, whose classes are distinct from these)."""
+
 try:
-    import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-    from lightning.pytorch.loggers import CSVLogger
-    from lightning.pytorch.plugins.environments import ClusterEnvironment
-    from lightning.pytorch.strategies import DDPStrategy
+    pl = import_module(PACKAGE)
+    Callback = import_module(f"{PACKAGE}.callbacks").Callback
+    ModelCheckpoint = import_module(f"{PACKAGE}.callbacks").ModelCheckpoint
+    CSVLogger = import_module(f"{PACKAGE}.loggers").CSVLogger
+    ClusterEnvironment = import_module(f"{PACKAGE}.plugins.environments").ClusterEnvironment
+    DDPStrategy = import_module(f"{PACKAGE}.strategies").DDPStrategy
 except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ImportError("ddprun.lightning needs Lightning: pip install 'ddprun[lightning]'") from e
+    extra = "lightning" if PACKAGE == "lightning.pytorch" else "pytorch-lightning"
+    raise ImportError(f"{__name__} needs {PACKAGE}: pip install 'ddprun[{extra}]'") from e
 
 from ddprun import runtime
 from ddprun.errors import ConfigError
@@ -98,7 +106,7 @@ class DdprunEnvironment(ClusterEnvironment):
     def validate_settings(self, num_devices: int, num_nodes: int) -> None:
         info = self._info
         if num_devices != info.local_world_size or num_devices * num_nodes != info.world_size:
-            raise TrainerMismatch(num_devices, num_nodes, _shape_environ(info))
+            raise TrainerMismatch(num_devices, num_nodes, _shape_environ(info), module=__name__)
 
 
 def _shape_environ(info: RankInfo) -> dict[str, str]:
@@ -106,12 +114,20 @@ def _shape_environ(info: RankInfo) -> dict[str, str]:
     return {"WORLD_SIZE": str(info.world_size), "LOCAL_WORLD_SIZE": str(info.local_world_size)}
 
 
-def _nodes(info: RankInfo) -> int:
-    if info.world_size % info.local_world_size:
+def _nodes(info: RankInfo, environ: Mapping[str, str] | None = None) -> int:
+    """WORLD_SIZE / LOCAL_WORLD_SIZE; ConfigError when nodes run different counts (Lightning assumes
+    the same devices on every node), seen also where the division comes out whole (4 + 2 = 6 / 2 = 3
+    "nodes"): torch's agent's GROUP_WORLD_SIZE, when set, must agree."""
+    environ = os.environ if environ is None else environ
+    group = environ.get("GROUP_WORLD_SIZE", "")
+    nodes = info.world_size // info.local_world_size
+    if info.world_size % info.local_world_size or (group.isdigit() and int(group) != nodes):
         raise ConfigError("Lightning needs the same number of processes on every node.",
-                          seen=f"WORLD_SIZE={info.world_size} is not a multiple of this node's {info.local_world_size}",
-                          hint="Start as many processes on every node (--nproc-per-node, or srun --ntasks-per-node).")
-    return info.world_size // info.local_world_size
+                          seen=f"WORLD_SIZE={info.world_size}, this node's LOCAL_WORLD_SIZE={info.local_world_size}, "
+                               f"GROUP_WORLD_SIZE={group or '<unset>'}",
+                          hint="Start as many processes on every node (--nproc-per-node, or srun --ntasks-per-node), "
+                               "without --allow-uneven-nodes.")
+    return nodes
 
 
 def trainer_kwargs(info: RankInfo | None = None, *, backend: str | None = None) -> dict[str, Any]:
@@ -151,7 +167,7 @@ class LaunchCheck(Callback):
         if stage != "fit" or shape is None or trainer.world_size == shape[2]:
             return
         note = "no process group: every rank would train its own copy" if trainer.world_size == 1 else ""
-        raise TrainerMismatch(trainer.num_devices, trainer.num_nodes, os.environ, note)
+        raise TrainerMismatch(trainer.num_devices, trainer.num_nodes, os.environ, note, module=__name__)
 
 
 class _TrainingTimeout(Callback):
@@ -228,7 +244,7 @@ def _launch_args(info: RankInfo, trainer_kw: Mapping[str, Any]) -> dict[str, Any
     launch = trainer_kwargs(info)
     devices, nodes = trainer_kw.get("devices", launch["devices"]), trainer_kw.get("num_nodes", launch["num_nodes"])
     if (devices, nodes) != (launch["devices"], launch["num_nodes"]):
-        raise TrainerMismatch(devices, nodes, _shape_environ(info))
+        raise TrainerMismatch(devices, nodes, _shape_environ(info), module=__name__)
     if trainer_kw.get("accelerator", launch["accelerator"]) not in (launch["accelerator"], "auto"):
         raise ConfigError("trainer_kwargs' accelerator differs from the device this rank was given.",
                           seen=f"accelerator={trainer_kw['accelerator']!r}, rank device {info.device}",

@@ -39,7 +39,10 @@ def launch_shape(environ: Mapping[str, str]) -> tuple[int, int, int] | None:
 class TrainerMismatch(ConfigError):
     """A Lightning Trainer whose devices x num_nodes disagree with the processes the launcher started."""
 
-    def __init__(self, devices: int, num_nodes: int, environ: Mapping[str, str] | None = None, note: str = ""):
+    def __init__(self, devices: int, num_nodes: int, environ: Mapping[str, str] | None = None, note: str = "",
+                 module: str = "ddprun.lightning"):
+        """``module``: the ddprun module whose trainer_kwargs() the HINT names (ddprun.pytorch_lightning
+        for a pytorch_lightning Trainer)."""
         environ = os.environ if environ is None else environ
         local, nodes, world = launch_shape(environ) or (1, 1, 1)
         self.devices, self.num_nodes = devices, num_nodes
@@ -48,7 +51,7 @@ class TrainerMismatch(ConfigError):
             + ".",
             seen=f"Trainer devices={devices} x num_nodes={num_nodes} = {devices * num_nodes}; launch "
                  f"LOCAL_WORLD_SIZE={local} x {nodes} node(s) = WORLD_SIZE={world}",
-            hint=f"build the Trainer with Trainer(**ddprun.lightning.trainer_kwargs(), ...), or pass "
+            hint=f"build the Trainer with Trainer(**{module}.trainer_kwargs(), ...), or pass "
                  f"devices={local}, num_nodes={nodes}.",
         )
 
@@ -69,6 +72,16 @@ def _root_device_owner(exc: BaseException):
     return owner
 
 
+def _ddprun_module(exc: BaseException) -> str:
+    """ddprun.pytorch_lightning when the standalone package (or its lightning_fabric) raised ``exc``."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if str(tb.tb_frame.f_globals.get("__name__", "")).startswith(("pytorch_lightning", "lightning_fabric")):
+            return "ddprun.pytorch_lightning"
+        tb = tb.tb_next
+    return "ddprun.lightning"
+
+
 def translate(exc: BaseException, environ: Mapping[str, str] | None = None) -> str | None:
     """One line for a launch-mismatch error (module docstring), else None: print the traceback."""
     environ = os.environ if environ is None else environ
@@ -79,11 +92,12 @@ def translate(exc: BaseException, environ: Mapping[str, str] | None = None) -> s
     if isinstance(exc, ValueError):
         m = _PRODUCT.search(str(exc))
         if m:
-            return TrainerMismatch(int(m[1]), int(m[2]), environ).one_line()
+            return TrainerMismatch(int(m[1]), int(m[2]), environ, module=_ddprun_module(exc)).one_line()
     if isinstance(exc, IndexError):
         strategy = _root_device_owner(exc)
         if strategy is not None:
             devices = len(strategy.parallel_devices or [])
             note = f"local rank {environ.get('LOCAL_RANK', '?')} has no device among the Trainer's {devices}"
-            return TrainerMismatch(devices, int(getattr(strategy, "num_nodes", 1)), environ, note).one_line()
+            return TrainerMismatch(devices, int(getattr(strategy, "num_nodes", 1)), environ, note,
+                                   module=_ddprun_module(exc)).one_line()
     return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 from ddprun.protocol.atomic import write_json_atomic
@@ -34,11 +35,27 @@ def render_plan(plan: RankPlan, title: str) -> str:
     return render_table(rows, ("node_rank", "local_rank", "rank", "device"), title)
 
 
+def processes_per_node(rows: Sequence[dict]) -> dict[int, int]:
+    """Node rank -> the ranks it runs, as gathered (under --allow-uneven-nodes they may differ)."""
+    counts: dict[int, int] = {}
+    for r in rows:
+        counts[r["node_rank"]] = counts.get(r["node_rank"], 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def uneven_note(rows: Sequence[dict]) -> str:
+    """`` (uneven: node 0 runs 2, node 1 runs 1)`` when nodes run different counts, else ""."""
+    counts = processes_per_node(rows)
+    if len(set(counts.values())) <= 1:
+        return ""
+    return " (uneven: " + ", ".join(f"node {n} runs {c}" for n, c in counts.items()) + ")"
+
+
 def print_rank_table(rows: Sequence[dict], world_size: int) -> None:
     missing = sorted(set(range(world_size)) - {r["rank"] for r in rows})
     title = f"ddprun: {len(rows)}/{world_size} ranks"
     nodes = sorted({(r["node_rank"], r["host"]) for r in rows})
-    title += f" on {len(nodes)} node(s)"
+    title += f" on {len(nodes)} node(s)" + uneven_note(rows)
     text = render_table(sorted(rows, key=lambda r: r["rank"]), COLUMNS, title)
     if missing:
         text += f"ddprun: ranks {missing} did not report within the join timeout\n"
@@ -47,9 +64,15 @@ def print_rank_table(rows: Sequence[dict], world_size: int) -> None:
 
 
 def write_plan_json(run_dir: str, rows: Sequence[dict], world_size: int) -> None:
-    nodes = {r["node_rank"] for r in rows}
+    """The gathered table; ``started_at`` (Unix time, when every rank had reported) starts the
+    report's run duration; ``nproc_per_node``: node rank (a string, JSON keys are) -> its ranks,
+    ``uneven``: whether they differ (--allow-uneven-nodes)."""
+    counts = processes_per_node(rows)
     write_json_atomic(os.path.join(run_dir, "plan.json"), {
         "world_size": world_size,
-        "nnodes": len(nodes),
+        "nnodes": len(counts),
+        "nproc_per_node": {str(n): c for n, c in counts.items()},
+        "uneven": len(set(counts.values())) > 1,
+        "started_at": round(time.time(), 3),
         "ranks": sorted(rows, key=lambda r: r["rank"]),
     })

@@ -73,9 +73,14 @@ class RayFitResult:
 
 
 def _is_lightning(model: Any) -> bool:
-    from ddprun.train.loop import _lightning_module
+    return _lightning_package(model) is not None
 
-    return _lightning_module(model)
+
+def _lightning_package(model: Any) -> str | None:
+    """``lightning.pytorch`` / ``pytorch_lightning`` / None (ddprun.train.loop.lightning_package)."""
+    from ddprun.train.loop import lightning_package
+
+    return lightning_package(model)
 
 
 def _check(model: Any, num_workers: Any, max_failures: Any, after_fit: Any, fit_kwargs: Mapping[str, Any]) -> None:
@@ -269,10 +274,13 @@ def _module_reporter(resumed_from: int) -> Callable[[Any], None]:
     return on_checkpoint
 
 
-def _lightning_reporter(every: int | None, resumed_from: int) -> Any:
+def _lightning_reporter(every: int | None, resumed_from: int, package: str = "lightning.pytorch") -> Any:
     """A Lightning callback that saves (``trainer.save_checkpoint``: every rank, rank 0 writes) and
-    reports every ``every`` optimizer steps and at the end of training."""
-    from lightning.pytorch.callbacks import Callback
+    reports every ``every`` optimizer steps and at the end of training. ``package``: the model's
+    Lightning package (its Trainer takes only that package's callbacks)."""
+    import importlib
+
+    Callback = importlib.import_module(f"{package}.callbacks").Callback
 
     class RayReport(Callback):
         def __init__(self) -> None:
@@ -358,7 +366,8 @@ def _worker(config: dict[str, Any]) -> None:
             tk = dict(kwargs.get("trainer_kwargs") or {})
             callbacks = tk.get("callbacks") or []
             callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
-            tk["callbacks"] = [*callbacks, _lightning_reporter(kwargs.get("checkpoint_every"), resumed_from)]
+            tk["callbacks"] = [*callbacks, _lightning_reporter(kwargs.get("checkpoint_every"), resumed_from,
+                                                               _lightning_package(model))]
             kwargs["trainer_kwargs"] = tk
         else:
             kwargs["resume"] = restored if restored else False

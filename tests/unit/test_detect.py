@@ -33,7 +33,8 @@ def merged(*envs):
 
 
 def test_priority_order_is_the_designed_one():
-    assert [e.name for e in PRIORITY] == ["torchrun", "slurm", "mpi", "sagemaker", "kubernetes", "hostfile", "local"]
+    assert [e.name for e in PRIORITY] == ["torchrun", "slurm", "mpi", "lsf", "skypilot", "sagemaker",
+                                         "kubernetes", "hostfile", "local"]
 
 
 @pytest.mark.parametrize("envs, winner", [

@@ -46,3 +46,19 @@ def test_the_lightning_entry_point_adds_nothing_outside_a_multi_rank_ddprun_work
     monkeypatch.setenv("DDPRUN_RUN_DIR", "/tmp/run")
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert callbacks_factory() == []
+
+
+def test_the_hint_names_the_ddprun_module_of_the_trainers_package():
+    from ddprun.mismatch import TrainerMismatch, translate
+
+    environ = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+    assert "Trainer(**ddprun.pytorch_lightning.trainer_kwargs()" in TrainerMismatch(
+        1, 1, environ, module="ddprun.pytorch_lightning").one_line()
+    namespace = {"__name__": "lightning_fabric.plugins.environments.torchelastic"}
+    exec("def validate():\n    raise ValueError('You set `devices=2` and `num_nodes=1` in Lightning, but the product')",
+         namespace)
+    try:
+        namespace["validate"]()
+    except ValueError as e:
+        line = translate(e, environ)
+    assert "devices=2 x num_nodes=1" in line and "ddprun.pytorch_lightning.trainer_kwargs()" in line

@@ -46,3 +46,18 @@ def test_different_script_is_only_a_warning():
     findings = check([node(0), node(1, script_sha="zzz")], 4)
     assert errors(findings) == []
     assert any(f.level == "warning" and "script differs" in f.message for f in findings)
+
+
+def test_uneven_nodes_pass_only_when_every_node_allows_them():
+    from ddprun.worker.preflight import check
+
+    def node(rank, nproc, ok):
+        return {"node_rank": rank, "host": f"h{rank}", "nproc": nproc, "gpus": 0, "torch": "2", "cuda": "", "nccl": "",
+                "nnodes": "2:2", "python": "3.11", "script_sha": "s", "free_disk_gb": 50, "uneven_ok": ok}
+
+    refused = [f.message for f in check([node(0, 2, False), node(1, 1, False)], 3) if f.level == "error"]
+    assert len(refused) == 1 and "pass --allow-uneven-nodes on every node" in refused[0]
+    assert [f for f in check([node(0, 2, True), node(1, 1, True)], 3) if f.level == "error"] == []
+    partial = [f.message for f in check([node(0, 2, True), node(1, 1, False)], 3) if f.level == "error"]
+    assert any("--allow-uneven-nodes is given on some nodes only: node 0 (h0) with, node 1 (h1) without" in m
+               for m in partial)

@@ -8,7 +8,7 @@ from ddprun.report import TIMING_COLUMNS, write_report
 
 
 def make_run(d):
-    (d / "plan.json").write_text(json.dumps({"world_size": 2, "nnodes": 1, "ranks": [
+    (d / "plan.json").write_text(json.dumps({"world_size": 2, "nnodes": 1, "started_at": 1000.0, "ranks": [
         {"rank": r, "local_rank": r, "node_rank": 0, "host": "h", "pid": 100 + r, "device": "cpu"} for r in (0, 1)]}))
     with open(d / "metrics.csv", "w", newline="") as fp:
         w = csv.writer(fp)
@@ -20,10 +20,13 @@ def make_run(d):
     with open(d / "timings.csv", "w") as fp:
         fp.write(",".join(TIMING_COLUMNS) + "\n")
         for wdw in (1, 2, 3):
-            fp.write(f"{wdw},0,{wdw},100,0.010,0.001,0.006,0.002,0.001\n")
-            fp.write(f"{wdw},1,{wdw},100,0.010,0.005,0.003,0.001,0.001\n")
-    (d / "events.jsonl").write_text(json.dumps({"kind": "straggler", "rank": 1, "window": 3,
-                                                "message": "rank 1 (h) is 400% slower: data wait"}) + "\n")
+            fp.write(f"{1000 + 2 * wdw},0,{wdw},100,0.010,0.001,0.006,0.002,0.001\n")
+            fp.write(f"{1000 + 2 * wdw},1,{wdw},100,0.012,0.005,0.003,0.001,0.001\n")
+    (d / "events.jsonl").write_text(
+        json.dumps({"kind": "straggler", "t": 1006.0, "rank": 1, "host": "h", "window": 3,
+                    "message": "rank 1 (h) is 400% slower: data wait"}) + "\n"
+        + json.dumps({"kind": "preemption", "t": 1007.5, "message": "SIGTERM from the scheduler: stop at step 24"})
+        + "\n")
 
 
 def embedded(html: str) -> dict:
@@ -31,15 +34,47 @@ def embedded(html: str) -> dict:
     return json.loads(m.group(1).replace("<\\/", "</"))
 
 
-def test_report_holds_four_plots_the_rank_table_and_the_events(tmp_path):
+PLOTS = ("Loss", "val_accuracy", "Throughput", "Per-rank step time", "Time split per rank")
+
+
+def plot_titles(html: str) -> list[str]:
+    return re.findall(r"<img class='plot' alt='([^']+)' src='data:image/png;base64,", html)
+
+
+def test_report_has_a_plot_per_quantity_the_rank_table_and_the_events(tmp_path):
     make_run(tmp_path)
     html = open(write_report(str(tmp_path))).read()
-    assert len(re.findall(r"<img class='plot' alt='([^']+)' src='data:image/png;base64,", html)) == 4
-    for title in ("Loss and validation metrics", "Throughput", "Per-rank step time", "Time split per rank"):
-        assert f"alt='{title}'" in html
+    assert plot_titles(html) == list(PLOTS)  # accuracy on its own axes, not the loss's
     assert "<td>101</td>" in html  # rank 1's pid from plan.json
-    assert "rank 1 (h) is 400% slower: data wait" in html
+    assert "<tr class='event-straggler'><td>straggler</td><td>+6.0 s</td><td>1</td><td>h</td>" in html
+    assert "<tr class='event-preemption'><td>preemption</td><td>+7.5 s</td>" in html
     assert "http://" not in html and "https://" not in html  # self-contained
+
+
+def test_summary_card_states_world_steps_duration_throughput_and_events(tmp_path):
+    make_run(tmp_path)
+    html = open(write_report(str(tmp_path))).read()
+    card = re.search(r"<section class='card' id='summary'>(.*?)</section>", html, re.S).group(1)
+    cells = dict(re.findall(r"<dt>([^<]+)</dt><dd>([^<]+)</dd>", card))
+    assert cells["world"] == "2 ranks on 1 node(s)" and cells["steps"] == "24"
+    assert cells["duration"] == "7.5 s"  # started_at 1000 to the last record (the preemption at 1007.5)
+    assert cells["samples/s"] == "1100"  # median of the logged throughput
+    assert cells["step time"] == "12.0 ms median, slowest rank 1"
+    assert cells["final loss"] == "0.9" and cells["val_accuracy"] == "0.85" and cells["val_loss"] == "0.8"
+    assert cells["events"] == "1 preemption, 1 straggler"
+    summary = embedded(html)["this"]["summary"]
+    assert summary["events"] == {"straggler": 1, "preemption": 1} and summary["slowest_rank"] == 1
+
+
+def test_a_run_without_telemetry_keeps_the_layout_and_says_what_is_missing(tmp_path):
+    make_run(tmp_path)
+    (tmp_path / "timings.csv").unlink()
+    (tmp_path / "events.jsonl").unlink()
+    html = open(write_report(str(tmp_path))).read()
+    assert plot_titles(html) == ["Loss", "val_accuracy", "Throughput"]
+    for title in ("Per-rank step time", "Time split per rank"):
+        assert f"<h2>{title}</h2><p class='missing'>No step timing was recorded" in html
+    assert "No straggler, hang or preemption events." in html
 
 
 def test_numbers_behind_the_plots_match_metrics_csv(tmp_path):
@@ -60,4 +95,4 @@ def test_compare_overlays_a_second_run(tmp_path):
     make_run(a), make_run(b)
     html = open(write_report(str(a), compare=str(b))).read()
     assert embedded(html)["other"]["run_dir"] == str(b)
-    assert len(re.findall(r"<img class='plot'", html)) == 4
+    assert plot_titles(html) == list(PLOTS)

@@ -116,7 +116,8 @@ def prepare(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], ho
                      stall_timeout=cfg.stall_timeout, stall_end=cfg.stall_timeout if cfg.stall_end is None else cfg.stall_end,
                      exit_timeout=cfg.exit_timeout, min_nodes=spec.min_nodes,
                      max_nodes=spec.max_nodes, job_token=token, straggler_margin=cfg.straggler_margin,
-                     straggler_windows=cfg.straggler_windows, doctor=cfg.doctor)
+                     straggler_windows=cfg.straggler_windows, telemetry_window=cfg.telemetry_window, doctor=cfg.doctor,
+                     allow_uneven_nodes=cfg.allow_uneven_nodes)
     extra = dict(extra_env)
     threads = omp_threads(environ, spec.nproc_per_node, cpu_count())
     if threads is not None:

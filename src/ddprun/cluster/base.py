@@ -66,7 +66,9 @@ class ClusterSpec:
     nproc_per_node: int
     node_rank: int | None
     """None when the rendezvous assigns node ranks (c10d, in order of arrival)."""
-    master_addr: str
+    master_addr: str | None
+    """None only in a dry run (``ddprun plan``) when nothing names the rendezvous host; see
+    ``sources["master_addr"]`` for what is missing. ``ddprun run`` never gets None (resolve raises)."""
     master_port: int
     rdzv_backend: str
     run_id: str
@@ -80,9 +82,14 @@ class ClusterSpec:
     notes: tuple[str, ...] = ()
     ifname: str | None = None
     """The network interface the cluster names for this job (SageMaker), else None; see netaddr.py."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Values of the environment's extra facts (e.g. ``allocated_gpus``), keyed like ``sources``."""
 
     @property
-    def rdzv_endpoint(self) -> str:
+    def rdzv_endpoint(self) -> str | None:
+        """``HOST:PORT`` (IPv6 hosts bracketed); None when the host is unresolved (dry run)."""
+        if self.master_addr is None:
+            return None
         host = f"[{self.master_addr}]" if ":" in self.master_addr else self.master_addr
         return f"{host}:{self.master_port}"
 

@@ -1,7 +1,9 @@
 """Which cluster environment this is, and the topology it implies once flags are laid over it.
 
-Priority (shared/DESIGN.md): already inside a torchrun worker > explicit flags > SLURM > MPI >
-SageMaker > Kubernetes PyTorchJob > hostfile > local. The first environment whose ``detect`` is
+Priority (shared/DESIGN.md, with LSF and SkyPilot added): already inside a torchrun worker >
+explicit flags > SLURM > MPI > LSF > SkyPilot > SageMaker > Kubernetes PyTorchJob > hostfile > local.
+MPI comes before the schedulers that can host it (LSF): under mpirun its rank variables describe this
+process; SkyPilot before SageMaker and Kubernetes, whose machines it may provision. The first environment whose ``detect`` is
 true is read, except that ``--hostfile`` selects the hostfile environment over everything but
 torchrun; then every topology flag the user gave overrides the matching value, and anything
 still missing gets ddprun's default. Each value keeps its source for ``ddprun plan --explain``.
@@ -9,14 +11,17 @@ still missing gets ddprun's default. Each value keeps its source for ``ddprun pl
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 from ddprun.cluster.base import ClusterEnvironment, ClusterSpec, Fact, NodeFacts, Reading
 from ddprun.cluster.hostfile import HostfileEnvironment
 from ddprun.cluster.kubernetes import KubernetesEnvironment
 from ddprun.cluster.local import LocalEnvironment
+from ddprun.cluster.lsf import LsfEnvironment
 from ddprun.cluster.mpi import MpiEnvironment
 from ddprun.cluster.sagemaker import SageMakerEnvironment
+from ddprun.cluster.skypilot import SkyPilotEnvironment
 from ddprun.cluster.slurm import SlurmEnvironment
 from ddprun.cluster.torchrun import TorchrunEnvironment
 from ddprun.config import LaunchConfig
@@ -26,8 +31,8 @@ DEFAULT_MASTER_PORT = 29500
 RDZV_BACKENDS = ("c10d", "static", "etcd", "etcd-v2")
 
 PRIORITY: tuple[type[ClusterEnvironment], ...] = (
-    TorchrunEnvironment, SlurmEnvironment, MpiEnvironment, SageMakerEnvironment, KubernetesEnvironment,
-    HostfileEnvironment, LocalEnvironment,
+    TorchrunEnvironment, SlurmEnvironment, MpiEnvironment, LsfEnvironment, SkyPilotEnvironment,
+    SageMakerEnvironment, KubernetesEnvironment, HostfileEnvironment, LocalEnvironment,
 )
 """Environments in the order they are tried; local always detects, so it comes last. The hostfile
 never detects from the environment: it is listed for its place in the order, and chosen by
@@ -169,11 +174,13 @@ def _overlay_flags(reading: Reading, cfg: LaunchConfig, node: NodeFacts) -> Read
 
 
 def resolve(cfg: LaunchConfig, environ: Mapping[str, str], node: NodeFacts,
-            env: ClusterEnvironment | None = None, *, launcher: bool = False) -> ClusterSpec:
+            env: ClusterEnvironment | None = None, *, launcher: bool = False, dry_run: bool = False) -> ClusterSpec:
     """Detect the environment, overlay the flags, fill defaults, validate. Pure.
 
     ``launcher``: True for ``ddprun run``/``plan`` (this process starts the node's workers), False for
     a process that is itself a rank (``ddprun.init()``). See :func:`one_agent_per_node`.
+    ``dry_run``: True for ``ddprun plan``: a multi-node launch without a rendezvous host gets
+    ``master_addr=None`` (its source says what is missing) instead of a ConfigError.
     """
     notes: list[str] = []
     if env is None:
@@ -201,14 +208,7 @@ def resolve(cfg: LaunchConfig, environ: Mapping[str, str], node: NodeFacts,
                      "(if this node has GPUs, check nvidia-smi and that torch is a CUDA build).")
 
     if "master_addr" not in facts:
-        if multi_node:
-            raise ConfigError(
-                "A multi-node launch needs the address of the rendezvous host.",
-                seen=f"nnodes={facts['max_nodes'].value} ({facts['max_nodes'].source}), no --rdzv-endpoint or --master-addr",
-                hint=env.master_hint or "Give every node the same --rdzv-endpoint HOST:PORT (HOST = one of the nodes), "
-                     "or launch under SLURM/mpirun/SageMaker where ddprun finds it.",
-            )
-        facts["master_addr"] = Fact("127.0.0.1", "default: single node")
+        facts["master_addr"] = _default_master(facts, env, multi_node, dry_run)
     if "master_port" not in facts:
         facts["master_port"] = (
             Fact(DEFAULT_MASTER_PORT, f"default ({DEFAULT_MASTER_PORT}, as torchrun)")
@@ -265,7 +265,29 @@ def resolve(cfg: LaunchConfig, environ: Mapping[str, str], node: NodeFacts,
         sources={k: f.source for k, f in facts.items()},
         rank=get("rank"), local_rank=get("local_rank"), world_size=get("world_size"),
         notes=tuple(notes), ifname=get("ifname"),
+        extra={k: f.value for k, f in facts.items() if k not in SPEC_FIELDS},
     )
+
+
+SPEC_FIELDS = frozenset(f.name for f in dataclasses.fields(ClusterSpec))
+
+UNRESOLVED = "unresolved: "
+"""Prefix of ``sources["master_addr"]`` when a dry run found no rendezvous host."""
+
+
+def _default_master(facts: Reading, env: ClusterEnvironment, multi_node: bool, dry_run: bool) -> Fact:
+    """127.0.0.1 for one node; for several, the error ``ddprun run`` stops with (a dry run keeps it as the source)."""
+    if not multi_node:
+        return Fact("127.0.0.1", "default: single node")
+    missing = ConfigError(
+        "A multi-node launch needs the address of the rendezvous host.",
+        seen=f"nnodes={facts['max_nodes'].value} ({facts['max_nodes'].source}), no --rdzv-endpoint or --master-addr",
+        hint=env.master_hint or "Give every node the same --rdzv-endpoint HOST:PORT (HOST = one of the nodes), "
+             "or launch under SLURM/mpirun/SageMaker where ddprun finds it.",
+    )
+    if not dry_run:
+        raise missing
+    return Fact(None, f"{UNRESOLVED}{missing.what} HINT: {missing.hint}")
 
 
 PER_PROCESS_KEYS = ("rank", "local_rank", "world_size")

@@ -35,6 +35,9 @@ STRAGGLER_WINDOWS = 3
 TELEMETRY_WINDOW_S = 2.0
 """Each rank publishes its step-time medians once per window."""
 
+FINAL_TIMING_WAIT_S = 2.0
+"""At a clean exit rank 0 waits at most this long for the other ranks' last timing window."""
+
 MONITOR_POLL_S = 0.5
 """The worker's monitor thread polls the store this often (failures, progress, stall requests)."""
 

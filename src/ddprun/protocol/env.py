@@ -20,6 +20,7 @@ JOIN_TIMEOUT = "DDPRUN_JOIN_TIMEOUT"
 STALL_TIMEOUT = "DDPRUN_STALL_TIMEOUT"
 STALL_END = "DDPRUN_STALL_END"
 EXIT_TIMEOUT = "DDPRUN_EXIT_TIMEOUT"
+ALLOW_UNEVEN_NODES = "DDPRUN_ALLOW_UNEVEN_NODES"
 NNODES = "DDPRUN_NNODES"
 JOB_TOKEN = "DDPRUN_JOB_TOKEN"
 STRAGGLER_MARGIN = "DDPRUN_STRAGGLER_MARGIN"
@@ -55,6 +56,8 @@ class WorkerEnv:
     telemetry_window: float = defaults.TELEMETRY_WINDOW_S
     doctor: bool = False
     """Rank 0 prints the preflight facts even when every check passes."""
+    allow_uneven_nodes: bool = False
+    """Nodes may run different process counts (--allow-uneven-nodes); preflight refuses it otherwise."""
     attempt: str = ""
     """The worker group's attempt id, the same on every node (agent/attempt.py); "" = from the restart count."""
     merge_stderr: bool = False
@@ -87,7 +90,7 @@ class WorkerEnv:
 _VARS = {
     "run_dir": RUN_DIR, "device_kind": DEVICE_KIND, "join_timeout": JOIN_TIMEOUT,
     "stall_timeout": STALL_TIMEOUT, "stall_end": STALL_END, "exit_timeout": EXIT_TIMEOUT, "job_token": JOB_TOKEN, "straggler_margin": STRAGGLER_MARGIN,
-    "straggler_windows": STRAGGLER_WINDOWS, "telemetry_window": TELEMETRY_WINDOW, "doctor": DOCTOR,
+    "straggler_windows": STRAGGLER_WINDOWS, "telemetry_window": TELEMETRY_WINDOW, "doctor": DOCTOR, "allow_uneven_nodes": ALLOW_UNEVEN_NODES,
     "attempt": ATTEMPT, "merge_stderr": MERGE_STDERR,
 }
 

@@ -12,6 +12,7 @@ attempts: torch's c10d shares one store server for the whole job, see agent/atte
     stall/summary      the hang report's one-line summary, once written (every agent prints it)
     place/<N>          where rank N's main thread is, answered on ``stall``
     timing/<N>         rank N's step-time medians over its latest window (telemetry), every window
+    timing-final/<N>   rank N published its last window at a clean exit
     failures           a counter; failure/<k> the k-th failure record (protocol/failure.py)
     acks               how many ranks have read the first failure
     pg                 the prefix of this attempt's process-group keys (gloo/NCCL bootstrap)
@@ -65,6 +66,9 @@ class Keys:
 
     def timing(self, r: int) -> str:
         return self._k(f"timing/{r}")
+
+    def timing_final(self, r: int) -> str:
+        return self._k(f"timing-final/{r}")
 
     def failure(self, k: int) -> str:
         return self._k(f"failure/{k}")

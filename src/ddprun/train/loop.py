@@ -453,18 +453,30 @@ class _Skipped:
         return max(0, len(self.loader) - self.n)
 
 
+LIGHTNING_PACKAGES = {"lightning.pytorch": "ddprun.lightning", "pytorch_lightning": "ddprun.pytorch_lightning"}
+"""Each Lightning package ddprun drives -> the ddprun module that drives it."""
+
+
+def lightning_package(model: Any) -> str | None:
+    """``"lightning.pytorch"`` or ``"pytorch_lightning"`` when ``model`` is that package's
+    LightningModule, else None. Imports neither: a package not yet imported has no LightningModule."""
+    for package in LIGHTNING_PACKAGES:
+        lit = sys.modules.get(package)
+        if lit is not None and isinstance(model, getattr(lit, "LightningModule", ())):
+            return package
+    return None
+
+
 def _lightning_module(model: Any) -> bool:
-    """Whether ``model`` is a LightningModule, without importing lightning: if lightning.pytorch is not
-    imported, no LightningModule exists. pytorch_lightning's (the older package) is refused."""
-    lit = sys.modules.get("lightning.pytorch")
-    if lit is not None and isinstance(model, lit.LightningModule):
-        return True
-    if any(c.__name__ == "LightningModule" and c.__module__.startswith("pytorch_lightning")
-           for c in type(model).__mro__):
-        raise ConfigError("ddprun.fit drives lightning.pytorch; this LightningModule is from pytorch_lightning.",
-                          seen=f"model: {type(model).__module__}.{type(model).__name__}",
-                          hint="Import LightningModule from lightning.pytorch (pip install 'ddprun[lightning]').")
-    return False
+    """Whether ``model`` is a LightningModule of either package (see :func:`lightning_package`)."""
+    return lightning_package(model) is not None
+
+
+def _fit_lightning(model: Any) -> Callable:
+    """The ``fit_lightning`` of the ddprun module that drives ``model``'s Lightning package."""
+    import importlib
+
+    return importlib.import_module(LIGHTNING_PACKAGES[lightning_package(model)]).fit_lightning
 
 
 def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_fn: Callable | None = None,
@@ -559,8 +571,7 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
     process group. Returns a :class:`FitResult`.
     """
     if _lightning_module(model):
-        from ddprun.lightning import fit_lightning
-
+        fit_lightning = _fit_lightning(model)
         if on_checkpoint is not None:
             raise ConfigError("on_checkpoint is for a plain nn.Module.", seen=f"model: {type(model).__name__}",
                               hint="With a LightningModule, add a lightning Callback through trainer_kwargs="

@@ -172,5 +172,5 @@ def main(argv: list[str] | None = None) -> None:
         code = 1
         _on_error(e, channel)
     if monitor is not None:
-        monitor.stop()
+        monitor.flush_timing() if code == 0 else monitor.stop()
     ddp_exit.hard_exit(code, wenv.exit_timeout if wenv is not None else defaults.EXIT_TIMEOUT_S)

@@ -110,6 +110,24 @@ class Monitor:
     def stop(self) -> None:
         self._stop.set()
 
+    def flush_timing(self) -> None:
+        """At a clean exit: publish the last, partial timing window, so that a run shorter than a
+        window (the demo trains in about 2 s) still has every rank's step time in timings.csv.
+        Rank 0 waits up to FINAL_TIMING_WAIT_S for the others' and keeps them. Best effort, never raises."""
+        self.stop()
+        try:
+            if self._thread.is_alive():  # no window published twice at once
+                self._thread.join(timeout=2 * defaults.MONITOR_POLL_S)
+            store, keys = self.ch.store, self.ch.keys
+            self._publish_timing(store)
+            store.set(keys.timing_final(self.ch.rank), "1")
+            if self.stragglers is not None:
+                self.ch.wait_for([keys.timing_final(r) for r in range(self.ch.world_size)],
+                                 defaults.FINAL_TIMING_WAIT_S)
+                self.stragglers.update(self._timings(store), self.ch.hosts, time.monotonic())
+        except Exception:  # noqa: BLE001 - the store may be gone; the run itself has succeeded
+            pass
+
     def _loop(self) -> None:
         store = None
         while not self._stop.wait(defaults.MONITOR_POLL_S):

@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ddprun.protocol.env import WorkerEnv
+
 from ddprun.worker import gpufacts
 
 
@@ -79,6 +81,7 @@ def node_facts(environ: Mapping[str, str], script: str | None) -> dict:
         "host": host,
         "addresses": _addresses(host),
         "nproc": int(environ.get("LOCAL_WORLD_SIZE", "1")),
+        "uneven_ok": bool((w := WorkerEnv.from_environ(environ)) and w.allow_uneven_nodes),
         "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "nnodes": environ.get("DDPRUN_NNODES", ""),
         "torch": torch.__version__,
@@ -108,13 +111,23 @@ def _name(f: dict) -> str:
 
 
 def check(facts: Sequence[dict], world_size: int) -> list[Finding]:
-    """Every inconsistency that breaks or slows DDP, naming the odd node(s) and the values."""
+    """Every inconsistency that breaks or slows DDP, naming the odd node(s) and the values.
+
+    Different process counts are an error unless every node was started with --allow-uneven-nodes
+    (fact ``uneven_ok``); the flag on some nodes only is an error of its own."""
     out: list[Finding] = []
-    if _odd_ones(facts, "nproc"):
+    allowed = [f for f in facts if f.get("uneven_ok")]
+    if allowed and len(allowed) != len(facts):
+        out.append(Finding("error", "--allow-uneven-nodes is given on some nodes only: "
+                                    + ", ".join(f"{_name(f)} {'with' if f.get('uneven_ok') else 'without'}"
+                                                for f in sorted(facts, key=lambda f: f["node_rank"]))
+                                    + ". HINT: use one launch line on every node."))
+    if _odd_ones(facts, "nproc") and len(allowed) != len(facts):
         detail = ", ".join(f"{_name(f)} runs {f['nproc']}" for f in sorted(facts, key=lambda f: f["node_rank"]))
         out.append(Finding("error", f"nodes run different numbers of processes: {detail}; "
                                     f"WORLD_SIZE became {world_size}. HINT: give every node the same "
-                                    f"--nproc-per-node (or leave it out to use every GPU)."))
+                                    f"--nproc-per-node (or leave it out to use every GPU), or, if the nodes really "
+                                    f"have different GPU counts, pass --allow-uneven-nodes on every node."))
     for f in facts:
         if f["gpus"] and f["gpus"] != f["nproc"]:
             idle = f"{f['gpus'] - f['nproc']} GPUs idle" if f["gpus"] > f["nproc"] else "processes share GPUs"
