@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from ddprun._version import __version__
 
 _LAZY: dict[str, tuple[str, str]] = {
     "init": ("ddprun.runtime", "init"),

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from ddprun.cli_help import DESCRIPTION, EPILOGS, HELP, TOP_EPILOG
 from ddprun.cluster.probe import check_endpoint, probe_node
 from ddprun.config import DEFAULT_JOIN_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, Entry, LaunchConfig
-from ddprun.protocol.defaults import EXIT_TIMEOUT_S, TELEMETRY_WINDOW_S
+from ddprun.protocol.defaults import EXIT_TIMEOUT_S, STOP_GRACE_S, TELEMETRY_WINDOW_S
 from ddprun.errors import ConfigError, DdprunError
 
 
@@ -67,6 +67,9 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     _flag(g, "--stall-end-after", type=float, default=None,
           help="seconds a reported stall may go on before the job ends (default: as long as --stall-timeout; "
                "0 = end right after the report)")
+    _flag(g, "--stop-grace", type=float, default=STOP_GRACE_S,
+          help=f"seconds a stopped agent (SIGTERM, Ctrl-C) gives its workers between SIGTERM and SIGKILL "
+               f"(default {STOP_GRACE_S:.0f})")
     _flag(g, "--exit-timeout", type=float, default=EXIT_TIMEOUT_S,
           help=f"seconds a worker's atexit handlers may take after the script returned (default {EXIT_TIMEOUT_S:.0f})")
     _flag(g, "--telemetry-window", type=float, default=TELEMETRY_WINDOW_S,
@@ -189,6 +192,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         straggler_margin=margin, straggler_windows=windows, stall_end=getattr(args, "stall_end_after", None),
         exit_timeout=getattr(args, "exit_timeout", EXIT_TIMEOUT_S), allow_uneven_nodes=args.allow_uneven_nodes,
         telemetry_window=getattr(args, "telemetry_window", TELEMETRY_WINDOW_S),
+        stop_grace=getattr(args, "stop_grace", STOP_GRACE_S),
     )
 
 
@@ -207,7 +211,7 @@ def check_numbers(args: argparse.Namespace) -> None:
     _seconds("--join-timeout", args.join_timeout, zero_ok=False, example="120")
     for flag, zero_ok, example in (("--stall-timeout", True, "300"), ("--stall-end-after", True, "300"),
                                    ("--exit-timeout", False, "60"), ("--monitor-interval", False, "0.1"),
-                                   ("--telemetry-window", False, "2")):
+                                   ("--telemetry-window", False, "2"), ("--stop-grace", True, "30")):
         _seconds(flag, getattr(args, flag[2:].replace("-", "_"), None), zero_ok=zero_ok, example=example)
     if getattr(args, "max_restarts", 0) < 0:
         raise ConfigError("--max-restarts takes a number of restarts >= 0.", seen=f"--max-restarts {args.max_restarts}",
@@ -300,6 +304,18 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exit_now(code: int) -> int:
+    """End the agent process with ``code`` without interpreter teardown, as the workers do: the store
+    clients' C++ threads can abort it there ("terminate called without an active exception") after
+    the job's outcome is known and said. Streams are flushed first."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     environ = dict(os.environ)
@@ -321,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = config_from_args(args)
         if args.command == "plan":
             return cmd_plan(cfg, args, environ)
-        return cmd_run(cfg, environ)
+        return _exit_now(cmd_run(cfg, environ))
     except DdprunError as e:
         print(f"ddprun: error: {e}", file=sys.stderr)
         return e.exit_code

@@ -67,6 +67,8 @@ class LaunchConfig:
     """Seconds without progress on any rank (steps, collectives, heartbeats) before the hang report; 0 = off."""
     stall_end: float | None = None
     """Seconds a reported stall may last more before the job ends; None = as long as stall_timeout, 0 = at once."""
+    stop_grace: float = defaults.STOP_GRACE_S
+    """Seconds between the agent's SIGTERM to its workers and its SIGKILL when it is stopped."""
     exit_timeout: float = defaults.EXIT_TIMEOUT_S
     """Seconds a worker's atexit handlers may take before it exits anyway, naming the one that hangs."""
     straggler_margin: float = defaults.STRAGGLER_MARGIN

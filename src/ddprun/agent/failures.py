@@ -57,7 +57,7 @@ def worker_record(error_file: str) -> fr.FailureRecord | None:
 class AgentFailures:
     """One per ``ddprun run`` agent; see the module docstring. Thread-safe; never raises into torch."""
 
-    def __init__(self, run_dir: RunDir, host: str, addr: str, port: int, run_id: str, out: TextIO,
+    def __init__(self, run_dir: RunDir, host: str, addr: str, port: int, run_id: str, out: TextIO,  # noqa: PLR0913
                  lost_after_s: float = LOST_AFTER_S, connect: Callable[[], Any] | None = None):
         self.run_dir, self.host, self.out = run_dir, host, out
         self._addr, self._port, self._run_id = addr, port, run_id
@@ -68,7 +68,7 @@ class AgentFailures:
         self._local: dict[int, fr.FailureRecord] = {}
         self._workers: dict[int, tuple[int, int, str]] = {}  # rank -> (local rank, pid, error file)
         self._keys: Keys | None = None
-        self._node, self._nnodes = 0, 1
+        self._node, self._nnodes, self._world = 0, 1, 1
         self._store: Any = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -79,11 +79,18 @@ class AgentFailures:
 
     # -- attempts --------------------------------------------------------------------------
     def on_workers_started(self, attempt: str, node_rank: int, nnodes: int,
-                           workers: dict[int, tuple[int, int, str]]) -> None:
-        """A worker group (re)started: its attempt id, this node's rank, and rank -> (local rank, pid, error file)."""
+                           workers: dict[int, tuple[int, int, str]], world_size: int = 0,
+                           store: tuple[str, int] | None = None) -> None:
+        """A worker group (re)started: its attempt id, this node's rank, rank -> (local rank, pid, error file),
+        and the workers' store (MASTER_ADDR:MASTER_PORT; torch's c10d hosts it on node 0's agent, apart from
+        the rendezvous endpoint's)."""
         with self._lock:
+            if store is not None and store != (self._addr, self._port):
+                self._addr, self._port = store
+                self._store = None
             self._keys = Keys(f"ddprun/{self._run_id}/{attempt}/")
             self._node, self._nnodes, self._workers = node_rank, nnodes, dict(workers)
+            self._world = world_size or len(workers)
             self._local.clear()
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="ddprun-agent-failures", daemon=True)
@@ -96,11 +103,14 @@ class AgentFailures:
     def stop(self) -> None:
         """End the thread; this node's heartbeat says it ended (never taken for a lost node)."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * BEAT_S)
         try:
             if self._keys is not None and self._store is not None:
                 self._store.set(self._keys._k(f"agent/{self._node}"), json.dumps({"host": self.host, "done": True}))
         except Exception:  # noqa: BLE001
             pass
+        self._store = None  # no store client outlives the launch (ddprun.launch runs in the caller's process)
 
     # -- local deaths ----------------------------------------------------------------------
     def on_worker_exit(self, rank: int, local_rank: int, pid: int, code: int) -> None:
@@ -171,6 +181,32 @@ class AgentFailures:
     def root_cause(self) -> fr.FailureRecord | None:
         return fr.root_cause(self.records())
 
+    def linger(self, timeout_s: float = 5.0) -> None:
+        """Keep this agent (and the store, if it hosts it) up until every rank of the job has a record
+        (its own failure, or that it was stopped: it read the cause), at most ``timeout_s``: an agent
+        that hosts the store and exits at once would take the cause's record with it."""
+        keys = self._keys
+        cause = self.root_cause()
+        # torch's c10d hosts the workers' store on node 0's agent; a cause that is only an echo is
+        # worth nothing to the others (they probe for the lost node themselves)
+        if keys is None or self._world <= 1 or self._node != 0 or cause is None or cause.is_echo:
+            return
+        from ddprun.agent.endpoint import port_open
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._store is None and not port_open(self._addr, self._port):
+                return  # the store's host is gone: what was read is all there is
+            try:
+                self._read_records(self._client(), keys)
+            except Exception:  # noqa: BLE001 - the store is gone: what was read is all there is
+                self._store = None
+                return
+            ranks = {r.rank for r in self.records()} | set(self._local)
+            if len(ranks & set(range(self._world))) >= self._world or self._store is None:
+                return
+            time.sleep(0.1)
+
     # -- the thread ------------------------------------------------------------------------
     def _client(self) -> Any:
         if self._store is None:
@@ -202,17 +238,21 @@ class AgentFailures:
         if keys is None:
             return seen_at
         store.set(keys._k(f"agent/{self._node}"), json.dumps({"host": self.host, "beat": beat}))
-        n = int(store.add(keys.failures, 0))
-        with self._lock:
-            missing = [k for k in range(1, n + 1) if keys.failure(k) not in self._cache]
-        if missing:
-            got = [keys.failure(k) for k in missing]
-            values = store.multi_get(got) if store.check(got) else []
-            for key, rec in zip(got, fr.parse_many(values)):
-                with self._lock:
-                    self._cache[key] = rec
+        self._read_records(store, keys)
         self._say_hang_report(store, keys)
         return self._watch_neighbour(store, keys, seen_at)
+
+    def _read_records(self, store: Any, keys: Keys) -> None:
+        """Copy the store's records not seen yet (one batched read); a malformed one is skipped."""
+        n = int(store.add(keys.failures, 0))
+        with self._lock:
+            missing = [keys.failure(k) for k in range(1, n + 1) if keys.failure(k) not in self._cache]
+        present = [k for k in missing if store.check([k])]
+        for key, raw in zip(present, store.multi_get(present) if present else []):
+            parsed = fr.parse_many([raw])
+            if parsed:
+                with self._lock:
+                    self._cache[key] = parsed[0]
 
     def _say_hang_report(self, store: Any, keys: Keys) -> None:
         """A stall report appeared: one line on this node's console (the report is in the run dir)."""
@@ -251,8 +291,7 @@ class AgentFailures:
 
     def _store_lost(self) -> None:
         """The store's host is gone: name it, stop this node's workers (torch's agent then ends)."""
-        self.lost = fr.FailureRecord(fr.LOST, -1, f"the job store at {self._addr}:{self._port} stopped answering "
-                                     f"for {self._lost_after:.0f} s", 0, self._addr, by="observer", t=time.time())
+        self.lost = self._store_gone(f" for {self._lost_after:.0f} s")
         self.stopping_for = self.root_cause() if self._cache else self.lost
         print(f"ddprun: {self.lost.headline()}; stopping this node's workers", file=self.out, flush=True)
         for _, pid, _ in list(self._workers.values()):
@@ -265,9 +304,13 @@ class AgentFailures:
         """This agent got ``sig``: say so in the store before its workers are stopped (their peers then
         name this node, not the stopped workers' connection errors)."""
         name = fr.signal_name(-sig)
-        self.stopping_for = fr.FailureRecord(fr.SIGNAL, -1, f"its agent got {name} and stopped its workers",
-                                             self._node, self.host, signal=name, by="agent", t=time.time())
-        self._publish(self.stopping_for)
+        cause = fr.FailureRecord(fr.SIGNAL, -1, f"its agent got {name} and stopped its workers",
+                                 self._node, self.host, signal=name, by="agent", t=time.time())
+        self.stopping_for = cause
+        self._publish(cause)
+        for rank, (local_rank, _, _) in list(self._workers.items()):  # about to be stopped by torch
+            self._publish(fr.stopped_by(cause, rank=rank, node_rank=self._node, host=self.host,
+                                        local_rank=local_rank, t=time.time()))
 
     def probe_lost(self, wait_s: float = 2 * BEAT_S + 0.5) -> list[fr.FailureRecord]:
         """Which nodes are gone now: agents whose heartbeat does not move within ``wait_s`` (one batched
@@ -277,14 +320,18 @@ class AgentFailures:
         if keys is None:
             return []
         names = [keys._k(f"agent/{n}") for n in range(self._nnodes) if n != self._node]
+        from ddprun.agent.endpoint import port_open
+
+        if not port_open(self._addr, self._port):  # refused at once: the store's host is gone
+            self._store = None
+            return [self._store_gone("")]
         try:
             before = self._beats(names)
             time.sleep(wait_s)
             after = self._beats(names)
         except Exception:  # noqa: BLE001 - the store's host is gone
             self._store = None
-            return [fr.FailureRecord(fr.LOST, -1, f"the job store at {self._addr}:{self._port} stopped answering",
-                                     0, self._addr, by="observer", t=time.time())]
+            return [self._store_gone("")]
         out = []
         for name in names:
             raw = after.get(name)
@@ -299,6 +346,11 @@ class AgentFailures:
         store = self._client()
         present = [n for n in names if store.check([n])]
         return dict(zip(present, store.multi_get(present))) if present else {}
+
+    def _store_gone(self, how_long: str) -> fr.FailureRecord:
+        """The record of the node hosting the store (its node rank is not known here: -1)."""
+        return fr.FailureRecord(fr.LOST, -1, f"the job store at {self._addr}:{self._port} stopped answering{how_long}",
+                                -1, self._addr, by="observer", t=time.time())
 
     def exit_barrier_done(self) -> bool:
         """Leave the agents' exit barrier early: a node is lost, it will never arrive."""

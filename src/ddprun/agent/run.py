@@ -239,7 +239,10 @@ class _AgentRun:
         workers = {w.global_rank: (w.local_rank, pids.get(w.local_rank, 0),
                                    self.logs_specs.local_workers.get(w.global_rank, (0, ""))[1])
                    for w in group.workers}
-        self.failures.on_workers_started(self.logs_specs.attempt, group.group_rank, group.group_world_size, workers)
+        world = group.workers[0].world_size if group.workers else len(workers)
+        store = (group.master_addr, int(group.master_port)) if group.master_addr and group.master_port else None
+        self.failures.on_workers_started(self.logs_specs.attempt, group.group_rank, group.group_world_size, workers,
+                                         world, store)
 
     def torch_config(self) -> Any:
         from torch.distributed.launcher.api import LaunchConfig as TorchLaunchConfig
@@ -260,7 +263,8 @@ class _AgentRun:
         from ddprun.agent.torch_agent import AgentHooks, run_agent
 
         hooks = AgentHooks(on_worker_exit=self.failures.on_worker_exit, on_workers_started=self._started,
-                           on_signal=self.failures.on_signal, exit_barrier_done=self.failures.exit_barrier_done)
+                           on_signal=self.failures.on_signal, exit_barrier_done=self.failures.exit_barrier_done,
+                           stop_grace_s=self.run_.cfg.stop_grace)
         argv = self.run_.cfg.entry.argv() if self.run_.cfg.entry is not None else []
         try:
             run_agent(self.torch_config(), sys.executable, ["-m", "ddprun.worker", *argv], hooks)
@@ -281,6 +285,7 @@ def _known(agent: _AgentRun, local: Mapping[int, fr.FailureRecord]) -> list[fr.F
 
 def _child_failed(e: Any, agent: _AgentRun, err: TextIO) -> Outcome:
     run, f = agent.run_, agent.failures
+    f.linger()
     recorded = {rank: f.local_record(rank) for rank in e.failures}
     local = agent_console.local_records(e.failures, recorded, run.host, f.node_rank, f.root_cause())
     known = _known(agent, local)
@@ -294,6 +299,7 @@ def _from_records(agent: _AgentRun, err: TextIO, fallback: str) -> Outcome:
     """The node's agent ended without torch naming a worker (the store host went first, a lost node):
     say the root cause this node knows of, else ``fallback``."""
     run, f = agent.run_, agent.failures
+    f.linger()
     local = {rank: rec for rank in agent.logs_specs.local_workers if (rec := f.local_record(rank)) is not None}
     known = _known(agent, local) if agent.logs_specs.local_workers else f.records()
     cause = fr.root_cause([*known, *local.values()])
@@ -332,7 +338,7 @@ def ending(e: BaseException, agent: _AgentRun, err: TextIO) -> Outcome:
         if agent.watcher is not None and agent.watcher.refused:
             return Outcome(1, run.rundir.path, 0.0)  # the refusal is printed already
         sig = int(getattr(e, "sigval", 15))
-        print(f"ddprun: stopped by {e}; workers stopped.", file=err, flush=True)
+        print(f"ddprun: stopped by {fr.signal_name(-sig)}; workers stopped.", file=err, flush=True)
         return Outcome(128 + sig, run.rundir.path, 0.0)
     return _from_records(agent, err, f"ddprun: the launcher failed: {name}: {e}\n"
                                      f"See {run.rundir.agent_log(run.host)}")

@@ -39,6 +39,8 @@ class AgentHooks:
     """This agent got a death signal (SIGTERM, SIGINT, ...): called before torch stops the workers."""
     exit_barrier_done: Callable[[], bool] = lambda: False
     exit_barrier_s: float = 300.0
+    stop_grace_s: float = 30.0
+    """Seconds between SIGTERM and SIGKILL when the agent stops its workers."""
     seen: set[int] = field(default_factory=set)
     """pids already reported to on_worker_exit."""
 
@@ -104,7 +106,8 @@ def run_agent(config: Any, entrypoint: str, args: list[str], hooks: AgentHooks) 
                       args=tuple(args), rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
                       max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
                       master_addr=master_addr, master_port=master_port, local_addr=config.local_addr)
-    agent = DdprunAgent(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method, hooks=hooks)
+    agent = DdprunAgent(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method, hooks=hooks,
+                        shutdown_timeout=max(1, round(hooks.stop_grace_s)))
     shutdown = True
     try:
         result = agent.run()

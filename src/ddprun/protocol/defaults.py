@@ -53,6 +53,9 @@ ECHO_WAIT_S = 2.0
 ACK_WAIT_S = 3.0
 """A failing rank waits at most this long for the others to read its failure record."""
 
+STOP_GRACE_S = 30.0
+"""A stopped agent gives its workers this long between SIGTERM and SIGKILL (torch's own default)."""
+
 EXIT_TIMEOUT_S = 60.0
 """A worker's atexit handlers get this long after the user's code returned; then it exits anyway."""
 

@@ -113,7 +113,7 @@ class FailureRecord:
     def where(self) -> str:
         """``rank 1 (node 1, host-b)``, or ``node 1 (host-b)`` for a whole node."""
         if self.rank < 0:
-            return f"node {self.node_rank} ({self.host})"
+            return f"node {self.node_rank} ({self.host})" if self.node_rank >= 0 else "the node hosting the job store"
         return f"rank {self.rank} (node {self.node_rank}, {self.host})"
 
     def headline(self) -> str:

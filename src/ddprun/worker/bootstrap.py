@@ -124,7 +124,7 @@ def _on_error(e: BaseException, channel: JobChannel | None) -> None:
         return
     if known is not None:
         # Every rank raised this same configuration error: one line from each, no tracebacks.
-        print(f"ddprun: {known}", file=sys.stderr, flush=True)
+        ddp_exit.say(f"ddprun: {known}")
         ddp_exit.record(channel.me(fr.MISMATCH, known), channel, e)
         return
     cause = channel.cause()
@@ -134,11 +134,18 @@ def _on_error(e: BaseException, channel: JobChannel | None) -> None:
         # A peer failed first and this rank's error is its echo: one line naming the cause.
         first_line = (str(e).splitlines() or [""])[0][:200]
         msg = ddp_exit.stopped_message(cause)
-        print(f"{msg}\n  (this rank then saw {type(e).__name__}: {first_line})", file=sys.stderr, flush=True)
+        ddp_exit.say(f"{msg}\n  (this rank then saw {type(e).__name__}: {first_line})")
         ddp_exit.record(channel.stopped(cause, seen=f"{type(e).__name__}: {first_line}"), channel, message=msg)
         channel.ack_failure()
         return
-    ddp_exit.print_user_traceback(e)
+    if fr.looks_like_echo(text):
+        # a peer went away and nobody has said why yet (its agent may be gone too): one line here; the
+        # agents name the lost node, the traceback stays in this rank's error file
+        first_line = (str(e).splitlines() or [""])[0][:300]
+        ddp_exit.say(f"ddprun: this rank's collective failed because a peer went away ({type(e).__name__}: "
+                     f"{first_line}, at {ddp_exit.user_frame(e)}); the agents name the cause")
+    else:
+        ddp_exit.print_user_traceback(e)
     ddp_exit.record(channel.me(fr.ERROR, text), channel, e)
 
 
@@ -170,7 +177,13 @@ def main(argv: list[str] | None = None) -> None:
             ddp_exit.record(rec, channel)
     except BaseException as e:  # noqa: BLE001 - every failure must be recorded before exiting
         code = 1
-        _on_error(e, channel)
+        try:
+            _on_error(e, channel)
+        except BaseException as again:  # noqa: BLE001 - e.g. a full disk under the rank log: say it, record it
+            text = f"{type(e).__name__}: {e}"
+            if channel is not None:
+                channel.record_failure(channel.me(fr.ERROR, text))
+            os.write(2, f"ddprun: {text} (and then {type(again).__name__}: {again})\n".encode(errors="replace"))
     if monitor is not None:
         monitor.flush_timing() if code == 0 else monitor.stop()
     ddp_exit.hard_exit(code, wenv.exit_timeout if wenv is not None else defaults.EXIT_TIMEOUT_S)

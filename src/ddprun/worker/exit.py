@@ -28,15 +28,19 @@ import time
 import traceback
 from collections.abc import Mapping
 from dataclasses import asdict
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ddprun.protocol import defaults
 from ddprun.protocol import env as wenv
 from ddprun.protocol.atomic import write_text_atomic
 from ddprun.protocol.failure import FailureRecord
 
-if TYPE_CHECKING:
-    from ddprun.worker.channel import JobChannel
+
+
+class Publisher(Protocol):
+    """What :func:`record` needs of the job channel (worker/channel.py)."""
+
+    def record_failure(self, rec: FailureRecord) -> None: ...
 
 STOPPED_MARK = "ddprun: stopped because"
 
@@ -58,6 +62,15 @@ def stopped_message(cause: FailureRecord) -> str:
     return (f"{STOPPED_MARK} {cause.headline()} (its log: logs/rank-{cause.rank}.log on {cause.host})")
 
 
+def say(text: str) -> None:
+    """One message on stderr (the rank log); a full disk or a closed stream must not turn a failure
+    report into a second failure (the record still goes to the store)."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
 def print_user_traceback(e: BaseException) -> None:
     """The traceback from the user's code down, without ddprun's and runpy's frames above it."""
     tb = e.__traceback__
@@ -65,8 +78,7 @@ def print_user_traceback(e: BaseException) -> None:
             ("ddprun/worker/bootstrap.py", "ddprun/worker/fnworker.py", "runpy.py"))
             or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")):
         tb = tb.tb_next
-    traceback.print_exception(type(e), e, tb or e.__traceback__)
-    sys.stderr.flush()
+    say("".join(traceback.format_exception(type(e), e, tb or e.__traceback__)).rstrip())
 
 
 def own_record(kind: str, summary: str, environ: Mapping[str, str], exit_code: int | None = 1) -> FailureRecord:
@@ -79,6 +91,16 @@ def own_record(kind: str, summary: str, environ: Mapping[str, str], exit_code: i
 
     return FailureRecord(kind, num("RANK"), summary, num("GROUP_RANK"), socket.gethostname(), num("LOCAL_RANK"),
                          exit_code, t=time.time())
+
+
+def user_frame(e: BaseException) -> str:
+    """``file.py:12 in fn``: the innermost frame of ``e``'s traceback outside torch and ddprun."""
+    where = "?"
+    for frame in traceback.extract_tb(e.__traceback__):
+        if "site-packages" not in frame.filename and "/ddprun/" not in frame.filename \
+                and not frame.filename.startswith("<"):
+            where = f"{os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
+    return where
 
 
 def write_error_file(message: str, exc: BaseException | None = None, record: FailureRecord | None = None) -> None:
@@ -94,12 +116,15 @@ def write_error_file(message: str, exc: BaseException | None = None, record: Fai
         with open(path, "w") as fp:
             json.dump({"message": {"message": message, "extraInfo": extra}}, fp)
     except OSError as e:
-        print(f"ddprun: could not write the error file {path}: {e}", file=sys.stderr, flush=True)
+        say(f"ddprun: could not write the error file {path}: {e}")
 
 
-def record(rec: FailureRecord, channel: JobChannel | None, exc: BaseException | None = None,
+def record(rec: FailureRecord, channel: Publisher | None, exc: BaseException | None = None,
            message: str | None = None) -> None:
-    """Write ``rec`` everywhere it is read (module docstring); the store last, it may wait for acks."""
+    """Write ``rec`` everywhere it is read (module docstring): the store first (no disk needed: the
+    copy a full disk cannot lose; the first cause then waits for acks), then the files."""
+    if channel is not None:
+        channel.record_failure(rec)
     write_error_file(message if message is not None else rec.summary, exc, rec)
     run_dir = os.environ.get(wenv.RUN_DIR)
     if run_dir:
@@ -107,9 +132,7 @@ def record(rec: FailureRecord, channel: JobChannel | None, exc: BaseException | 
             os.makedirs(os.path.join(run_dir, "failures"), exist_ok=True)
             write_text_atomic(os.path.join(run_dir, "failures", f"rank-{rec.rank}.json"), rec.to_json())
         except OSError as e:
-            print(f"ddprun: could not write this rank's failure record: {e}", file=sys.stderr, flush=True)
-    if channel is not None:
-        channel.record_failure(rec)
+            say(f"ddprun: could not write this rank's failure record: {e}")
 
 
 _WRITABLE = (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)

@@ -201,6 +201,7 @@ class Monitor:
         from ddprun.worker.exit import write_error_file
 
         write_error_file(msg, record=rec)
+        self.ch.record_failure(rec)
         self.ch.ack_failure(store)
         sys.stdout.flush()
         os._exit(1)

@@ -62,7 +62,7 @@ def node_facts(environ: Mapping[str, str], script: str | None) -> dict:
     """What this node publishes (called by its local rank 0 at worker start)."""
     import torch
 
-    from ddprun import __version__
+    from ddprun._version import __version__
 
     host = socket.gethostname()
     run_dir = environ.get("DDPRUN_RUN_DIR") or os.getcwd()

@@ -1,0 +1,89 @@
+"""A small DDP job for the fault tests, torchrun-style (plain torch.distributed, no ddprun import).
+
+Every rank writes ``<pids>/rank-N.pid`` after its first optimizer step, so a test knows when training
+runs and which process is which rank. Options shape one fault each (see the tests).
+"""
+
+import argparse
+import atexit
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--step-s", type=float, default=0.05, help="sleep per step (a slow, killable job)")
+    p.add_argument("--pids", required=True)
+    p.add_argument("--ignore-sigterm", action="store_true")
+    p.add_argument("--atexit-hang", action="store_true", help="an atexit handler that never returns")
+    p.add_argument("--raise-rank", type=int, default=None)
+    p.add_argument("--eval-s", type=float, default=0.0, help="after step 3: all_reduce only for this long")
+    p.add_argument("--beat-s", type=float, default=0.0, help="after step 3: ddprun.heartbeat() only for this long")
+    p.add_argument("--manual-sgd", action="store_true", help="update parameters by hand (no torch.optim)")
+    p.add_argument("--write-mb", type=float, default=0.0, help="each step, print this many MB (a full disk)")
+    return p.parse_args()
+
+
+def phase(args: argparse.Namespace, rank: int) -> None:
+    """A phase without optimizer steps: evaluation (collectives) or a user phase with heartbeats."""
+    end = time.monotonic() + max(args.eval_s, args.beat_s)
+    n = 0
+    while time.monotonic() < end:
+        if args.eval_s:
+            t = torch.ones(1)
+            dist.all_reduce(t)
+        else:
+            import ddprun
+
+            ddprun.heartbeat("user phase")
+        time.sleep(0.2)
+        n += 1
+    print(f"rank {rank}: phase of {n} iterations done", flush=True)
+
+
+def main() -> None:
+    args = parse()
+    if args.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if args.atexit_hang:
+        atexit.register(lambda: time.sleep(10**6))
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(1, args.steps + 1):
+        loss = model(torch.randn(16, 8)).pow(2).mean()
+        loss.backward()
+        if args.manual_sgd:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.01 * p.grad
+                    p.grad = None
+        else:
+            opt.step()
+            opt.zero_grad()
+        if step == 1:
+            with open(os.path.join(args.pids, f"rank-{rank}.pid"), "w") as fp:
+                fp.write(str(os.getpid()))
+        if step == 3 and args.raise_rank == rank:
+            raise RuntimeError(f"injected failure on rank {rank}")
+        if step == 3 and (args.eval_s or args.beat_s):
+            phase(args, rank)
+        if args.write_mb:  # log lines that fill the disk under the run directory
+            for _ in range(int(args.write_mb * 2**20) // 100):
+                print("x" * 99)
+            sys.stdout.flush()
+        time.sleep(args.step_s)
+    print(f"rank {rank}: done after {args.steps} steps", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Bad input is one message on the console: the flag or variable, the value seen, a HINT; exit code 2
+for usage errors, and no traceback."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import DDPRUN, free_port, job_env
+
+pytestmark = pytest.mark.faults
+
+SCRIPT = str(Path(__file__).parent / "scripts" / "job.py")
+
+
+def ddprun(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([DDPRUN, *args], cwd=cwd, env=env or job_env(), capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flags, names", [
+    (["--tee", "x:1"], ["--tee", "'x:1'"]),
+    (["--redirects", "7"], ["--redirects", "'7'"]),
+    (["--join-timeout", "inf"], ["--join-timeout", "inf"]),
+    (["--stall-timeout", "nan"], ["--stall-timeout", "nan"]),
+    (["--max-restarts", "-1"], ["--max-restarts", "-1"]),
+    (["--master-port", "70000", "--master-addr", "127.0.0.1"], ["--master-port", "70000"]),
+    (["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "0"], ["Port 0", "2 nodes"]),
+    (["--nnodes", "2", "--master-addr", "nosuch.invalid", "--master-port", "29400"], ["'nosuch.invalid'",
+                                                                                     "does not resolve"]),
+], ids=["tee", "redirects", "join-inf", "stall-nan", "restarts", "port-range", "port-0-multinode", "no-such-host"])
+def test_a_bad_flag_is_one_message_with_its_value_and_a_hint(tmp_path, flags, names):
+    r = ddprun("run", *flags, SCRIPT, "--pids", str(tmp_path), cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    err = r.stderr
+    assert err.startswith("ddprun: error: ") and "HINT:" in err, err
+    assert all(n in err for n in names), err
+    assert "Traceback" not in err + r.stdout
+    assert not (tmp_path / "runs").exists(), "a refused launch must not create a run"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("line, seen", [("localhost slot=2", "did you mean slots=2?"),
+                                        ("localhost slots=two", "slots is not a positive number")])
+def test_a_malformed_hostfile_line_is_named(tmp_path, line, seen):
+    (tmp_path / "hosts").write_text(f"{line}\n")
+    r = ddprun("run", "--hostfile", str(tmp_path / "hosts"), SCRIPT, "--pids", str(tmp_path), cwd=tmp_path)
+    assert r.returncode == 2 and seen in r.stderr and f"hosts:1: {line!r}" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def worker_env(**bad: str) -> dict:
+    """A worker's environment as torch's agent gives it, with one bad DDPRUN_* value."""
+    port = free_port()
+    env = job_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
+                  TORCHELASTIC_RUN_ID="bad", DDPRUN_RUN_DIR="/nonexistent/run")
+    env.update(bad)
+    return env
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("var, value", [("DDPRUN_STALL_TIMEOUT", "abc"), ("DDPRUN_JOIN_TIMEOUT", "-5"),
+                                        ("DDPRUN_NNODES", "2:1"), ("DDPRUN_DEVICE_KIND", "tpu"),
+                                        ("DDPRUN_SOFT_EXIT", "yes")])
+def test_a_malformed_ddprun_variable_is_named_not_reported_as_an_unreachable_store(tmp_path, var, value):
+    r = subprocess.run([sys.executable, "-m", "ddprun.worker", SCRIPT, "--pids", str(tmp_path)], cwd=tmp_path,
+                       env=worker_env(**{var: value}), capture_output=True, text=True, timeout=50)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out
+    assert f"{var}={value!r}" in out and "HINT:" in out and "unreachable" not in out, out
+    assert "Traceback" not in out
+    assert not list(tmp_path.glob("rank-*.pid")), "user code ran despite the bad value"
+    assert os.environ.get(var) is None  # the test's own environment untouched

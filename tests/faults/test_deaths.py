@@ -1,0 +1,118 @@
+"""Processes that die: a worker or an agent killed (SIGKILL: the OOM killer, kill -9), an agent stopped
+(SIGTERM, Ctrl-C three times), a rank that raises on the node that hosts the store. Every node must
+name the right cause, exit non-zero within seconds, and leave no process behind."""
+
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from tests.faults.conftest import assert_nothing_left, describe
+
+pytestmark = pytest.mark.faults
+
+SLOW = ["--step-s", "0.1", "--steps", "600"]
+"""A job that trains for a minute unless something ends it."""
+
+
+def cause_line(output: str) -> str:
+    found = re.findall(r"^ddprun: the job failed: (.*)$", output, re.M)
+    return found[0] if found else ""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("where", ["store-host", "other"])
+def test_a_worker_killed_by_sigkill_is_named_on_every_node(nodes, tmp_path, where):
+    job = nodes(2, 1, SLOW)
+    pids = job.worker_pids(range(2))
+    rank = 0 if where == "store-host" else 1  # node 0's agent (rank 0's) hosts the workers' store
+    node_of_rank = job.agent_of(pids[rank])
+    killed_at = time.monotonic()
+    os.kill(pids[rank], signal.SIGKILL)
+    ended = job.finish(timeout=40)
+    assert all(e.returncode == 1 for e in ended), describe(ended)
+    for e in ended:
+        cause = cause_line(e.output)
+        assert re.fullmatch(rf"rank {rank} \(node \d, \S+\) was killed by SIGKILL", cause), describe(ended)
+        assert "HINT: killed by SIGKILL" in e.output, describe(ended)
+        assert "Traceback" not in e.output and "Connection reset" not in cause, describe(ended)
+    other = ended[1 - node_of_rank].output
+    assert re.search(rf"rank\(s\) {1 - rank} on \S+ were stopped because of it", other), describe(ended)
+    last = max(e.ended_at for e in ended) - killed_at
+    print(f"SIGKILL of rank {rank} ({where} node) -> last node exited after {last:.1f} s")
+    assert last < 15, describe(ended)
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("where", ["store-host", "other"])
+def test_an_agent_killed_by_sigkill_takes_its_workers_and_is_named_by_the_others(nodes, tmp_path, where):
+    job = nodes(2, 1, SLOW)
+    pids = job.worker_pids(range(2))
+    host = job.agent_of(pids[0])  # node 0's agent hosts the workers' store
+    victim = host if where == "store-host" else 1 - host
+    orphan = next(pid for pid in pids.values() if job.agent_of(pid) == victim)
+    killed_at = job.signal(victim, signal.SIGKILL)
+    ended = job.finish(timeout=40)
+    survivor = ended[1 - victim]
+    assert ended[victim].returncode == -signal.SIGKILL and survivor.returncode == 1, describe(ended)
+    cause = cause_line(survivor.output)
+    if where == "store-host":  # the store died with it: the survivor says which node is gone
+        assert re.fullmatch(r"the node hosting the job store was lost: the job store at \S+:\d+ stopped "
+                            r"answering.*", cause), describe(ended)
+    else:
+        assert re.fullmatch(r"node \d \(\S+\) was lost: its agent stopped answering.*", cause), describe(ended)
+    assert "frame #" not in survivor.output and "Traceback" not in survivor.output, describe(ended)
+    last = survivor.ended_at - killed_at
+    print(f"SIGKILL of the {where} agent -> survivor exited after {last:.1f} s")
+    assert last < 15, describe(ended)
+    assert_nothing_left(tmp_path)  # the killed agent's worker went with it (PR_SET_PDEATHSIG)
+    assert not os.path.exists(f"/proc/{orphan}"), "the killed agent's worker outlived it"
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("ignore", [False, True], ids=["worker-stops", "worker-ignores-sigterm"])
+def test_sigterm_to_an_agent_stops_its_workers_and_the_others_name_that_node(nodes, tmp_path, ignore):
+    job = nodes(2, 1, SLOW + (["--ignore-sigterm"] if ignore else []), extra=["--stop-grace", "3"])
+    pids = job.worker_pids(range(2))
+    victim = job.agent_of(pids[1])
+    sent_at = job.signal(victim, signal.SIGTERM)
+    ended = job.finish(timeout=40)
+    stopped, other = ended[victim], ended[1 - victim]
+    assert stopped.returncode == 128 + signal.SIGTERM and other.returncode == 1, describe(ended)
+    assert "ddprun: stopped by" in stopped.output and "SIGTERM" in stopped.output, describe(ended)
+    assert re.fullmatch(r"node \d \(\S+\) was stopped by SIGTERM: its agent got SIGTERM and stopped its workers",
+                        cause_line(other.output)), describe(ended)
+    last = max(e.ended_at for e in ended) - sent_at
+    print(f"SIGTERM to an agent ({'worker ignores it' if ignore else 'worker stops'}) -> last exit after {last:.1f} s")
+    assert last < (3 + 12 if ignore else 12), describe(ended)
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(90)
+def test_three_ctrl_c_to_an_agent_leave_no_worker_even_one_that_ignores_sigterm(nodes, tmp_path):
+    job = nodes(1, 2, SLOW + ["--ignore-sigterm"])
+    job.worker_pids(range(2))
+    for _ in range(3):
+        job.signal(0, signal.SIGINT)
+        time.sleep(0.3)
+    (ended,) = job.finish(timeout=40)
+    assert ended.returncode not in (0, None), describe([ended])
+    assert "Traceback" not in ended.output, describe([ended])
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_that_raises_is_named_by_every_node_also_when_its_node_hosts_the_store(nodes, tmp_path, rank):
+    # rank 0's node hosts the workers' store, and then ends first
+    job = nodes(2, 1, ["--step-s", "0.05", "--raise-rank", str(rank)])
+    ended = job.finish(timeout=60)
+    assert all(e.returncode == 1 for e in ended), describe(ended)
+    for e in ended:
+        assert re.fullmatch(rf"rank {rank} \(node \d, \S+\) failed: RuntimeError: injected failure on rank {rank}",
+                            cause_line(e.output)), describe(ended)
+        assert not re.search(r"^ddprun: rendezvous at \S+ failed", e.output, re.M), describe(ended)
+    assert sum("Traceback" in e.output for e in ended) <= 1, describe(ended)  # only the failing rank's own

@@ -1,0 +1,87 @@
+"""Ends that used to hang or say nothing: an atexit handler that never returns, a full disk under
+the run directory, an elastic job that loses the node hosting its store, torch's shared-store switch."""
+
+import os
+import re
+import signal
+import subprocess
+
+import pytest
+
+from tests.faults.conftest import assert_nothing_left, describe
+
+pytestmark = pytest.mark.faults
+
+
+@pytest.mark.timeout(60)
+def test_an_atexit_handler_that_never_returns_is_bounded_and_named(nodes, tmp_path):
+    job = nodes(1, 1, ["--steps", "3", "--step-s", "0", "--atexit-hang"], extra=["--exit-timeout", "2"])
+    (ended,) = job.finish(timeout=40)
+    assert ended.returncode == 1, describe([ended])
+    assert "an atexit handler did not return within 2 s; exiting anyway" in ended.output, describe([ended])
+    assert "job.py" in ended.output  # where it hangs
+    assert_nothing_left(tmp_path)
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 2 MiB tmpfs under tmp_path (root only), almost full."""
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)]).returncode:
+        pytest.fail("the full-disk test needs root to mount a tmpfs (CI runs as root)")
+    try:
+        with open(mnt / "filler", "wb") as fp:
+            try:
+                fp.write(b"\0" * (2 << 20))
+            except OSError:
+                pass
+        os.unlink(mnt / "filler")
+        with open(mnt / "filler", "wb") as fp:  # leave ~64 KiB: the run directory starts, its logs fill it
+            fp.write(b"\0" * ((2 << 20) - (64 << 10)))
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
+
+
+@pytest.mark.timeout(90)
+def test_a_full_disk_under_the_run_directory_is_said_on_the_console(nodes, tmp_path, full_disk):
+    job = nodes(1, 2, ["--steps", "50", "--step-s", "0.01", "--write-mb", "0.1"],
+                extra=["--run-dir", str(full_disk / "run")])
+    (ended,) = job.finish(timeout=60)
+    assert ended.returncode == 1, describe([ended])
+    cause = re.findall(r"^ddprun: the job failed: (.*)$", ended.output, re.M)
+    assert cause and "No space left on device" in cause[0], describe([ended])
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_an_elastic_job_that_loses_the_store_host_says_so_and_ends(nodes, tmp_path):
+    # The node hosting the rendezvous endpoint's store is the one an elastic job cannot lose (torch's
+    # c10d keeps the rendezvous state there); losing any other node, node 0 included, it re-rendezvouses
+    # and goes on (tests/multiprocess/test_restarts.py loses the other one).
+    job = nodes(2, 1, ["--steps", "600", "--step-s", "0.1"], nnodes="1:2", extra=["--max-restarts", "2"])
+    job.worker_pids(range(2))
+    host = job.store_host()
+    killed_at = job.signal(host, signal.SIGKILL)
+    ended = job.finish(timeout=60)
+    survivor = ended[1 - host]
+    assert survivor.returncode == 1, describe(ended)
+    cause = re.findall(r"^ddprun: the job failed: (.*)$", survivor.output, re.M)
+    assert cause and re.fullmatch(r"(the node hosting the job store was lost: the job store at \S+:\d+ stopped "
+                                  r"answering|node \d \(\S+\) was lost: its agent stopped answering).*", cause[0]), \
+        describe(ended)
+    assert "frame #" not in survivor.output and "Traceback" not in survivor.output, describe(ended)
+    print(f"elastic job, store host killed -> survivor exited after {survivor.ended_at - killed_at:.1f} s")
+    assert survivor.ended_at - killed_at < 20, describe(ended)
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_torchs_unshared_store_switch_is_said_not_silent(nodes, tmp_path):
+    from tests.helpers import job_env
+
+    job = nodes(1, 1, ["--steps", "3", "--step-s", "0"], env=job_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+    (ended,) = job.finish(timeout=40)
+    assert ended.returncode == 0, describe([ended])
+    assert "warning: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in ended.output and "are off" in ended.output
