@@ -73,9 +73,9 @@ class RayFitResult:
 
 
 def _is_lightning(model: Any) -> bool:
-    from ddprun.train.loop import _lightning_module
+    from ddprun.api import is_lightning_module
 
-    return _lightning_module(model)
+    return is_lightning_module(model)
 
 
 def _check(model: Any, num_workers: Any, max_failures: Any, after_fit: Any, fit_kwargs: Mapping[str, Any]) -> None:
@@ -336,7 +336,7 @@ def _check_rank(info: Any, use_gpu: bool) -> None:
 def _worker(config: dict[str, Any]) -> None:
     """Ray Train's train_loop_per_worker: ddprun.fit in the process group Ray made."""
     from ddprun import runtime
-    from ddprun.train.loop import fit as ddp_fit
+    from ddprun.api import fit as ddp_fit
 
     # This actor's device kind is the job's choice, not what torch sees (ddprun.runtime reads it).
     os.environ["DDPRUN_DEVICE_KIND"] = "cuda" if config["use_gpu"] else "cpu"
