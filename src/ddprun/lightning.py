@@ -43,7 +43,8 @@ from ddprun import runtime
 from ddprun.errors import ConfigError
 from ddprun.mismatch import TrainerMismatch, launch_shape
 from ddprun.runtime import RankInfo
-from ddprun.train.loop import PRECISIONS, FitResult, _int_at_least, _run_dir
+from ddprun.train.loop import FitResult, resolve_run_dir
+from ddprun.train.options import PRECISIONS, int_at_least
 
 __all__ = ["DdprunEnvironment", "LaunchCheck", "LightningFitResult", "fit_lightning", "trainer_kwargs"]
 
@@ -210,13 +211,13 @@ def _check(model: Any, train_data: Any, val_data: Any, datamodule: Any, trainer_
     if clash:
         raise ConfigError("trainer_kwargs repeats arguments fit() has itself.", seen=f"trainer_kwargs keys {clash}",
                           hint="Give them to fit: " + ", ".join(f"{k} -> {_FIT_ARGS[k]}=" for k in clash) + ".")
-    _int_at_least("epochs", numbers["epochs"], 1, optional=True)
-    _int_at_least("max_steps", numbers["max_steps"], 1, optional=True)
-    _int_at_least("batch_size", numbers["batch_size"], 1)
-    _int_at_least("grad_accum", numbers["grad_accum"], 1)
-    _int_at_least("log_every", numbers["log_every"], 1)
-    _int_at_least("seed", numbers["seed"], 0)
-    _int_at_least("checkpoint_every", numbers["checkpoint_every"], 1, optional=True)
+    int_at_least("epochs", numbers["epochs"], 1, optional=True)
+    int_at_least("max_steps", numbers["max_steps"], 1, optional=True)
+    int_at_least("batch_size", numbers["batch_size"], 1)
+    int_at_least("grad_accum", numbers["grad_accum"], 1)
+    int_at_least("log_every", numbers["log_every"], 1)
+    int_at_least("seed", numbers["seed"], 0)
+    int_at_least("checkpoint_every", numbers["checkpoint_every"], 1, optional=True)
     if str(numbers["precision"]) not in PRECISIONS:
         raise ConfigError("Unknown precision.", seen=f"precision={numbers['precision']!r}",
                           hint="Use '32' (default), 'bf16' or '16' (CUDA only); Lightning's '32-true', "
@@ -281,7 +282,7 @@ def fit_lightning(model: pl.LightningModule, train_data: Any = None, *, val_data
     user = dict(trainer_kwargs or {})
     info = runtime.init()
     settings = _launch_args(info, user)
-    run_dir = _run_dir(run_dir, info)
+    run_dir = resolve_run_dir(run_dir, info)
 
     train_loader = val_loader = None
     if train_data is not None:

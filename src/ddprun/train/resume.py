@@ -93,9 +93,9 @@ class Checkpoints:
             # Every rank finished the same fits, so every rank decides the same.
             wanted = False
             if info.is_main:
-                # stacklevel: the user's ddprun.fit line (open <- fit_module <- ddprun.api.fit)
+                # stacklevel: the user's ddprun.fit line (open <- _setup <- fit_module <- ddprun.api.fit)
                 warnings.warn(f"ddprun: fit() already ran in this process with checkpoints in {directory}; this "
-                              "fit() starts anew (resume=True or a path continues from them).", stacklevel=4)
+                              "fit() starts anew (resume=True or a path continues from them).", stacklevel=5)
         if not _distributed(info):
             self = cls(directory, info, keep)
             cls._prepare(directory)
