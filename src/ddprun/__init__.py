@@ -24,8 +24,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     "init": ("ddprun.runtime", "init"),
     "rank_info": ("ddprun.runtime", "rank_info"),
     "RankInfo": ("ddprun.runtime", "RankInfo"),
-    "fit": ("ddprun.train.loop", "fit"),
-    "FitResult": ("ddprun.train.loop", "FitResult"),
+    "fit": ("ddprun.api", "fit"),
+    "FitResult": ("ddprun.api", "FitResult"),
     "launch": ("ddprun.agent.fnlaunch", "launch"),
 }
 
@@ -34,7 +34,7 @@ __all__ = ["__version__", *_LAZY]
 if TYPE_CHECKING:
     from ddprun.agent.fnlaunch import launch
     from ddprun.runtime import RankInfo, init, rank_info
-    from ddprun.train.loop import FitResult, fit
+    from ddprun.api import FitResult, fit
 
 
 def __getattr__(name: str) -> Any:

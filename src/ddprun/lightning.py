@@ -51,7 +51,8 @@ from ddprun import runtime
 from ddprun.errors import ConfigError
 from ddprun.mismatch import TrainerMismatch, launch_shape
 from ddprun.runtime import RankInfo
-from ddprun.train.loop import PRECISIONS, FitResult, _int_at_least, _run_dir
+from ddprun.train.loop import FitResult, resolve_run_dir
+from ddprun.train.options import PRECISIONS, int_at_least
 
 __all__ = ["DdprunEnvironment", "LaunchCheck", "LightningFitResult", "fit_lightning", "trainer_kwargs"]
 
@@ -226,13 +227,13 @@ def _check(model: Any, train_data: Any, val_data: Any, datamodule: Any, trainer_
     if clash:
         raise ConfigError("trainer_kwargs repeats arguments fit() has itself.", seen=f"trainer_kwargs keys {clash}",
                           hint="Give them to fit: " + ", ".join(f"{k} -> {_FIT_ARGS[k]}=" for k in clash) + ".")
-    _int_at_least("epochs", numbers["epochs"], 1, optional=True)
-    _int_at_least("max_steps", numbers["max_steps"], 1, optional=True)
-    _int_at_least("batch_size", numbers["batch_size"], 1)
-    _int_at_least("grad_accum", numbers["grad_accum"], 1)
-    _int_at_least("log_every", numbers["log_every"], 1)
-    _int_at_least("seed", numbers["seed"], 0)
-    _int_at_least("checkpoint_every", numbers["checkpoint_every"], 1, optional=True)
+    int_at_least("epochs", numbers["epochs"], 1, optional=True)
+    int_at_least("max_steps", numbers["max_steps"], 1, optional=True)
+    int_at_least("batch_size", numbers["batch_size"], 1)
+    int_at_least("grad_accum", numbers["grad_accum"], 1)
+    int_at_least("log_every", numbers["log_every"], 1)
+    int_at_least("seed", numbers["seed"], 0)
+    int_at_least("checkpoint_every", numbers["checkpoint_every"], 1, optional=True)
     if str(numbers["precision"]) not in PRECISIONS:
         raise ConfigError("Unknown precision.", seen=f"precision={numbers['precision']!r}",
                           hint="Use '32' (default), 'bf16' or '16' (CUDA only); Lightning's '32-true', "
@@ -297,23 +298,12 @@ def fit_lightning(model: pl.LightningModule, train_data: Any = None, *, val_data
     user = dict(trainer_kwargs or {})
     info = runtime.init()
     settings = _launch_args(info, user)
-    run_dir = _run_dir(run_dir, info)
-
-    train_loader = val_loader = None
-    if train_data is not None:
-        from ddprun.train.data import build_train_loader
-
-        train_loader = build_train_loader(train_data, batch_size=batch_size, info=info, seed=seed,
-                                          num_workers=num_workers).loader
-        if val_data is not None:
-            val_loader = _val_loader(val_data, batch_size, info, num_workers)
-
-    callbacks = user.pop("callbacks", None) or []
-    callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+    run_dir = resolve_run_dir(run_dir, info)
+    train_loader, val_loader = _loaders(train_data, val_data, batch_size, info, seed, num_workers)
     ckpt_dir = checkpoint_dir or os.path.join(run_dir, "checkpoints")
-    if user.get("enable_checkpointing", True) and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=checkpoint_every))
-    callbacks.append(_TrainingTimeout())
+    # the user's callbacks are added to ddprun's, not given to the Trainer in place of them
+    callbacks = _callbacks(user.pop("callbacks", None), user.get("enable_checkpointing", True), ckpt_dir,
+                           checkpoint_every)
     if epochs is None:
         epochs = 1 if max_steps is None else -1  # -1: Lightning's "unbounded"
     settings.update(
@@ -328,6 +318,31 @@ def fit_lightning(model: pl.LightningModule, train_data: Any = None, *, val_data
     trainer.fit(model, train_dataloaders=train_loader, val_dataloaders=val_loader, datamodule=datamodule,
                 ckpt_path=_agreed(_resume_path(resume, ckpt_dir), info))
     return _result(trainer, model, run_dir, info)
+
+
+def _loaders(train_data: Any, val_data: Any, batch_size: int, info: RankInfo, seed: int,
+             num_workers: int | None) -> tuple[Any, Any]:
+    """(train, val) loaders for ``trainer.fit``; (None, None) with a datamodule. Training batches are
+    sharded by ddprun (as in ``ddprun.fit``), validation by Lightning."""
+    if train_data is None:
+        return None, None
+    from ddprun.train.data import build_train_loader
+
+    train_loader = build_train_loader(train_data, batch_size=batch_size, info=info, seed=seed,
+                                      num_workers=num_workers).loader
+    val_loader = _val_loader(val_data, batch_size, info, num_workers) if val_data is not None else None
+    return train_loader, val_loader
+
+
+def _callbacks(given: Any, checkpointing: bool, ckpt_dir: str, every: int | None) -> list:
+    """The user's callbacks (one or a list), a ModelCheckpoint unless they have one or checkpointing is
+    off, and ddprun's training-timeout switch."""
+    callbacks = given or []
+    callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+    if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=every))
+    callbacks.append(_TrainingTimeout())
+    return callbacks
 
 
 def _resume_path(resume: bool | str | os.PathLike, ckpt_dir: str) -> str | None:

@@ -77,8 +77,8 @@ def _is_lightning(model: Any) -> bool:
 
 
 def _lightning_package(model: Any) -> str | None:
-    """``lightning.pytorch`` / ``pytorch_lightning`` / None (ddprun.train.loop.lightning_package)."""
-    from ddprun.train.loop import lightning_package
+    """``lightning.pytorch`` / ``pytorch_lightning`` / None (ddprun.api.lightning_package)."""
+    from ddprun.api import lightning_package
 
     return lightning_package(model)
 
@@ -344,10 +344,12 @@ def _check_rank(info: Any, use_gpu: bool) -> None:
 def _worker(config: dict[str, Any]) -> None:
     """Ray Train's train_loop_per_worker: ddprun.fit in the process group Ray made."""
     from ddprun import runtime
-    from ddprun.train.loop import fit as ddp_fit
+    from ddprun.api import fit as ddp_fit
 
     # This actor's device kind is the job's choice, not what torch sees (ddprun.runtime reads it).
-    os.environ["DDPRUN_DEVICE_KIND"] = "cuda" if config["use_gpu"] else "cpu"
+    from ddprun.protocol.env import DEVICE_KIND
+
+    os.environ[DEVICE_KIND] = "cuda" if config["use_gpu"] else "cpu"
     runtime._reset()  # a reused worker process must not keep a previous run's RankInfo
     info = runtime.init()
     _check_rank(info, config["use_gpu"])

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from ddprun.protocol.env import device_kind
 from ddprun.errors import ClusterError, ConfigError
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ def _use_cuda(environ: Mapping[str, str]) -> bool:
     import torch
 
     # The launcher decided cuda|cpu for the whole job; cpu there wins over a GPU seen here.
-    return torch.cuda.is_available() and environ.get("DDPRUN_DEVICE_KIND", "cuda") != "cpu"
+    return torch.cuda.is_available() and device_kind(environ) != "cpu"
 
 
 def _device(local_rank: int | None, use_cuda: bool) -> torch.device:

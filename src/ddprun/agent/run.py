@@ -27,7 +27,7 @@ from ddprun.config import LaunchConfig
 from ddprun.errors import ConfigError, LaunchError
 from ddprun.protocol import defaults
 from ddprun.protocol import failure as fr
-from ddprun.protocol.env import WorkerEnv
+from ddprun.protocol.env import JOB_TOKEN, WorkerEnv
 from ddprun.protocol.rundir import RunDir, new_run_id
 
 
@@ -35,8 +35,8 @@ def job_token(environ: Mapping[str, str], spec: ClusterSpec) -> str:
     """The job's token: DDPRUN_JOB_TOKEN if set (every node must agree); else one derived from the
     scheduler's job id where there is one; else, single-node, a random one; else empty (then jobs
     are told apart by run id only)."""
-    if environ.get("DDPRUN_JOB_TOKEN"):
-        return environ["DDPRUN_JOB_TOKEN"]
+    if environ.get(JOB_TOKEN):  # set by the user on every node
+        return environ[JOB_TOKEN]
     for key in ("SLURM_JOB_ID", "TRAINING_JOB_NAME", "PBS_JOBID", "LSB_JOBID"):
         if environ.get(key):
             return f"{key}={environ[key]}"

@@ -189,11 +189,28 @@ def resolve(cfg: LaunchConfig, environ: Mapping[str, str], node: NodeFacts,
     if launcher:
         reading = one_agent_per_node(reading, env.name)
     facts = _overlay_flags(reading, cfg, node)
+    facts, node_notes = _with_node_defaults(facts, node)
+    facts = _with_master(facts, env, dry_run)
+    facts, rdzv_notes = _with_rendezvous(facts)
+    _check_per_process(facts, env.name)
+    if "run_id" not in facts:
+        facts["run_id"] = (
+            Fact("ddprun", "default for multi-node (give --rdzv-id JOB to keep jobs apart)")
+            if _multi_node(facts) else Fact("", "generated at launch")
+        )
+    return _spec(env.name, facts, (*notes, *node_notes, *rdzv_notes))
 
+
+def _multi_node(facts: Reading) -> bool:
+    return facts["max_nodes"].value > 1
+
+
+def _with_node_defaults(facts: Reading, node: NodeFacts) -> tuple[Reading, list[str]]:
+    """Node count, processes per node and device where nothing gave them; a note when the scheduler
+    allocated GPUs torch does not see."""
+    facts, notes = dict(facts), []
     if "min_nodes" not in facts:
         facts["min_nodes"] = facts["max_nodes"] = Fact(1, "default: one node")
-    multi_node = facts["max_nodes"].value > 1
-
     if "nproc_per_node" not in facts:
         if node.cuda_devices:
             facts["nproc_per_node"] = Fact(node.cuda_devices, f"every visible GPU ({node.cuda_devices} on {node.hostname})")
@@ -206,7 +223,13 @@ def resolve(cfg: LaunchConfig, environ: Mapping[str, str], node: NodeFacts,
         notes.append(f"{allocated.source}, but torch sees no CUDA device on {node.hostname}: "
                      f"{facts['nproc_per_node'].value} process(es) per node run on cpu "
                      "(if this node has GPUs, check nvidia-smi and that torch is a CUDA build).")
+    return facts, notes
 
+
+def _with_master(facts: Reading, env: ClusterEnvironment, dry_run: bool = False) -> Reading:
+    """The rendezvous address and port: required for several nodes (``dry_run``: left unresolved),
+    loopback and a free port for one."""
+    facts, multi_node = dict(facts), _multi_node(facts)
     if "master_addr" not in facts:
         facts["master_addr"] = _default_master(facts, env, multi_node, dry_run)
     if "master_port" not in facts:
@@ -214,13 +237,19 @@ def resolve(cfg: LaunchConfig, environ: Mapping[str, str], node: NodeFacts,
             Fact(DEFAULT_MASTER_PORT, f"default ({DEFAULT_MASTER_PORT}, as torchrun)")
             if multi_node else Fact(0, "default: a free port (single node)")
         )
+    return facts
+
+
+def _with_rendezvous(facts: Reading) -> tuple[Reading, list[str]]:
+    """The rendezvous backend, and the node rank it allows: c10d assigns node ranks (a given one is
+    dropped with a note), static needs one on several nodes and a fixed node count."""
+    facts, notes, multi_node = dict(facts), [], _multi_node(facts)
     if "rdzv_backend" not in facts:
         facts["rdzv_backend"] = Fact("c10d", "default (c10d: node ranks by arrival, no duplicates)")
     backend = facts["rdzv_backend"].value
     if backend not in RDZV_BACKENDS:
         raise ConfigError("Unknown rendezvous backend.", seen=f"{backend!r} ({facts['rdzv_backend'].source})",
                           hint=f"Use one of {', '.join(RDZV_BACKENDS)} (c10d is the default).")
-
     node_rank = facts.get("node_rank")
     if node_rank is not None:
         if not 0 <= node_rank.value < facts["max_nodes"].value:
@@ -246,22 +275,18 @@ def resolve(cfg: LaunchConfig, environ: Mapping[str, str], node: NodeFacts,
             "Static rendezvous cannot be elastic.", seen=f"nnodes {facts['min_nodes'].value}:{facts['max_nodes'].value}",
             hint="Use --rdzv-backend c10d for --nnodes MIN:MAX.",
         )
+    return facts, notes
 
-    _check_per_process(facts, env.name)
 
-    if "run_id" not in facts:
-        facts["run_id"] = (
-            Fact("ddprun", "default for multi-node (give --rdzv-id JOB to keep jobs apart)")
-            if multi_node else Fact("", "generated at launch")
-        )
-
+def _spec(environment: str, facts: Reading, notes: Sequence[str]) -> ClusterSpec:
+    """The ClusterSpec of resolved ``facts``, every value with its source."""
     get = lambda k: facts[k].value if k in facts else None  # noqa: E731
     return ClusterSpec(
-        environment=env.name,
+        environment=environment,
         min_nodes=get("min_nodes"), max_nodes=get("max_nodes"),
         nproc_per_node=get("nproc_per_node"), node_rank=get("node_rank"),
         master_addr=get("master_addr"), master_port=get("master_port"),
-        rdzv_backend=backend, run_id=get("run_id"), device=get("device"),
+        rdzv_backend=get("rdzv_backend"), run_id=get("run_id"), device=get("device"),
         sources={k: f.source for k, f in facts.items()},
         rank=get("rank"), local_rank=get("local_rank"), world_size=get("world_size"),
         notes=tuple(notes), ifname=get("ifname"),

@@ -160,68 +160,25 @@ def plan_network(spec: ClusterSpec, probe: NetProbe, environ: Mapping[str, str],
             src["local_addr"] = f"--local-addr {local_addr}"
         return NetworkPlan(local_addr=local_addr, sources=src)
 
-    master, master_src = spec.master_addr, spec.sources.get("master_addr", "")
-    ifs = probe.interfaces
-    own = {a: n for n, addrs in ifs.items() for a in addrs}
-    ifs_seen = "; ".join(f"{n}: {', '.join(a) or '-'}" for n, a in ifs.items()) or "no interface found"
     if not probe.master_addrs:
         raise ClusterError(
             "The rendezvous host does not resolve on this node.",
-            seen=f"{master} ({master_src})",
+            seen=f"{spec.master_addr} ({spec.sources.get('master_addr', '')})",
             hint="Make every node resolve it (DNS or /etc/hosts), or give its IP address "
                  "(--rdzv-endpoint IP:PORT or --master-addr IP).",
         )
-    resolved = ", ".join(probe.master_addrs)
-    mine = [a for a in probe.master_addrs if is_loopback(a) or a in own]
-
-    user_is_host = rdzv_conf.get("is_host")
-    if user_is_host is not None:
-        is_host = str(user_is_host).strip().lower() in ("1", "true", "t", "yes", "y")
-        is_host_src = f"--rdzv-conf is_host={user_is_host}"
-    elif mine:
-        is_host = True
-        where = own.get(mine[0], "loopback")
-        is_host_src = f"{master} resolves to {resolved}; {mine[0]} is this node's ({where})"
-    else:
-        is_host = False
-        is_host_src = f"{master} resolves to {resolved}, none of this node's addresses ({ifs_seen})"
-
-    if spec.rdzv_backend == "static" and spec.node_rank == 0 and not is_host:
-        raise ClusterError(
-            "This node has node rank 0, which hosts the rendezvous store under static rendezvous, "
-            "but the rendezvous host is another machine.",
-            seen=f"node rank 0 ({spec.sources.get('node_rank', '')}); rendezvous host {master} ({master_src}) "
-                 f"resolves to {resolved}; this node's addresses: {ifs_seen}",
-            hint="Node rank 0 must run on the rendezvous host: check which host is first (hostfile line, "
-                 "SLURM nodelist, SM_HOSTS) or that MASTER_ADDR/--master-addr names the host of rank 0, and that "
-                 "its name resolves to this node here. If the address is this node's behind NAT, pass "
-                 "--rdzv-conf is_host=1.",
-        )
-
+    is_host, is_host_src = _is_host(spec, probe, rdzv_conf)
+    _check_static_host(spec, probe, is_host)
+    ifs = probe.interfaces
     named, named_src = _named_interface(spec, environ)
     if named is not None and named not in ifs:
         raise ClusterError(
             "The network interface named for this job does not exist on this node.",
-            seen=f"{named} ({named_src}); interfaces: {ifs_seen}",
+            seen=f"{named} ({named_src}); interfaces: {_interfaces_seen(ifs)}",
             hint="Name an interface of this node (ip addr), or unset the variable to let ddprun pick "
                  "the one that routes to the rendezvous host.",
         )
-
-    if local_addr:
-        addr, addr_src = local_addr, f"--local-addr {local_addr}"
-    elif named is not None and _first_usable(ifs[named]):
-        addr, addr_src = _first_usable(ifs[named]), f"address of {named}, named by {named_src}"
-    elif probe.route_src and not is_loopback(probe.route_src):
-        addr, addr_src = probe.route_src, f"source address of the route to {master} ({probe.master_addrs[0]})"
-    elif is_host:
-        addr, addr_src = _host_address(ifs, probe.default_ifname, master, resolved, ifs_seen)
-    else:
-        raise ClusterError(
-            "This node has no route to the rendezvous host.",
-            seen=f"{master} ({master_src}) resolves to {resolved}; this node's addresses: {ifs_seen}",
-            hint="Check the network between the nodes (ip route get <address>), or the rendezvous host's name.",
-        )
-
+    addr, addr_src = _local_address(spec, probe, is_host, local_addr, named, named_src)
     if named is not None:
         ifname, if_src = named, named_src
     else:
@@ -232,6 +189,66 @@ def plan_network(spec: ClusterSpec, probe: NetProbe, environ: Mapping[str, str],
     return NetworkPlan(is_host=is_host, local_addr=addr, ifname=ifname,
                        sources={"is_host": is_host_src, "local_addr": addr_src, "ifname": if_src},
                        worker_env=worker_env, rdzv_conf=rdzv)
+
+
+def _interfaces_seen(ifs: Mapping[str, tuple[str, ...]]) -> str:
+    """This node's interfaces and addresses, for messages."""
+    return "; ".join(f"{n}: {', '.join(a) or '-'}" for n, a in ifs.items()) or "no interface found"
+
+
+def _is_host(spec: ClusterSpec, probe: NetProbe, rdzv_conf: Mapping[str, str]) -> tuple[bool, str]:
+    """Whether this node hosts the store, and why: the user's is_host, else whether the rendezvous
+    host resolves to a loopback address or one of this node's."""
+    master, resolved = spec.master_addr, ", ".join(probe.master_addrs)
+    own = {a: n for n, addrs in probe.interfaces.items() for a in addrs}
+    mine = [a for a in probe.master_addrs if is_loopback(a) or a in own]
+    user_is_host = rdzv_conf.get("is_host")
+    if user_is_host is not None:
+        return (str(user_is_host).strip().lower() in ("1", "true", "t", "yes", "y"),
+                f"--rdzv-conf is_host={user_is_host}")
+    if mine:
+        where = own.get(mine[0], "loopback")
+        return True, f"{master} resolves to {resolved}; {mine[0]} is this node's ({where})"
+    ifs_seen = _interfaces_seen(probe.interfaces)
+    return False, f"{master} resolves to {resolved}, none of this node's addresses ({ifs_seen})"
+
+
+def _check_static_host(spec: ClusterSpec, probe: NetProbe, is_host: bool) -> None:
+    """Under static rendezvous node rank 0 hosts the store, so it must run on the rendezvous host."""
+    if not (spec.rdzv_backend == "static" and spec.node_rank == 0 and not is_host):
+        return
+    raise ClusterError(
+        "This node has node rank 0, which hosts the rendezvous store under static rendezvous, "
+        "but the rendezvous host is another machine.",
+        seen=f"node rank 0 ({spec.sources.get('node_rank', '')}); rendezvous host {spec.master_addr} "
+             f"({spec.sources.get('master_addr', '')}) resolves to {', '.join(probe.master_addrs)}; this node's "
+             f"addresses: {_interfaces_seen(probe.interfaces)}",
+        hint="Node rank 0 must run on the rendezvous host: check which host is first (hostfile line, "
+             "SLURM nodelist, SM_HOSTS) or that MASTER_ADDR/--master-addr names the host of rank 0, and that "
+             "its name resolves to this node here. If the address is this node's behind NAT, pass "
+             "--rdzv-conf is_host=1.",
+    )
+
+
+def _local_address(spec: ClusterSpec, probe: NetProbe, is_host: bool, local_addr: str | None, named: str | None,
+                   named_src: str) -> tuple[str, str]:
+    """The address other nodes reach this one at, and why (module docstring's order)."""
+    ifs, master = probe.interfaces, spec.master_addr
+    if local_addr:
+        return local_addr, f"--local-addr {local_addr}"
+    if named is not None and _first_usable(ifs[named]):
+        return _first_usable(ifs[named]), f"address of {named}, named by {named_src}"
+    if probe.route_src and not is_loopback(probe.route_src):
+        return probe.route_src, f"source address of the route to {master} ({probe.master_addrs[0]})"
+    resolved, ifs_seen = ", ".join(probe.master_addrs), _interfaces_seen(ifs)
+    if is_host:
+        return _host_address(ifs, probe.default_ifname, master, resolved, ifs_seen)
+    raise ClusterError(
+        "This node has no route to the rendezvous host.",
+        seen=f"{master} ({spec.sources.get('master_addr', '')}) resolves to {resolved}; this node's addresses: "
+             f"{ifs_seen}",
+        hint="Check the network between the nodes (ip route get <address>), or the rendezvous host's name.",
+    )
 
 
 def _host_address(ifs: Mapping[str, tuple[str, ...]], default_ifname: str | None, master: str, resolved: str,

@@ -100,6 +100,15 @@ def inside_worker(environ: Mapping[str, str]) -> bool:
     return bool(environ.get(RUN_DIR))
 
 
+def device_kind(environ: Mapping[str, str]) -> str | None:
+    """The device kind the launcher chose for the whole job (``cuda``/``cpu``), None when no launcher
+    did (plain torchrun: use a GPU if there is one). Also set alone by ddprun.ray in its workers."""
+    raw = environ.get(DEVICE_KIND)
+    if raw in (None, ""):
+        return None
+    return str(_parse(DEVICE_KIND, raw, "cpu"))
+
+
 def soft_exit(environ: Mapping[str, str]) -> bool:
     return environ.get(SOFT_EXIT) == "1"
 

@@ -32,7 +32,9 @@ OWNER_KEY = "ddprun/endpoint-owner"
 
 def attempt_id(environ: Mapping[str, str]) -> str:
     """This worker group's attempt id: DDPRUN_ATTEMPT (set by ``ddprun run``), else ``c<restart count>``."""
-    return environ.get("DDPRUN_ATTEMPT") or f"c{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    from ddprun.protocol.env import ATTEMPT
+
+    return environ.get(ATTEMPT) or f"c{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def store_prefix(environ: Mapping[str, str]) -> str:

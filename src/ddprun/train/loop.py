@@ -1,7 +1,9 @@
-"""``fit``: data-parallel training of a plain ``nn.Module``, the loop nanoGPT writes by hand.
+"""``fit_module``: data-parallel training of a plain ``nn.Module``, the loop nanoGPT writes by hand.
 
-What happens on every rank, in order:
-  1. arguments checked (ConfigError with a HINT, on every rank, before any collective);
+``ddprun.fit`` (:mod:`ddprun.api`) calls it for every model that is not a LightningModule. What
+happens on every rank, in order:
+  1. arguments checked (:meth:`FitOptions.build <ddprun.train.options.FitOptions.build>`: ConfigError
+     with a HINT, on every rank, before any collective);
   2. :func:`ddprun.init` joins the process group (none under plain ``python``);
   3. loaders built (:mod:`ddprun.train.data`), the model moved to this rank's device, the optimizer
      and scheduler made from their factories;
@@ -15,6 +17,8 @@ What happens on every rank, in order:
   7. every ``checkpoint_every`` steps and at the end a checkpoint (every rank's RNG states gathered
      once, rank 0 writes atomically, a barrier); at the start, a run whose checkpoint_dir has one
      resumes from it (:mod:`ddprun.train.resume`: a restarted worker group continues bit for bit).
+
+Steps 2-4 are :func:`_setup`; the rest is :class:`_Loop`, which holds the loop's state.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -34,16 +37,20 @@ from torch import nn
 
 from ddprun import runtime
 from ddprun.errors import ConfigError
+from ddprun.protocol.env import WorkerEnv
 from ddprun.runtime import RankInfo
+from ddprun.telemetry import TIMER
 from ddprun.train import checkpoint as ckpt
 from ddprun.train import resume as resume_mod
-from ddprun.telemetry import TIMER
 from ddprun.train import timing
 from ddprun.train.data import build_train_loader, build_val_loader
 from ddprun.train.metrics import MetricsLog
+from ddprun.train.options import FitOptions
 from ddprun.train.progress import Progress
 
-PRECISIONS = {"32": "32", "32-true": "32", "bf16": "bf16", "bf16-mixed": "bf16", "16": "16", "16-mixed": "16"}
+# Frames from a warning's caller in this module up to the user's ``ddprun.fit(...)`` line:
+# _unwrap <- _setup <- fit_module <- ddprun.api.fit <- the user.
+_USER_FRAME = 5
 
 
 @dataclass
@@ -82,68 +89,6 @@ class CheckpointSaved:
     it: the last validation's, if any."""
 
 
-# -- argument checks ------------------------------------------------------------------------------
-
-def _int_at_least(name: str, value: Any, low: int, *, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{name} must be an integer >= {low}" + (" or None." if optional else "."),
-                          seen=f"{name}={value!r}", hint=f"Give e.g. {name}={max(low, 1)}.")
-
-
-def _check_callable(name: str, value: Any, signature: str) -> None:
-    if value is not None and not callable(value):
-        raise ConfigError(f"{name} must be a callable {signature}.", seen=f"{name}: {type(value).__name__}",
-                          hint=f"Pass a function or lambda: {signature}.")
-
-
-def _check_args(model: Any, *, loss_fn, training_step, optimizer, scheduler, epochs, max_steps, batch_size,
-                grad_accum, precision, grad_clip, seed, val_metrics, log_every) -> str:
-    """Every check that needs no process group; returns the normalised precision."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(model, DistributedDataParallel):
-        raise ConfigError("fit() got a model already wrapped in DistributedDataParallel.",
-                          seen=f"model: DistributedDataParallel({type(model.module).__name__})",
-                          hint="Pass the plain module (model.module); fit() wraps it when world_size > 1.")
-    if not isinstance(model, nn.Module):
-        raise ConfigError("fit() trains a torch.nn.Module.", seen=f"model: {type(model).__name__}",
-                          hint="Pass an nn.Module (a LightningModule goes through ddprun's Lightning adapter).")
-    if training_step is None and loss_fn is None:
-        raise ConfigError("fit() needs a way to compute the loss.", seen="loss_fn=None, training_step=None",
-                          hint="Give loss_fn=torch.nn.functional.cross_entropy (batches of (inputs, targets)), "
-                               "or training_step=lambda model, batch: <scalar loss>.")
-    if training_step is not None and loss_fn is not None:
-        raise ConfigError("fit() got both loss_fn and training_step.", seen="loss_fn and training_step both given",
-                          hint="Give one: training_step computes the loss itself (it may call your loss_fn).")
-    _check_callable("loss_fn", loss_fn, "(outputs, targets) -> scalar loss")
-    _check_callable("training_step", training_step, "(model, batch) -> scalar loss")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        _check_callable("optimizer", optimizer, "params -> torch.optim.Optimizer")
-    _check_callable("scheduler", scheduler, "optimizer -> LR scheduler")
-    _int_at_least("epochs", epochs, 1, optional=True)
-    _int_at_least("max_steps", max_steps, 1, optional=True)
-    _int_at_least("batch_size", batch_size, 1)
-    _int_at_least("grad_accum", grad_accum, 1)
-    _int_at_least("log_every", log_every, 1)
-    _int_at_least("seed", seed, 0)
-    if grad_clip is not None and (isinstance(grad_clip, bool) or not isinstance(grad_clip, (int, float))
-                                  or not grad_clip > 0):
-        raise ConfigError("grad_clip must be a positive max gradient norm, or None.", seen=f"grad_clip={grad_clip!r}",
-                          hint="e.g. grad_clip=1.0.")
-    if val_metrics is not None:
-        if not isinstance(val_metrics, Mapping) or not all(isinstance(k, str) and callable(f)
-                                                           for k, f in val_metrics.items()):
-            raise ConfigError("val_metrics must map names to callables (outputs, targets) -> value(s).",
-                              seen=f"val_metrics: {val_metrics!r}",
-                              hint="e.g. val_metrics={'accuracy': lambda out, y: (out.argmax(1) == y).float()}.")
-    key = str(precision)
-    if key not in PRECISIONS:
-        raise ConfigError("Unknown precision.", seen=f"precision={precision!r}",
-                          hint="Use '32' (default), 'bf16' (autocast to bfloat16) or '16' (float16, CUDA only).")
-    return PRECISIONS[key]
-
 
 # -- setup --------------------------------------------------------------------------------------
 
@@ -151,9 +96,17 @@ def _unwrap(model: nn.Module, info: RankInfo) -> nn.Module:
     if isinstance(model, nn.DataParallel):
         if info.is_main:
             warnings.warn("ddprun: the model is wrapped in nn.DataParallel; fit() unwraps it and trains "
-                          "model.module with DDP, one process per device (DataParallel is never used).", stacklevel=3)
+                          "model.module with DDP, one process per device (DataParallel is never used).",
+                          stacklevel=_USER_FRAME)
         return model.module
     return model
+
+
+def _check_trainable(module: nn.Module) -> None:
+    if not any(p.requires_grad for p in module.parameters()):
+        raise ConfigError("The model has no trainable parameters.",
+                          seen=f"{type(module).__name__}: {sum(1 for _ in module.parameters())} parameters, "
+                               "none with requires_grad", hint="Unfreeze at least one parameter.")
 
 
 def _amp(precision: str, device: torch.device) -> tuple[Callable[[], Any], Any]:
@@ -198,11 +151,17 @@ def _make_scheduler(scheduler: Any, opt: torch.optim.Optimizer) -> Any:
     return sched
 
 
-def _run_dir(run_dir: str | None, info: RankInfo) -> str:
+def launcher_run_dir() -> str | None:
+    """The run dir ``ddprun run`` gave this worker (protocol/env.py), if any: fit's one read of it."""
+    wenv = WorkerEnv.from_environ(os.environ)
+    return wenv.run_dir if wenv is not None else None
+
+
+def resolve_run_dir(run_dir: str | None, info: RankInfo) -> str:
     """``run_dir``, else DDPRUN_RUN_DIR, else ``runs/<timestamp>`` chosen by rank 0 for every rank."""
     if run_dir:
         return os.path.abspath(run_dir)
-    env_dir = os.environ.get("DDPRUN_RUN_DIR")
+    env_dir = launcher_run_dir()
     if env_dir:
         return env_dir
     from ddprun.config import DEFAULT_RUNS_ROOT
@@ -214,6 +173,16 @@ def _run_dir(run_dir: str | None, info: RankInfo) -> str:
 
         dist.broadcast_object_list(chosen, src=0)  # once, at setup: ranks' clocks may straddle a second
     return chosen[0]
+
+
+def _wrap(module: nn.Module, info: RankInfo) -> nn.Module:
+    """``module`` in DDP when world_size > 1 (its constructor broadcasts rank 0's state), else itself."""
+    if info.world_size <= 1:
+        return module
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = info.device
+    return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
 
 
 # -- the step -----------------------------------------------------------------------------------
@@ -453,354 +422,316 @@ class _Skipped:
         return max(0, len(self.loader) - self.n)
 
 
-LIGHTNING_PACKAGES = {"lightning.pytorch": "ddprun.lightning", "pytorch_lightning": "ddprun.pytorch_lightning"}
-"""Each Lightning package ddprun drives -> the ddprun module that drives it."""
+# -- the run ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Parts:
+    """What :func:`_setup` made; fixed for the whole run (the objects themselves change as they train)."""
+
+    info: RankInfo
+    module: nn.Module
+    """The plain module, on this rank's device."""
+    ddp: nn.Module
+    """``module`` in DDP when world_size > 1, else ``module`` itself."""
+    opt: torch.optim.Optimizer
+    sched: Any
+    scaler: Any
+    amp: Callable[[], Any]
+    loader: Any
+    sampler: Any
+    """The loader's ResumableSampler, or None (a DataLoader kept as given, in one process)."""
+    sized: bool
+    """Whether an epoch's length is known (no IterableDataset without a sampler)."""
+    batch_size: int
+    val_loader: Any
+    run_dir: str
+    ckpts: resume_mod.Checkpoints
+    resumed: resume_mod.Resumed | None
+    total: int | None
+    """Optimizer steps of the run, when known (the progress bar)."""
+
+    @property
+    def is_ddp(self) -> bool:
+        return self.ddp is not self.module
 
 
-def lightning_package(model: Any) -> str | None:
-    """``"lightning.pytorch"`` or ``"pytorch_lightning"`` when ``model`` is that package's
-    LightningModule, else None. Imports neither: a package not yet imported has no LightningModule."""
-    for package in LIGHTNING_PACKAGES:
-        lit = sys.modules.get(package)
-        if lit is not None and isinstance(model, getattr(lit, "LightningModule", ())):
-            return package
-    return None
-
-
-def _lightning_module(model: Any) -> bool:
-    """Whether ``model`` is a LightningModule of either package (see :func:`lightning_package`)."""
-    return lightning_package(model) is not None
-
-
-def _fit_lightning(model: Any) -> Callable:
-    """The ``fit_lightning`` of the ddprun module that drives ``model``'s Lightning package."""
-    import importlib
-
-    return importlib.import_module(LIGHTNING_PACKAGES[lightning_package(model)]).fit_lightning
-
-
-def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_fn: Callable | None = None,
-        training_step: Callable | None = None, optimizer: Callable | torch.optim.Optimizer | None = None,
-        scheduler: Callable | None = None, epochs: int | None = None, max_steps: int | None = None,
-        batch_size: int = 32, grad_accum: int = 1, precision: str = "32", grad_clip: float | None = None,
-        seed: int = 0, num_workers: int | None = None, val_metrics: Mapping[str, Callable] | None = None,
-        checkpoint_dir: str | None = None, run_dir: str | None = None, log_every: int = 50, step_timing: bool = True,
-        checkpoint_every: int | None = None, keep_checkpoints: int = 3, resume: bool | str = "auto",
-        datamodule: Any = None, trainer_kwargs: Mapping[str, Any] | None = None,
-        on_checkpoint: Callable[[CheckpointSaved], None] | None = None) -> FitResult:
-    """Train ``model`` data-parallel over every rank of the job (one process: no process group).
-
-    A ``lightning.pytorch.LightningModule`` goes to :func:`ddprun.lightning.fit_lightning`, which
-    drives a Lightning Trainer configured from the launch; ``datamodule`` (a LightningDataModule, in
-    place of train_data/val_data) and ``trainer_kwargs`` (more Trainer arguments) are for that path
-    only. The rest of this docstring is the nn.Module path.
-
-    Data:
-      train_data, val_data: a torch ``Dataset`` (fit builds the DataLoader) or a ``DataLoader``
-        (kept in one process; rebuilt around a DistributedSampler when world_size > 1, keeping its
-        batch size, collate_fn and workers, with a warning if it had a sampler of its own).
-        Training batches: DistributedSampler(shuffle=True, seed=seed, drop_last=False) — DDP's
-        default, which repeats a few samples so every rank has as many batches; ``set_epoch`` every
-        epoch. Validation: each sample once, no padding. See :mod:`ddprun.train.data`.
-      batch_size: samples per rank per micro-batch; the global batch is
-        ``batch_size * world_size * grad_accum``.
-      num_workers: DataLoader workers per rank, at most CPUs // processes on this node; None =
-        min(2, that), 0 for a TensorDataset. Workers start by forkserver (spawn where absent), so the
-        dataset must be picklable. Their RNG is seeded from ``seed + rank`` (augmentation differs
-        between ranks, reproducibly); with 0 workers, augmentation uses the global torch RNG, which
-        fit leaves alone.
-
-    The step:
-      loss_fn: ``(outputs, targets) -> scalar`` for batches ``(inputs, targets)``; or
-      training_step: ``(model, batch) -> scalar loss``. It gets the DDP-wrapped model while
-        training (call it; don't go through ``.module``) and the plain module in validation.
-      optimizer: a factory ``params -> Optimizer`` (default AdamW, lr 1e-3); an Optimizer over the
-        model's parameters is accepted too. scheduler: a factory ``optimizer -> scheduler``,
-        stepped once per optimizer step, without arguments.
-      grad_accum: micro-batches per optimizer step; gradients are all-reduced only on the last one
-        (``no_sync`` before); each micro-batch loss is divided by the group's size.
-      precision: "32"; "bf16" (autocast to bfloat16, CUDA or CPU); "16" (float16 autocast with a
-        GradScaler, CUDA only). Lightning's "bf16-mixed"/"16-mixed"/"32-true" are accepted.
-      grad_clip: max total gradient norm (after unscaling), or None.
-      epochs, max_steps: stop after ``epochs`` passes or ``max_steps`` optimizer steps, whichever
-        comes first; epochs=None means 1, or unbounded when max_steps is given.
-      seed: the sampler's shuffle seed (the same on every rank) and, plus the rank, the DataLoader
-        workers' seed. fit never reseeds the global RNG: build the model after seeding, identically
-        on every rank, or rely on DDP, whose constructor copies rank 0's parameters to every rank.
-
-    Output (rank 0 only prints and writes):
-      run_dir: given, else $DDPRUN_RUN_DIR (``ddprun run``), else runs/<timestamp>.
-      log_every: every this many steps rank 0 reads its own loss (mean over those steps, not reduced
-        over ranks: no extra collective), writes a metrics.csv row and a progress line; the bar
-        itself advances every step on a terminal. ``FitResult.train_loss`` is the one value averaged
-        over ranks, with one all_reduce at the end.
-      checkpoint_dir: where checkpoints go (default run_dir/checkpoints): model, optimizer,
-        scheduler, grad scaler, step, epoch, sampler position, every rank's RNG states, validation
-        history; see :mod:`ddprun.train.checkpoint` (atomic, SHA-256 checked, weights_only loads).
-
-    Checkpoints and restarts:
-      step_timing: time each step's parts (data wait, compute, blocked all-reduce, optimizer; see
-        :mod:`ddprun.train.timing`) for the straggler detector and the run report. Off: no comm
-        hook and no timestamps (benchmarks/overhead.py measures the difference).
-      checkpoint_every: also save every this many optimizer steps (None: only at the end). Costs
-        one all_gather_object (RNG states) and one barrier per checkpoint, plus the write on rank 0.
-      keep_checkpoints: how many to keep (the newest; at least 1).
-      on_checkpoint: ``(CheckpointSaved) -> None``, called on every rank after each checkpoint is
-        complete (every rank has passed the save's barrier), and once more at the end (``final``,
-        with the run's results; when the run ended on a checkpoint step that call names the same
-        file again). For handing checkpoints to another system (``ddprun.ray`` reports them to Ray
-        Train); it may run collectives, and must on every rank alike. nn.Module only.
-      resume: "auto" (default): if checkpoint_dir has a usable checkpoint, continue from it: model,
-        optimizer, scheduler, scaler, the step, the position in the epoch, every rank's RNG states.
-        That is what happens when torch's agent restarts the workers (``ddprun run --max-restarts
-        R``; the run dir is the same across attempts) and when a job is started again with the same
-        run dir. With the same world size, batch size and seed the result is bit for bit the
-        uninterrupted run's on CPU with deterministic ops (DataLoader worker processes' own RNG is
-        not saved). A damaged newest checkpoint is skipped with a warning. With another world size
-        (``--nnodes MIN:MAX`` after losing a node) the per-rank batch size stays, so the global
-        batch shrinks with the world; the learning rate is not rescaled (the rest of the epoch is
-        split over the ranks there are). False: start anew (existing checkpoints stay, and are
-        replaced as steps are saved again). True: like "auto" but an error when there is none. A
-        path: resume from that file or directory. A checkpoint of another model is refused
-        (ConfigError). When checkpoint_dir is not shared between nodes, every node's local rank 0
-        writes its own copy (:mod:`ddprun.train.resume`).
-
-    Process group: fit calls :func:`ddprun.init` (joining with a 600 s timeout, then 300 s per
-    collective from step 2); call ``ddprun.init(timeout=..., train_timeout=...)`` first to change
-    them. Per step there is no collective besides DDP's gradient all-reduce. fit does not destroy the
-    process group. Returns a :class:`FitResult`.
-    """
-    if _lightning_module(model):
-        fit_lightning = _fit_lightning(model)
-        if on_checkpoint is not None:
-            raise ConfigError("on_checkpoint is for a plain nn.Module.", seen=f"model: {type(model).__name__}",
-                              hint="With a LightningModule, add a lightning Callback through trainer_kwargs="
-                                   "{'callbacks': [...]} (its on_save_checkpoint, or trainer.save_checkpoint).")
-        return fit_lightning(model, train_data, val_data=val_data, datamodule=datamodule, epochs=epochs,
-                             max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum, precision=precision,
-                             grad_clip=grad_clip, seed=seed, num_workers=num_workers, checkpoint_dir=checkpoint_dir,
-                             run_dir=run_dir, log_every=log_every, checkpoint_every=checkpoint_every,
-                             resume=resume, trainer_kwargs=trainer_kwargs, loss_fn=loss_fn,
-                             training_step=training_step, optimizer=optimizer, scheduler=scheduler,
-                             val_metrics=val_metrics)
-    if datamodule is not None or trainer_kwargs is not None or train_data is None:
-        raise ConfigError("fit() of a plain nn.Module takes train_data, and neither datamodule nor trainer_kwargs.",
-                          seen=f"model: {type(model).__name__}, train_data={'given' if train_data is not None else None}"
-                               f", datamodule={'given' if datamodule is not None else None}, "
-                               f"trainer_kwargs={'given' if trainer_kwargs is not None else None}",
-                          hint="Pass a Dataset or DataLoader as train_data; datamodule and trainer_kwargs are for a "
-                               "lightning.pytorch.LightningModule.")
-    prec = _check_args(model, loss_fn=loss_fn, training_step=training_step, optimizer=optimizer, scheduler=scheduler,
-                       epochs=epochs, max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum,
-                       precision=precision, grad_clip=grad_clip, seed=seed, val_metrics=val_metrics,
-                       log_every=log_every)
-    _int_at_least("checkpoint_every", checkpoint_every, 1, optional=True)
-    _int_at_least("keep_checkpoints", keep_checkpoints, 1)
-    _check_callable("on_checkpoint", on_checkpoint, "(CheckpointSaved) -> None")
-    resume_mod.check_resume(resume)
+def _setup(model: nn.Module, train_data: Any, val_data: Any, o: FitOptions) -> _Parts:
+    """Steps 2-4 of the module docstring; the checkpoint to resume from is found, not yet loaded."""
     info = runtime.init()
     device = info.device
     module = _unwrap(model, info)
-    amp, scaler = _amp(prec, device)
-    train = build_train_loader(train_data, batch_size=batch_size, info=info, seed=seed, num_workers=num_workers)
+    amp, scaler = _amp(o.precision, device)
+    train = build_train_loader(train_data, batch_size=o.batch_size, info=info, seed=o.seed, num_workers=o.num_workers)
     val_loader = None
     if val_data is not None:
-        val_loader = build_val_loader(val_data, batch_size=batch_size, info=info, num_workers=num_workers)
-    metrics = dict(val_metrics or {})
-
+        val_loader = build_val_loader(val_data, batch_size=o.batch_size, info=info, num_workers=o.num_workers)
     module.to(device)
-    if not any(p.requires_grad for p in module.parameters()):
-        raise ConfigError("The model has no trainable parameters.",
-                          seen=f"{type(module).__name__}: {sum(1 for _ in module.parameters())} parameters, "
-                               "none with requires_grad", hint="Unfreeze at least one parameter.")
-    opt = _make_optimizer(optimizer, module)
-    sched = _make_scheduler(scheduler, opt)
-    run_dir = _run_dir(run_dir, info)
-    ckpts, resumed = resume_mod.Checkpoints.open(checkpoint_dir or os.path.join(run_dir, "checkpoints"), info,
-                                                 keep=keep_checkpoints, resume=resume)
-    resume_mod.warn_no_periodic(info, checkpoint_every)
-    ddp = module
-    if info.world_size > 1:
-        from torch.nn.parallel import DistributedDataParallel
-
-        ddp = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
-    is_ddp = ddp is not module
-
+    _check_trainable(module)
+    opt = _make_optimizer(o.optimizer, module)
+    sched = _make_scheduler(o.scheduler, opt)
+    run_dir = resolve_run_dir(o.run_dir, info)
+    ckpts, resumed = resume_mod.Checkpoints.open(o.checkpoint_dir or os.path.join(run_dir, "checkpoints"), info,
+                                                 keep=o.keep_checkpoints, resume=o.resume)
+    resume_mod.warn_no_periodic(info, o.checkpoint_every)
+    ddp = _wrap(module, info)
     loader, sampler = train.loader, train.sampler
     sized = sampler is not None or not isinstance(loader.dataset, torch.utils.data.IterableDataset)
-    if epochs is None:
-        epochs = 1 if max_steps is None else None
-    total = _total_steps(len(loader) if sized else None, grad_accum, epochs, max_steps)
-    pos = None
-    if resumed is not None:  # after the model moved and the optimizer exists; before DDP's first step
-        pos = resume_mod.restore(resumed, info, model=module, optimizer=opt, scheduler=sched, scaler=scaler,
-                                 sampler=sampler, batch_size=train.batch_size, seed=seed)
-        ckpts.last_saved = (pos.step, pos.epoch)
+    total = _total_steps(len(loader) if sized else None, o.grad_accum, o.epochs, o.max_steps)
+    return _Parts(info=info, module=module, ddp=ddp, opt=opt, sched=sched, scaler=scaler, amp=amp, loader=loader,
+                  sampler=sampler, sized=sized, batch_size=train.batch_size, val_loader=val_loader, run_dir=run_dir,
+                  ckpts=ckpts, resumed=resumed, total=total)
 
-    log = MetricsLog(run_dir, ["val_loss", *(f"val_{n}" for n in metrics)], enabled=info.is_main)
-    progress = Progress(total, enabled=info.is_main)
-    non_blocking = device.type == "cuda"
-    on_cpu = device.type == "cpu"
-    params = [p for p in module.parameters() if p.requires_grad]
 
-    step = epoch = batches_done = epoch_samples = 0
-    per_batch = train.batch_size * info.world_size  # positions of an epoch's global order per micro-batch
-    window_losses: list[torch.Tensor] = []  # each step's loss, detached; read (.item()) only when logging
-    group_losses: list[torch.Tensor] = []
-    null = contextlib.nullcontext()
-    window_steps = window_samples = 0
-    last_window = None
-    val_result: dict[str, float] = {}
-    history: list[dict[str, float]] = []
-    val_step = -1
-    if pos is not None:
-        step, epoch, history = pos.step, pos.epoch, pos.history
-        val_result = history[-1] if history else {}
-    first_step = step + 1  # the training timeout starts after this process's first step
-    done = max_steps is not None and step >= max_steps  # a finished run resumed: nothing left to do
-    window_t0 = time.perf_counter()
-    # step timing (train/timing.py): published by the job channel every 2 s, no collective
-    clock = timing.install(module) if (is_ddp and step_timing) else None
-    TIMER.detailed = True  # fit records its own steps (or none): the optimizer hook stays quiet
-    t_prev_step = time.perf_counter()
-    t_data = t_compute = t_reduce = 0.0
+@dataclass
+class _Window:
+    """The logging window: each step's loss (detached; read with ``.item()`` only when logging),
+    steps and samples since the last row, and when it started."""
 
-    def flush_window() -> None:
-        nonlocal window_steps, window_samples, window_t0, last_window
-        now = time.perf_counter()
-        elapsed = max(now - window_t0, 1e-9)
-        last_window = torch.stack(window_losses).mean()
-        window_losses.clear()
-        if info.is_main:  # the only read of the loss; other ranks keep theirs for the final mean
-            loss_value = last_window.item()
-            rate = window_samples * info.world_size / elapsed
-            log.write(step, epoch, {"loss": loss_value, "samples_per_s": rate, "step_time_s": elapsed / window_steps})
-            progress.log(step, epoch, loss_value, rate)
-        window_steps = window_samples = 0
-        window_t0 = now
+    t0: float
+    losses: list[torch.Tensor] = field(default_factory=list)
+    steps: int = 0
+    samples: int = 0
+    last: torch.Tensor | None = None
+    """The mean loss of the last flushed window (FitResult.train_loss, averaged over ranks)."""
 
-    def validate(during_epoch: int) -> None:
-        nonlocal val_result, val_step
-        val_result = _validate(module, val_loader, info, loss_fn=loss_fn, training_step=training_step,
-                               metrics=metrics, amp=amp)
-        val_step = step
-        history.append(val_result)
-        log.write(step, during_epoch, val_result)
-        progress.message(_format_val(step, during_epoch, val_result))
 
-    def make_state(rngs: list[dict]) -> dict[str, Any]:
-        return training_state(module, opt, sched, scaler, step=step, epoch=epoch, batches_done=batches_done,
-                              samples_done=epoch_samples, seed=seed, world_size=info.world_size,
-                              batch_size=train.batch_size, rng=rngs, history=history)
+@dataclass
+class _StepTimes:
+    """The parts of the current step so far (train/timing.py), and when the last step ended."""
 
-    try:
-        if resumed is not None and is_ddp and not done and (epochs is None or epoch < epochs):
-            _rebuild_ddp_buckets(ddp, module, opt, loader, sampler, resumed.state["model"], pos.epoch,
-                                 lambda net, b: _loss(net, b, training_step, loss_fn), amp,
-                                 None if on_cpu else (device, non_blocking))
-        if resumed is not None:  # last before the first step: nothing after this may draw differently
-            resume_mod.restore_rank_rng(resumed.state, info.rank)
-        ddp.train()
-        while not done and (epochs is None or epoch < epochs):
-            if sampler is not None:
-                sampler.set_epoch(epoch)
-            source, batches_done, epoch_samples = loader, 0, 0
-            if pos is not None:  # the epoch the checkpoint was taken in: continue where it stopped
-                batches_done, epoch_samples = pos.batches, pos.samples
-                if sampler is None:
-                    source = _Skipped(loader, pos.batches)
-                pos = None
-            taken = 0
-            t_asked = time.perf_counter()
-            for batch, divisor, last, group_len in _micro_batches(source, sized, grad_accum):
-                if not on_cpu:
-                    batch = _to_device(batch, device, non_blocking)
-                t_fwd = time.perf_counter()
-                t_data += t_fwd - t_asked
-                window_samples += _batch_len(batch)
-                if clock is not None:
-                    clock.ready = None
-                with null if (last or not is_ddp) else ddp.no_sync():
-                    with amp():
-                        loss = _loss(ddp, batch, training_step, loss_fn)
-                    if divisor > 1:
-                        loss = loss / divisor
-                    (scaler.scale(loss) if scaler is not None else loss).backward()
-                t_bwd = time.perf_counter()
-                compute_s, reduce_s = timing.split_backward(t_fwd, t_bwd, clock, synced=last)
-                t_compute += compute_s
-                t_reduce += reduce_s
-                t_asked = t_bwd
-                batches_done += 1
-                taken += 1
-                epoch_samples += per_batch
-                if grad_accum == 1:
-                    window_losses.append(loss.detach())
-                else:
-                    group_losses.append(loss.detach())
-                    if not last:
-                        continue
-                    group_loss = torch.stack(group_losses).sum()
-                    group_losses.clear()
-                    if group_len < divisor:  # an unsized epoch's short last group: undo part of 1/divisor
-                        for p in params:
-                            if p.grad is not None:
-                                p.grad.mul_(divisor / group_len)
-                        group_loss = group_loss * (divisor / group_len)
-                    window_losses.append(group_loss)
-                _optimizer_step(opt, sched, scaler, params, grad_clip)
-                t_end = time.perf_counter()
-                if step_timing:
-                    TIMER.record(t_end - t_prev_step, t_data, t_compute, t_reduce, t_end - t_asked)
-                t_prev_step = t_asked = t_end
-                t_data = t_compute = t_reduce = 0.0
-                step += 1
-                window_steps += 1
-                if step == first_step:
-                    runtime.use_training_timeout()
-                progress.advance(step)
-                if step % log_every == 0:
-                    flush_window()
-                if checkpoint_every is not None and step % checkpoint_every == 0:
-                    saved = ckpts.save(step, epoch, make_state)
-                    if saved:
-                        progress.message(f"checkpoint: {saved}")
-                    if on_checkpoint is not None:
-                        on_checkpoint(CheckpointSaved(saved, step, epoch, False, dict(history[-1] if history else {})))
-                if max_steps is not None and step >= max_steps:
-                    done = True
-                    break
-            if batches_done == 0:
-                raise ConfigError("An epoch of train_data gave no batches.", seen=f"epoch {epoch}, rank {info.rank}",
-                                  hint="Check the dataset, or that an IterableDataset yields data on every rank.")
-            if not done or (sized and taken == len(source)):  # the epoch ran to its end
-                epoch += 1
-                batches_done = epoch_samples = 0
-                if val_loader is not None:
-                    validate(epoch - 1)
-        if window_steps:
-            flush_window()
-        if val_loader is not None and val_step != step:
-            validate(epoch if batches_done else epoch - 1)
-        train_loss = _mean_over_ranks(last_window, info)
+    prev: float
+    """When the previous step ended (or setup did)."""
+    asked: float = 0.0
+    """When the next batch was asked for."""
+    data: float = 0.0
+    compute: float = 0.0
+    reduce: float = 0.0
 
-        if ckpts.last_saved != (step, epoch):  # a save at the last step, before its epoch was counted: again
-            path = ckpts.save(step, epoch, make_state, final=True)
-            if path:
-                progress.message(f"checkpoint: {path}")
-        else:  # saved at this step already (or resumed a finished run): that file is the final one
-            path = ckpt.latest(ckpts.directory) if info.is_main else None
-            runtime.barrier()
-        if on_checkpoint is not None:
-            results = {"train_loss": train_loss, **val_result} if train_loss is not None else dict(val_result)
-            on_checkpoint(CheckpointSaved(path, step, epoch, True, results))
-        resume_mod.mark_finished(ckpts.directory)
-    finally:
+
+class _Loop:
+    """One fit's loop state, held explicitly: the position (step, epoch, in-epoch counters), the
+    logging window, step timing, validation results. ``run`` once, then ``close`` (always)."""
+
+    def __init__(self, parts: _Parts, o: FitOptions):
+        """Load the checkpoint found at setup (after the model moved and the optimizer exists; before
+        DDP's first step), open the metrics log and progress, install step timing."""
+        p, info = parts, parts.info
+        self.p, self.o = p, o
+        self.pos = None
+        if p.resumed is not None:
+            self.pos = resume_mod.restore(p.resumed, info, model=p.module, optimizer=p.opt, scheduler=p.sched,
+                                          scaler=p.scaler, sampler=p.sampler, batch_size=p.batch_size, seed=o.seed)
+            p.ckpts.last_saved = (self.pos.step, self.pos.epoch)
+        self.metrics = dict(o.val_metrics or {})
+        self.log = MetricsLog(p.run_dir, ["val_loss", *(f"val_{n}" for n in self.metrics)], enabled=info.is_main)
+        self.progress = Progress(p.total, enabled=info.is_main)
+        self.non_blocking = info.device.type == "cuda"
+        self.on_cpu = info.device.type == "cpu"
+        self.params = [q for q in p.module.parameters() if q.requires_grad]
+        self.per_batch = p.batch_size * info.world_size  # positions of an epoch's global order per micro-batch
+        self.step = self.epoch = self.batches_done = self.epoch_samples = 0
+        self.group_losses: list[torch.Tensor] = []
+        self.val_result: dict[str, float] = {}
+        self.history: list[dict[str, float]] = []
+        self.val_step = -1
+        if self.pos is not None:
+            self.step, self.epoch, self.history = self.pos.step, self.pos.epoch, self.pos.history
+            self.val_result = self.history[-1] if self.history else {}
+        self.first_step = self.step + 1  # the training timeout starts after this process's first step
+        self.done = o.max_steps is not None and self.step >= o.max_steps  # a finished run resumed: nothing to do
+        self.window = _Window(t0=time.perf_counter())
+        # step timing (train/timing.py): published by the job channel every 2 s, no collective
+        self.clock = timing.install(p.module) if (p.is_ddp and o.step_timing) else None
+        TIMER.detailed = True  # fit records its own steps (or none): the optimizer hook stays quiet
+        self.times = _StepTimes(prev=time.perf_counter())
+
+    def close(self) -> None:
         TIMER.detailed = False
-        progress.close()
-        log.close()
-    return FitResult(train_loss=train_loss, val_metrics=val_result, steps=step, epochs=epoch, model=module,
-                     run_dir=run_dir, checkpoint=path, history=history)
+        self.progress.close()
+        self.log.close()
+
+    def run(self) -> FitResult:
+        """Train to the end (epochs or max_steps), validate and checkpoint a last time."""
+        p = self.p
+        if p.resumed is not None and p.is_ddp and self._more():
+            _rebuild_ddp_buckets(p.ddp, p.module, p.opt, p.loader, p.sampler, p.resumed.state["model"],
+                                 self.pos.epoch, lambda net, b: _loss(net, b, self.o.training_step, self.o.loss_fn),
+                                 p.amp, None if self.on_cpu else (p.info.device, self.non_blocking))
+        if p.resumed is not None:  # last before the first step: nothing after this may draw differently
+            resume_mod.restore_rank_rng(p.resumed.state, p.info.rank)
+        p.ddp.train()
+        while self._more():
+            self._epoch()
+        return self._finish()
+
+    def _more(self) -> bool:
+        return not self.done and (self.o.epochs is None or self.epoch < self.o.epochs)
+
+    def _epoch(self) -> None:
+        """One epoch (or the rest of the one a checkpoint was taken in); validation when it ran to its end."""
+        p = self.p
+        if p.sampler is not None:
+            p.sampler.set_epoch(self.epoch)
+        source, self.batches_done, self.epoch_samples = p.loader, 0, 0
+        if self.pos is not None:  # the epoch the checkpoint was taken in: continue where it stopped
+            self.batches_done, self.epoch_samples = self.pos.batches, self.pos.samples
+            if p.sampler is None:
+                source = _Skipped(p.loader, self.pos.batches)
+            self.pos = None
+        taken = 0
+        self.times.asked = time.perf_counter()
+        for batch, divisor, last, group_len in _micro_batches(source, p.sized, self.o.grad_accum):
+            stepped = self._micro_batch(batch, divisor, last, group_len)
+            taken += 1
+            if stepped and self._step():
+                break
+        if self.batches_done == 0:
+            raise ConfigError("An epoch of train_data gave no batches.", seen=f"epoch {self.epoch}, rank {p.info.rank}",
+                              hint="Check the dataset, or that an IterableDataset yields data on every rank.")
+        if not self.done or (p.sized and taken == len(source)):  # the epoch ran to its end
+            self.epoch += 1
+            self.batches_done = self.epoch_samples = 0
+            if p.val_loader is not None:
+                self._validation(self.epoch - 1)
+
+    def _micro_batch(self, batch: Any, divisor: int, last: bool, group_len: int) -> bool:
+        """Forward and backward of one micro-batch (gradients all-reduced on the last of a group only);
+        True when it completes a group, i.e. an optimizer step is due."""
+        p, t = self.p, self.times
+        if not self.on_cpu:
+            batch = _to_device(batch, p.info.device, self.non_blocking)
+        t_fwd = time.perf_counter()
+        t.data += t_fwd - t.asked
+        self.window.samples += _batch_len(batch)
+        if self.clock is not None:
+            self.clock.ready = None
+        with contextlib.nullcontext() if (last or not p.is_ddp) else p.ddp.no_sync():
+            with p.amp():
+                loss = _loss(p.ddp, batch, self.o.training_step, self.o.loss_fn)
+            if divisor > 1:
+                loss = loss / divisor
+            (p.scaler.scale(loss) if p.scaler is not None else loss).backward()
+        t_bwd = time.perf_counter()
+        compute_s, reduce_s = timing.split_backward(t_fwd, t_bwd, self.clock, synced=last)
+        t.compute += compute_s
+        t.reduce += reduce_s
+        t.asked = t_bwd
+        self.batches_done += 1
+        self.epoch_samples += self.per_batch
+        return self._add_loss(loss.detach(), divisor, last, group_len)
+
+    def _add_loss(self, loss: torch.Tensor, divisor: int, last: bool, group_len: int) -> bool:
+        """Keep a micro-batch's loss; at the end of a group, the group's loss goes to the window."""
+        if self.o.grad_accum == 1:
+            self.window.losses.append(loss)
+            return True
+        self.group_losses.append(loss)
+        if not last:
+            return False
+        group_loss = torch.stack(self.group_losses).sum()
+        self.group_losses.clear()
+        if group_len < divisor:  # an unsized epoch's short last group: undo part of 1/divisor
+            for q in self.params:
+                if q.grad is not None:
+                    q.grad.mul_(divisor / group_len)
+            group_loss = group_loss * (divisor / group_len)
+        self.window.losses.append(group_loss)
+        return True
+
+    def _step(self) -> bool:
+        """The optimizer step, then logging and checkpoints; True when max_steps is reached."""
+        p, o, t = self.p, self.o, self.times
+        _optimizer_step(p.opt, p.sched, p.scaler, self.params, o.grad_clip)
+        t_end = time.perf_counter()
+        if o.step_timing:
+            TIMER.record(t_end - t.prev, t.data, t.compute, t.reduce, t_end - t.asked)
+        t.prev = t.asked = t_end
+        t.data = t.compute = t.reduce = 0.0
+        self.step += 1
+        self.window.steps += 1
+        if self.step == self.first_step:
+            runtime.use_training_timeout()
+        self.progress.advance(self.step)
+        if self.step % o.log_every == 0:
+            self._flush_window()
+        if o.checkpoint_every is not None and self.step % o.checkpoint_every == 0:
+            saved = p.ckpts.save(self.step, self.epoch, self._state)
+            if saved:
+                self.progress.message(f"checkpoint: {saved}")
+            if o.on_checkpoint is not None:
+                o.on_checkpoint(CheckpointSaved(saved, self.step, self.epoch, False,
+                                                dict(self.history[-1] if self.history else {})))
+        if o.max_steps is not None and self.step >= o.max_steps:
+            self.done = True
+        return self.done
+
+    def _flush_window(self) -> None:
+        info, w = self.p.info, self.window
+        now = time.perf_counter()
+        elapsed = max(now - w.t0, 1e-9)
+        w.last = torch.stack(w.losses).mean()
+        w.losses.clear()
+        if info.is_main:  # the only read of the loss; other ranks keep theirs for the final mean
+            loss_value = w.last.item()
+            rate = w.samples * info.world_size / elapsed
+            self.log.write(self.step, self.epoch, {"loss": loss_value, "samples_per_s": rate,
+                                                   "step_time_s": elapsed / w.steps})
+            self.progress.log(self.step, self.epoch, loss_value, rate)
+        w.steps = w.samples = 0
+        w.t0 = now
+
+    def _validation(self, during_epoch: int) -> None:
+        p = self.p
+        self.val_result = _validate(p.module, p.val_loader, p.info, loss_fn=self.o.loss_fn,
+                                    training_step=self.o.training_step, metrics=self.metrics, amp=p.amp)
+        self.val_step = self.step
+        self.history.append(self.val_result)
+        self.log.write(self.step, during_epoch, self.val_result)
+        self.progress.message(_format_val(self.step, during_epoch, self.val_result))
+
+    def _state(self, rngs: list[dict]) -> dict[str, Any]:
+        """The checkpoint's content now (``Checkpoints.save`` calls it on the writers)."""
+        p = self.p
+        return training_state(p.module, p.opt, p.sched, p.scaler, step=self.step, epoch=self.epoch,
+                              batches_done=self.batches_done, samples_done=self.epoch_samples, seed=self.o.seed,
+                              world_size=p.info.world_size, batch_size=p.batch_size, rng=rngs, history=self.history)
+
+    def _finish(self) -> FitResult:
+        """The last log row, validation and checkpoint; the results, the same on every rank."""
+        p, o, info = self.p, self.o, self.p.info
+        if self.window.steps:
+            self._flush_window()
+        if p.val_loader is not None and self.val_step != self.step:
+            self._validation(self.epoch if self.batches_done else self.epoch - 1)
+        train_loss = _mean_over_ranks(self.window.last, info)
+        if p.ckpts.last_saved != (self.step, self.epoch):  # saved at the last step, before its epoch counted: again
+            path = p.ckpts.save(self.step, self.epoch, self._state, final=True)
+            if path:
+                self.progress.message(f"checkpoint: {path}")
+        else:  # saved at this step already (or resumed a finished run): that file is the final one
+            path = ckpt.latest(p.ckpts.directory) if info.is_main else None
+            runtime.barrier()
+        if o.on_checkpoint is not None:
+            results = {"train_loss": train_loss, **self.val_result} if train_loss is not None else dict(self.val_result)
+            o.on_checkpoint(CheckpointSaved(path, self.step, self.epoch, True, results))
+        resume_mod.mark_finished(p.ckpts.directory)
+        return FitResult(train_loss=train_loss, val_metrics=self.val_result, steps=self.step, epochs=self.epoch,
+                         model=p.module, run_dir=p.run_dir, checkpoint=path, history=self.history)
+
+
+def fit_module(model: nn.Module, train_data: Any, *, val_data: Any = None, **options: Any) -> FitResult:
+    """Train a plain ``nn.Module`` data-parallel over every rank of the job; ``ddprun.fit`` documents
+    the arguments (``options``: the fields of :class:`~ddprun.train.options.FitOptions`).
+
+    Every rank calls it with the same arguments and gets the same :class:`FitResult` (``checkpoint``:
+    rank 0 only). Raises ConfigError before any collective for a bad argument.
+    """
+    o = FitOptions.build(model, **options)
+    loop = _Loop(_setup(model, train_data, val_data, o), o)
+    try:
+        return loop.run()
+    finally:
+        loop.close()
 
 
 def _mean_over_ranks(value: torch.Tensor | None, info: RankInfo) -> float | None:

@@ -41,8 +41,9 @@ class MetricsLog:
             if existing == self.header:
                 mode = "a"  # a second fit() in the same run dir continues the file
             else:
+                # stacklevel: the user's ddprun.fit line (<- fit's _Loop <- fit_module <- ddprun.api.fit)
                 warnings.warn(f"ddprun: {self.path} has other columns ({','.join(existing)}); starting it anew.",
-                              stacklevel=3)
+                              stacklevel=5)
         self._file = open(self.path, mode, newline="", buffering=1)
         self._writer = csv.DictWriter(self._file, fieldnames=self.header, restval="")
         if mode == "w":

@@ -93,8 +93,9 @@ class Checkpoints:
             # Every rank finished the same fits, so every rank decides the same.
             wanted = False
             if info.is_main:
+                # stacklevel: the user's ddprun.fit line (open <- _setup <- fit_module <- ddprun.api.fit)
                 warnings.warn(f"ddprun: fit() already ran in this process with checkpoints in {directory}; this "
-                              "fit() starts anew (resume=True or a path continues from them).", stacklevel=3)
+                              "fit() starts anew (resume=True or a path continues from them).", stacklevel=5)
         if not _distributed(info):
             self = cls(directory, info, keep)
             cls._prepare(directory)
@@ -132,47 +133,16 @@ class Checkpoints:
     @classmethod
     def _open_distributed(cls, directory: str, source: str, info: RankInfo, keep: int,
                           wanted: bool) -> tuple[Checkpoints, Resumed | None]:
-        import torch.distributed as dist
-
-        # 1. rank 0's marker, named by a nonce everyone learns after it exists (a broadcast)
-        said: list[Any] = [None, None]
-        if info.is_main:
-            try:
-                cls._prepare(directory)
-                said[0] = uuid.uuid4().hex
-                with open(os.path.join(directory, MARKER + said[0]), "w") as f:
-                    f.write("rank 0 of a fit() checks which nodes see this directory; removed after the check\n")
-            except (OSError, CheckpointError) as e:
-                said[1] = str(e)
-        dist.broadcast_object_list(said, src=0)
-        if said[1] is not None:  # every rank raises, not only rank 0
-            raise CheckpointError("Rank 0 cannot write to the checkpoint directory.", seen=said[1],
-                                  hint="Give fit() a checkpoint_dir (or run_dir) rank 0 may write to.")
-        marker = os.path.join(directory, MARKER + said[0])
+        """Steps 1 and 2 of the module docstring, on every rank: a broadcast and an all_gather_object
+        (and one more broadcast when only some nodes have the newest checkpoint)."""
+        marker = cls._shared_marker(directory, info)
         head = info.local_rank == 0
         saw = info.is_main or (head and _exists_soon(marker))
         # 2. who has what: rank 0 and the heads of nodes that do not share its directory look
-        found: tuple[str, dict] | None = None
         looks = wanted and (info.is_main or (head and (not saw or source != directory)))
         if head and not saw:
             cls._prepare(directory)
-        error = None
-        if looks:
-            try:
-                found = cls._find(source)
-            except Exception as e:  # noqa: BLE001 - raised on every rank after the gather, not on this one alone
-                error = e
-        step = int(found[1].get("step", -1)) if found else -1
-        mine = {"rank": info.rank, "node": info.node_rank, "head": head, "saw": saw, "looked": looks,
-                "step": step, "path": found[0] if found else None, "error": str(error) if error else None}
-        table: list[dict] = [None] * info.world_size  # type: ignore[list-item]
-        dist.all_gather_object(table, mine)
-        if error is not None:
-            raise error
-        failed = [e for e in table if e["error"]]
-        if failed:
-            raise CheckpointError(f"Rank {failed[0]['rank']} could not read the checkpoint to resume from.",
-                                  seen=failed[0]["error"], hint="See that rank's log; or resume=False to start anew.")
+        found, table = _gather_found(source, info, head=head, saw=saw, looks=looks)
         if info.is_main:
             try:
                 os.unlink(marker)
@@ -188,22 +158,28 @@ class Checkpoints:
         self = cls(directory, info, keep, shared=not apart, writer=writer)
         if not wanted:
             return self, None
-        # every node's answer: its head's, or rank 0's where the head shares rank 0's directory
-        rank0 = table[0]
-        per_node = {e["node"]: (e if e["looked"] else rank0) for e in heads}
-        best = max(e["step"] for e in per_node.values())
-        if best < 0:
-            return self, None
-        mine_node = per_node.get(info.node_rank, rank0)
-        if all(e["step"] == best for e in per_node.values()):
-            if found is not None and found[1].get("step") == best:
-                return self, Resumed(*found)
-            path = mine_node["path"]
-            return self, Resumed(path, ckpt.read(path))
-        src = min(e["rank"] for e in table if e["looked"] and e["step"] == best)
-        box = [Resumed(*found) if info.rank == src else None]
-        dist.broadcast_object_list(box, src=src)
-        return self, box[0]
+        return self, _newest(table, heads, found, info)
+
+    @classmethod
+    def _shared_marker(cls, directory: str, info: RankInfo) -> str:
+        """1. rank 0's marker file, named by a nonce every rank learns after it exists (a broadcast);
+        its path. CheckpointError on every rank when rank 0 cannot write it."""
+        import torch.distributed as dist
+
+        said: list[Any] = [None, None]
+        if info.is_main:
+            try:
+                cls._prepare(directory)
+                said[0] = uuid.uuid4().hex
+                with open(os.path.join(directory, MARKER + said[0]), "w") as f:
+                    f.write("rank 0 of a fit() checks which nodes see this directory; removed after the check\n")
+            except (OSError, CheckpointError) as e:
+                said[1] = str(e)
+        dist.broadcast_object_list(said, src=0)
+        if said[1] is not None:  # every rank raises, not only rank 0
+            raise CheckpointError("Rank 0 cannot write to the checkpoint directory.", seen=said[1],
+                                  hint="Give fit() a checkpoint_dir (or run_dir) rank 0 may write to.")
+        return os.path.join(directory, MARKER + said[0])
 
     # -- save -----------------------------------------------------------------------------------
     def save(self, step: int, epoch: int, make_state: Callable[[list[dict]], dict[str, Any]], *,
@@ -229,6 +205,56 @@ class Checkpoints:
         else:
             runtime.use_training_timeout()  # a barrier, then the short timeout again
         return path if self.info.is_main else None
+
+
+def _gather_found(source: str, info: RankInfo, *, head: bool, saw: bool,
+                  looks: bool) -> tuple[tuple[str, dict] | None, list[dict]]:
+    """(this rank's find, if it looked; every rank's entry) after one all_gather_object. A rank that
+    failed to read raises on every rank, after the gather (no rank is left waiting in it)."""
+    import torch.distributed as dist
+
+    found: tuple[str, dict] | None = None
+    error = None
+    if looks:
+        try:
+            found = Checkpoints._find(source)
+        except Exception as e:  # noqa: BLE001 - raised on every rank after the gather, not on this one alone
+            error = e
+    step = int(found[1].get("step", -1)) if found else -1
+    mine = {"rank": info.rank, "node": info.node_rank, "head": head, "saw": saw, "looked": looks,
+            "step": step, "path": found[0] if found else None, "error": str(error) if error else None}
+    table: list[dict] = [None] * info.world_size  # type: ignore[list-item]
+    dist.all_gather_object(table, mine)
+    if error is not None:
+        raise error
+    failed = [e for e in table if e["error"]]
+    if failed:
+        raise CheckpointError(f"Rank {failed[0]['rank']} could not read the checkpoint to resume from.",
+                              seen=failed[0]["error"], hint="See that rank's log; or resume=False to start anew.")
+    return found, table
+
+
+def _newest(table: list[dict], heads: list[dict], found: tuple[str, dict] | None, info: RankInfo) -> Resumed | None:
+    """The newest checkpoint any node has, for this rank: its node's own file when every node has it,
+    else the lowest rank that has it broadcasts it to all (every rank calls this alike)."""
+    import torch.distributed as dist
+
+    # every node's answer: its head's, or rank 0's where the head shares rank 0's directory
+    rank0 = table[0]
+    per_node = {e["node"]: (e if e["looked"] else rank0) for e in heads}
+    best = max(e["step"] for e in per_node.values())
+    if best < 0:
+        return None
+    mine_node = per_node.get(info.node_rank, rank0)
+    if all(e["step"] == best for e in per_node.values()):
+        if found is not None and found[1].get("step") == best:
+            return Resumed(*found)
+        path = mine_node["path"]
+        return Resumed(path, ckpt.read(path))
+    src = min(e["rank"] for e in table if e["looked"] and e["step"] == best)
+    box = [Resumed(*found) if info.rank == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
 
 
 def _exists_soon(path: str, wait_s: float = 1.0) -> bool:

@@ -15,6 +15,7 @@ mix GPU models.
 
 from __future__ import annotations
 
+from ddprun.protocol.env import device_kind
 import glob
 import hashlib
 import json
@@ -261,7 +262,7 @@ def collect(environ: Mapping[str, str], nproc: int, *, nvml=None, root: str = "/
     """This node's GPU/NCCL/IB facts (JSON-able). ``nvml``: None imports pynvml; ``root``: where
     /sys, /etc and the library directories are (tests: a fake tree)."""
     gpu = bounded_gpu_facts(load_nvml() if nvml is None else nvml, environ, nproc, timeout_s)
-    return {**gpu, "device_kind": environ.get("DDPRUN_DEVICE_KIND", ""), "env": comm_env(environ),
+    return {**gpu, "device_kind": device_kind(environ) or "", "env": comm_env(environ),
             "nccl_conf": nccl_conf_hashes(environ, root), "net_plugin_wanted": environ.get("NCCL_NET_PLUGIN", ""),
             "net_plugins": net_plugins(environ, root), "ib": infiniband(root)}
 

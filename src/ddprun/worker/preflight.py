@@ -65,7 +65,8 @@ def node_facts(environ: Mapping[str, str], script: str | None) -> dict:
     from ddprun._version import __version__
 
     host = socket.gethostname()
-    run_dir = environ.get("DDPRUN_RUN_DIR") or os.getcwd()
+    wenv = WorkerEnv.from_environ(environ)
+    run_dir = wenv.run_dir if wenv is not None else os.getcwd()
     try:
         free_gb = round(shutil.disk_usage(run_dir).free / 2**30, 1)
     except OSError:
@@ -81,9 +82,9 @@ def node_facts(environ: Mapping[str, str], script: str | None) -> dict:
         "host": host,
         "addresses": _addresses(host),
         "nproc": int(environ.get("LOCAL_WORLD_SIZE", "1")),
-        "uneven_ok": bool((w := WorkerEnv.from_environ(environ)) and w.allow_uneven_nodes),
+        "uneven_ok": bool(wenv and wenv.allow_uneven_nodes),
         "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-        "nnodes": environ.get("DDPRUN_NNODES", ""),
+        "nnodes": f"{wenv.min_nodes}:{wenv.max_nodes}" if wenv is not None else "",
         "torch": torch.__version__,
         "cuda": torch.version.cuda or "",
         "nccl": nccl,
