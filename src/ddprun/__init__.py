@@ -32,9 +32,9 @@ _LAZY: dict[str, tuple[str, str]] = {
 __all__ = ["__version__", *_LAZY]
 
 if TYPE_CHECKING:
-    from ddprun.agent.fnlaunch import launch
-    from ddprun.runtime import RankInfo, init, rank_info
-    from ddprun.api import FitResult, fit
+    from ddprun.agent.fnlaunch import launch  # noqa: F401 - names for type checkers and IDEs
+    from ddprun.api import FitResult, fit  # noqa: F401 - names for type checkers and IDEs
+    from ddprun.runtime import RankInfo, init, rank_info  # noqa: F401 - names for type checkers and IDEs
 
 
 def __getattr__(name: str) -> Any:

@@ -10,7 +10,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import sys
 import textwrap
 from collections.abc import Mapping, Sequence
@@ -18,8 +17,8 @@ from collections.abc import Mapping, Sequence
 from ddprun.cli_help import DESCRIPTION, EPILOGS, HELP, TOP_EPILOG
 from ddprun.cluster.probe import check_endpoint, probe_node
 from ddprun.config import DEFAULT_JOIN_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, Entry, LaunchConfig
-from ddprun.protocol.defaults import EXIT_TIMEOUT_S, STOP_GRACE_S, TELEMETRY_WINDOW_S
 from ddprun.errors import ConfigError, DdprunError
+from ddprun.protocol.defaults import EXIT_TIMEOUT_S, STOP_GRACE_S, TELEMETRY_WINDOW_S
 
 
 def _flag(parser: argparse.ArgumentParser, name: str, **kw) -> None:
@@ -273,10 +272,10 @@ def cmd_plan(cfg: LaunchConfig, args: argparse.Namespace, environ: Mapping[str, 
 
 
 def cmd_run(cfg: LaunchConfig, environ: Mapping[str, str]) -> int:
+    from ddprun.agent.run import launch
     from ddprun.cluster.detect import resolve
     from ddprun.cluster.torchrun import TorchrunEnvironment
     from ddprun.errors import ClusterError
-    from ddprun.agent.run import launch
 
     if TorchrunEnvironment.detect(environ):
         raise ClusterError(

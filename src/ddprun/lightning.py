@@ -28,9 +28,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
-
 from importlib import import_module
+from typing import Any
 
 PACKAGE: str = globals().get("PACKAGE", "lightning.pytorch")
 """The Lightning package this module drives. ddprun.pytorch_lightning runs this same source with

@@ -8,8 +8,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from ddprun.protocol.atomic import write_json_atomic
 from ddprun.cluster.plan import RankPlan
+from ddprun.protocol.atomic import write_json_atomic
 
 COLUMNS = ("rank", "local_rank", "node_rank", "host", "pid", "device")
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from ddprun.protocol.env import device_kind
 from ddprun.errors import ClusterError, ConfigError
+from ddprun.protocol.env import device_kind
 
 if TYPE_CHECKING:
     import torch
@@ -245,7 +245,6 @@ def rank_info(environ: Mapping[str, str] | None = None) -> RankInfo:
 
 def _set_timeout(seconds: float) -> bool:
     import torch.distributed as dist
-
     from torch.distributed import distributed_c10d as c10d
 
     setter = getattr(c10d, "_set_pg_timeout", None)  # private in torch; absent = keep the one timeout

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from tests.helpers import EXAMPLE, ddprun_nodes, describe, free_port, run_agents, job_env
+from tests.helpers import EXAMPLE, ddprun_nodes, describe, free_port, job_env, run_agents
 
 pytestmark = pytest.mark.multiprocess
 

@@ -10,10 +10,10 @@ import torch.distributed as dist
 from torch.distributed import TCPStore
 
 from ddprun.agent import attempt
-from ddprun.protocol import store as keys
-from ddprun.worker import pgstore
 from ddprun.agent.logs import RankLogsSpecs
+from ddprun.protocol import store as keys
 from ddprun.protocol.env import WorkerEnv
+from ddprun.worker import pgstore
 from tests.helpers import free_port
 
 

@@ -21,7 +21,6 @@ from ddprun.train import checkpoint
 from tests.unit.restart_support import new_process, one_process, regression  # noqa: F401 (autouse fixture)
 
 
-
 def mlp(width=16):
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 1))

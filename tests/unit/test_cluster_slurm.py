@@ -197,8 +197,8 @@ def test_sbatch_template_is_the_five_by_four_job():
 
 def test_sbatch_template_flags_and_errors(capsys):
     from ddprun.cli import main
-    from ddprun.errors import ConfigError
     from ddprun.cluster.slurm import sbatch_script
+    from ddprun.errors import ConfigError
 
     assert main(["slurm-template", "--nodes", "2", "--gpus-per-node", "2", "--cpus-per-task", "6", "--time", "0:30:00",
                  "--partition", "gpu", "--job-name", "exp1", "fit.py", "--epochs", "3"]) == 0

@@ -6,9 +6,9 @@ import sys
 import pytest
 
 from ddprun.cli import build_parser, config_from_args
-from ddprun.cluster.probe import probe_node
 from ddprun.cluster.base import NodeFacts
 from ddprun.cluster.detect import PRIORITY, detect, explain, resolve
+from ddprun.cluster.probe import probe_node
 from ddprun.config import LaunchConfig
 from ddprun.errors import ClusterError, ConfigError
 

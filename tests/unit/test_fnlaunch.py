@@ -11,11 +11,11 @@ from torch import nn
 
 import ddprun
 from ddprun import runtime
-from ddprun.protocol import payload
-from ddprun.errors import ClusterError, ConfigError, LaunchTimeout, WorkerFailed
-from ddprun.agent.run import Outcome
-from ddprun.protocol import failure as fr
 from ddprun.agent.fnlaunch import _payload, _root_cause
+from ddprun.agent.run import Outcome
+from ddprun.errors import ClusterError, ConfigError, LaunchTimeout, WorkerFailed
+from ddprun.protocol import failure as fr
+from ddprun.protocol import payload
 
 
 def test_ddprun_launch_is_a_function_with_its_own_signature_and_help():

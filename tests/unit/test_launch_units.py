@@ -2,11 +2,11 @@
 
 import pytest
 
+from ddprun.agent.run import omp_threads, parse_local_ranks
 from ddprun.cluster.base import NodeFacts
 from ddprun.cluster.detect import resolve
 from ddprun.config import LaunchConfig
 from ddprun.errors import ConfigError
-from ddprun.agent.run import omp_threads, parse_local_ranks
 
 CPU_NODE = NodeFacts(hostname="h", cpus=8)
 GPU_NODE = NodeFacts(hostname="g", cpus=32, cuda_devices=4)

@@ -4,9 +4,9 @@ import pytest
 
 from ddprun.cluster.base import ClusterSpec, NodeFacts
 from ddprun.cluster.detect import resolve
+from ddprun.cluster.netaddr import NetProbe, interface_addresses, is_loopback, network_plan, plan_network, route_source
 from ddprun.config import LaunchConfig
 from ddprun.errors import ClusterError
-from ddprun.cluster.netaddr import NetProbe, interface_addresses, is_loopback, network_plan, plan_network, route_source
 
 IFS_A = {"lo": ("127.0.0.1", "::1"), "veth-a": ("10.231.7.1", "fe80::1")}
 IFS_B = {"lo": ("127.0.0.1", "::1"), "veth-b": ("10.231.7.2",)}
@@ -144,8 +144,8 @@ def test_ddprun_run_several_times_per_node_is_refused_with_a_hint():
 
 
 def test_plan_explain_shows_the_network_choices(monkeypatch, capsys):
-    from ddprun.cluster import netaddr
     from ddprun.cli import main
+    from ddprun.cluster import netaddr
 
     monkeypatch.setattr(netaddr, "probe_network",
                         lambda host: NetProbe(IFS_B, ("10.231.7.1",), route_src="10.231.7.2"))

@@ -2,8 +2,8 @@
 
 import pytest
 
-from ddprun.errors import ConfigError
 from ddprun.cluster.plan import make_plan
+from ddprun.errors import ConfigError
 
 
 def test_five_nodes_of_four_gpus():

@@ -9,10 +9,10 @@ import pytest
 from ddprun.cli import main
 from ddprun.cluster.base import NodeFacts
 from ddprun.cluster.detect import explain, resolve
-from ddprun.config import LaunchConfig
-from ddprun.errors import ConfigError
 from ddprun.cluster.netaddr import NetProbe, plan_network
 from ddprun.cluster.plan import make_plan
+from ddprun.config import LaunchConfig
+from ddprun.errors import ConfigError
 from ddprun.plan_json import SCHEMA, plan_document
 
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "plan-json.md"

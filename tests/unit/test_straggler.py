@@ -1,7 +1,7 @@
 """Straggler detection: named once after K slow windows, never on a healthy spread."""
 
-from ddprun.worker.stragglers import StragglerDetector
 from ddprun.telemetry import StepTimer, summarize
+from ddprun.worker.stragglers import StragglerDetector
 
 HOSTS = {0: "a", 1: "a", 2: "b", 3: "b"}
 

@@ -8,8 +8,14 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sequential
 
 from ddprun.errors import ConfigError
 from ddprun.runtime import RankInfo
-from ddprun.train.data import (ShardSampler, build_train_loader, build_val_loader, choose_num_workers,
-                               loader_options, worker_bound)
+from ddprun.train.data import (
+    ShardSampler,
+    build_train_loader,
+    build_val_loader,
+    choose_num_workers,
+    loader_options,
+    worker_bound,
+)
 
 
 def rank(r=0, world=1, local_world=1, device="cpu"):

@@ -12,9 +12,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import ddprun
 from ddprun.errors import ConfigError
 from ddprun.train import checkpoint
-from tests.unit.restart_support import new_process, one_process, regression  # noqa: F401 (autouse fixture)
 from ddprun.train.data import ResumableSampler
-
+from tests.unit.restart_support import new_process, one_process, regression  # noqa: F401 (autouse fixture)
 
 
 def mlp(width=16):

@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Mapping
 from datetime import timedelta
-
 
 
 def rendezvous_round(store, run_id: str) -> int:

@@ -199,12 +199,12 @@ def launch(fn: Callable[..., Any], /, *args: Any, nproc_per_node: int | str | No
     from the start; ``ddprun.fit`` inside it resumes from its checkpoint). Ctrl-C (a notebook's
     interrupt) stops every worker and raises KeyboardInterrupt.
     """
-    from ddprun.cluster.probe import probe_node
+    from ddprun.agent.run import launch as run_agent
     from ddprun.cluster.detect import resolve
     from ddprun.cluster.local import LocalEnvironment
+    from ddprun.cluster.probe import probe_node
     from ddprun.cluster.torchrun import TorchrunEnvironment
     from ddprun.config import Entry, LaunchConfig
-    from ddprun.agent.run import launch as run_agent
 
     nproc = _check(fn, nproc_per_node, max_restarts,
                    {"timeout": timeout, "join_timeout": join_timeout, "stall_timeout": stall_timeout})

@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import replace
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import TextIO
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs

@@ -155,7 +155,8 @@ def _overlay_flags(reading: Reading, cfg: LaunchConfig, node: NodeFacts) -> Read
     if cfg.master_addr is not None:
         out["master_addr"] = Fact(cfg.master_addr, f"--master-addr {cfg.master_addr}")
     if cfg.master_port is not None:
-        out["master_port"] = Fact(check_port(cfg.master_port, f"--master-port {cfg.master_port}"), f"--master-port {cfg.master_port}")
+        flag = f"--master-port {cfg.master_port}"
+        out["master_port"] = Fact(check_port(cfg.master_port, flag), flag)
     if cfg.rdzv_endpoint:
         default_port = out["master_port"].value if "master_port" in out else DEFAULT_MASTER_PORT
         host, port = parse_endpoint(cfg.rdzv_endpoint, default_port)

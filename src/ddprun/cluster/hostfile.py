@@ -14,7 +14,6 @@ one-host file.
 from __future__ import annotations
 
 import difflib
-
 import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass

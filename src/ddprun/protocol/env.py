@@ -89,9 +89,9 @@ class WorkerEnv:
 
 _VARS = {
     "run_dir": RUN_DIR, "device_kind": DEVICE_KIND, "join_timeout": JOIN_TIMEOUT,
-    "stall_timeout": STALL_TIMEOUT, "stall_end": STALL_END, "exit_timeout": EXIT_TIMEOUT, "job_token": JOB_TOKEN, "straggler_margin": STRAGGLER_MARGIN,
-    "straggler_windows": STRAGGLER_WINDOWS, "telemetry_window": TELEMETRY_WINDOW, "doctor": DOCTOR, "allow_uneven_nodes": ALLOW_UNEVEN_NODES,
-    "attempt": ATTEMPT, "merge_stderr": MERGE_STDERR,
+    "stall_timeout": STALL_TIMEOUT, "stall_end": STALL_END, "exit_timeout": EXIT_TIMEOUT, "job_token": JOB_TOKEN,
+    "straggler_margin": STRAGGLER_MARGIN, "straggler_windows": STRAGGLER_WINDOWS, "telemetry_window": TELEMETRY_WINDOW,
+    "doctor": DOCTOR, "allow_uneven_nodes": ALLOW_UNEVEN_NODES, "attempt": ATTEMPT, "merge_stderr": MERGE_STDERR,
 }
 
 

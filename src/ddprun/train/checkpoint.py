@@ -32,8 +32,8 @@ from typing import IO, Any
 
 import torch
 
-from ddprun.protocol.atomic import write_atomic
 from ddprun.errors import CheckpointError, ConfigError
+from ddprun.protocol.atomic import write_atomic
 
 FORMAT_VERSION = 2
 """Bumped when the state's keys change meaning; :func:`load` refuses newer versions. 2: ``rng`` is a

@@ -20,8 +20,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import (DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, Sampler,
-                              SequentialSampler, TensorDataset)
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    TensorDataset,
+)
 
 from ddprun._util import cpu_count
 from ddprun.errors import ConfigError

@@ -22,10 +22,10 @@ one ``all_gather_object`` of every rank's RNG states, then the writers write (at
 from __future__ import annotations
 
 import os
-import warnings
 import sys
 import time
 import uuid
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any

@@ -36,7 +36,6 @@ from ddprun.protocol.atomic import write_text_atomic
 from ddprun.protocol.failure import FailureRecord
 
 
-
 class Publisher(Protocol):
     """What :func:`record` needs of the job channel (worker/channel.py)."""
 

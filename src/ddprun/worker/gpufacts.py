@@ -15,7 +15,6 @@ mix GPU models.
 
 from __future__ import annotations
 
-from ddprun.protocol.env import device_kind
 import glob
 import hashlib
 import json
@@ -23,6 +22,8 @@ import os
 import threading
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
+
+from ddprun.protocol.env import device_kind
 
 NVML_TIMEOUT_S = 20.0
 """Seconds the NVML queries may take before the node reports ``nvml: no answer`` (a GPU that fell off

@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import os
 import platform
 import shutil
 import socket
+import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ddprun.protocol.env import WorkerEnv
-
 from ddprun.worker import gpufacts
 
 

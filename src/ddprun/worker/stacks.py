@@ -10,10 +10,8 @@ import faulthandler
 import os
 import sys
 import threading
-import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-
 
 
 def _frame_kind(filename: str, func: str) -> str:
@@ -90,7 +88,7 @@ def hang_report(places: Mapping[int, dict], world_size: int, stalled_s: float, s
     if len(ordered) > 1 or silent:
         odd = ordered[:-1] if len(ordered) > 1 else []
         majority_where, majority_ranks = ordered[-1]
-        for where, ranks in odd:
+        for _, ranks in odd:
             r0 = places[ranks[0]]
             parts.append(f"rank {_ranks(ranks)} ({r0.get('host', '?')}) {_where_at(r0)}")
         if silent:

@@ -21,8 +21,8 @@ import signal
 import time
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import TensorDataset
 
 import ddprun
