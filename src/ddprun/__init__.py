@@ -6,6 +6,7 @@ training API is loaded on first use (module ``__getattr__``):
     ddprun.init()       join the process group, pick this rank's device -> RankInfo
     ddprun.rank_info()  who this process is, without initialising anything
     ddprun.fit(...)     train an nn.Module (or a LightningModule: ddprun.lightning) data-parallel -> FitResult
+    ddprun.heartbeat()  tell the stall watchdog this process is alive (a phase without steps or collectives)
     ddprun.launch(fn, *args, nproc_per_node=N, **kwargs)
                         run fn on every device of this machine (script, notebook, REPL) -> rank 0's value
 
@@ -22,6 +23,7 @@ from ddprun._version import __version__
 
 _LAZY: dict[str, tuple[str, str]] = {
     "init": ("ddprun.runtime", "init"),
+    "heartbeat": ("ddprun.telemetry", "heartbeat"),
     "rank_info": ("ddprun.runtime", "rank_info"),
     "RankInfo": ("ddprun.runtime", "RankInfo"),
     "fit": ("ddprun.api", "fit"),
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     from ddprun.agent.fnlaunch import launch  # noqa: F401 - names for type checkers and IDEs
     from ddprun.api import FitResult, fit  # noqa: F401 - names for type checkers and IDEs
     from ddprun.runtime import RankInfo, init, rank_info  # noqa: F401 - names for type checkers and IDEs
+    from ddprun.telemetry import heartbeat  # noqa: F401 - names for type checkers and IDEs
 
 
 def __getattr__(name: str) -> Any:

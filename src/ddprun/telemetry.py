@@ -9,10 +9,12 @@ and publishes the medians through the store (the same channel as the watchdog's 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 
 FIELDS = ("step", "data", "compute", "allreduce", "optim")
 """Seconds per step: interval, data wait, forward+backward, blocked in all-reduce, optimizer."""
@@ -74,6 +76,8 @@ class Progress:
         self.beats = 0
         self.phase = ""
         """What the process says it is doing (``validation``, ``checkpoint``, ...); "" = training or unknown."""
+        self.busy_since: float | None = None
+        """Set while a :func:`busy` phase runs: the monitor thread beats for it (within a bound)."""
 
     @property
     def total(self) -> int:
@@ -81,6 +85,20 @@ class Progress:
 
 
 PROGRESS = Progress()
+
+
+@contextlib.contextmanager
+def busy(phase: str) -> Iterator[None]:
+    """A phase that proves nothing by itself for a while (a checkpoint write, a validation pass):
+    the worker's monitor thread beats for it, at most ``4 x --stall-timeout`` (worker/monitor.py), so a
+    long but healthy phase is not a stall and a phase that hangs still is."""
+    previous, since = PROGRESS.phase, PROGRESS.busy_since
+    PROGRESS.phase, PROGRESS.busy_since = phase, time.monotonic()
+    try:
+        yield
+    finally:
+        PROGRESS.phase, PROGRESS.busy_since = previous, since
+        PROGRESS.beats += 1
 
 
 def heartbeat(phase: str | None = None) -> None:

@@ -31,6 +31,8 @@ from ddprun.protocol.store import Keys
 
 BEAT_S = 1.0
 LOST_AFTER_S = 10.0
+ENFORCE_S = 5.0
+"""A local worker still running this long after another rank's failure ended the job is killed."""
 
 
 def oom_kills(proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> int | None:
@@ -69,6 +71,8 @@ class AgentFailures:
         self._workers: dict[int, tuple[int, int, str]] = {}  # rank -> (local rank, pid, error file)
         self._keys: Keys | None = None
         self._node, self._nnodes, self._world = 0, 1, 1
+        self._last_attempt: bool = True
+        self._cause_seen: float | None = None
         self._store: Any = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -80,7 +84,7 @@ class AgentFailures:
     # -- attempts --------------------------------------------------------------------------
     def on_workers_started(self, attempt: str, node_rank: int, nnodes: int,
                            workers: dict[int, tuple[int, int, str]], world_size: int = 0,
-                           store: tuple[str, int] | None = None) -> None:
+                           store: tuple[str, int] | None = None, last_attempt: bool = True) -> None:
         """A worker group (re)started: its attempt id, this node's rank, rank -> (local rank, pid, error file),
         and the workers' store (MASTER_ADDR:MASTER_PORT; torch's c10d hosts it on node 0's agent, apart from
         the rendezvous endpoint's)."""
@@ -91,6 +95,7 @@ class AgentFailures:
             self._keys = Keys(f"ddprun/{self._run_id}/{attempt}/")
             self._node, self._nnodes, self._workers = node_rank, nnodes, dict(workers)
             self._world = world_size or len(workers)
+            self._last_attempt, self._cause_seen = last_attempt, None
             self._local.clear()
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="ddprun-agent-failures", daemon=True)
@@ -239,8 +244,26 @@ class AgentFailures:
             return seen_at
         store.set(keys._k(f"agent/{self._node}"), json.dumps({"host": self.host, "beat": beat}))
         self._read_records(store, keys)
+        self._enforce_end()
         self._say_hang_report(store, keys)
         return self._watch_neighbour(store, keys, seen_at)
+
+    def _enforce_end(self) -> None:
+        """Another rank's failure ended the job (last attempt), but a local worker still runs after
+        ENFORCE_S: it cannot stop itself (stopped by SIGSTOP, frozen, its monitor starved): SIGKILL it."""
+        cause = fr.root_cause(self._cache.values())
+        if not self._last_attempt or cause is None or cause.is_echo or cause.rank in self._workers:
+            return
+        now = time.monotonic()
+        self._cause_seen = self._cause_seen or now
+        if now - self._cause_seen < ENFORCE_S or self.stopping_for is not None:
+            return
+        self.stopping_for = cause
+        for _, pid, _ in list(self._workers.values()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
     def _read_records(self, store: Any, keys: Keys) -> None:
         """Copy the store's records not seen yet (one batched read); a malformed one is skipped."""

@@ -93,6 +93,8 @@ class _Run:
     run_id: str
     rundir: RunDir
     host: str
+    addr: str
+    """The rendezvous host (resolved: ``ddprun run`` never starts with it unknown)."""
     port: int
     token: str
     wenv: WorkerEnv
@@ -102,12 +104,15 @@ class _Run:
 
     @property
     def endpoint(self) -> str:
-        return f"{self.spec.master_addr}:{self.port}"
+        return f"{self.addr}:{self.port}"
 
 
 def prepare(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hostname: str,
             extra_env: Mapping[str, str]) -> _Run:
     """Run id, run directory, port, token and the workers' environment (pure but for a free port)."""
+    if spec.master_addr is None:  # only a dry run (ddprun plan) resolves without one
+        raise LaunchError("No rendezvous host to launch with.", seen=spec.sources.get("master_addr", ""),
+                          hint="Give every node the same --rdzv-endpoint HOST:PORT.")
     run_id = spec.run_id or new_run_id()
     rundir = RunDir(run_dir_for(cfg, run_id))
     port = spec.master_port or free_port(spec.master_addr)
@@ -123,7 +128,7 @@ def prepare(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], ho
     if threads is not None:
         extra["OMP_NUM_THREADS"] = threads
     off = environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1"
-    return _Run(cfg, spec, run_id, rundir, hostname, port, token, wenv, extra, off)
+    return _Run(cfg, spec, run_id, rundir, hostname, spec.master_addr, port, token, wenv, extra, off)
 
 
 class AgentLog:
@@ -198,16 +203,16 @@ def supervise(run: _Run, tee: set[int], console: TextIO, err: TextIO) -> Outcome
     from ddprun.agent.logs import LogFollower, remove_empty_early_logs
 
     _announce(run, console)
-    refused = claim_endpoint(run.spec.master_addr, run.port, run.run_id, run.token)
+    refused = claim_endpoint(run.addr, run.port, run.run_id, run.token)
     if refused:
         print(refused, file=err, flush=True)
         return Outcome(1, run.rundir.path, 0.0)
     follower = LogFollower(console)
     watcher = None
     if run.spec.rdzv_backend == "c10d" and run.spec.max_nodes > 1:
-        watcher = JoinWatcher(run.spec.master_addr, run.port, run.run_id, run.token, run.spec.max_nodes,
+        watcher = JoinWatcher(run.addr, run.port, run.run_id, run.token, run.spec.max_nodes,
                               run.cfg.join_timeout, err).start()
-    failures = AgentFailures(run.rundir, run.host, run.spec.master_addr, run.port, run.run_id, err)
+    failures = AgentFailures(run.rundir, run.host, run.addr, run.port, run.run_id, err)
     agent = _AgentRun(run, tee, follower, watcher, failures)
     try:
         outcome = agent.run(err)
@@ -230,19 +235,19 @@ class _AgentRun:
         from ddprun.agent.logs import RankLogsSpecs
 
         self.run_, self.failures, self.watcher = run, failures, watcher
-        attempts = AttemptIds(run.spec.rdzv_backend, run.spec.master_addr, run.port, run.run_id)
+        attempts = AttemptIds(run.spec.rdzv_backend, run.addr, run.port, run.run_id)
         self.logs_specs = RankLogsSpecs(run.rundir.path, follower, tee, run.wenv, run.extra_env,
                                         on_workers_start=watcher.stop if watcher else None,
                                         attempt_id=attempts.current)
 
-    def _started(self, group: Any, pids: Mapping[int, int]) -> None:
+    def _started(self, group: Any, pids: Mapping[int, int], restarts_left: int = 0) -> None:
         workers = {w.global_rank: (w.local_rank, pids.get(w.local_rank, 0),
                                    self.logs_specs.local_workers.get(w.global_rank, (0, ""))[1])
                    for w in group.workers}
         world = group.workers[0].world_size if group.workers else len(workers)
         store = (group.master_addr, int(group.master_port)) if group.master_addr and group.master_port else None
         self.failures.on_workers_started(self.logs_specs.attempt, group.group_rank, group.group_world_size, workers,
-                                         world, store)
+                                         world, store, last_attempt=restarts_left == 0)
 
     def torch_config(self) -> Any:
         from torch.distributed.launcher.api import LaunchConfig as TorchLaunchConfig
@@ -329,7 +334,7 @@ def ending(e: BaseException, agent: _AgentRun, err: TextIO) -> Outcome:
     if isinstance(e, RendezvousError):
         return _from_records(agent, err, (
             f"ddprun: rendezvous at {run.endpoint} failed: {name}: {e}\nHINT: check that every node runs ddprun "
-            f"with the same --rdzv-endpoint and --rdzv-id, that {run.spec.master_addr} is reachable from every "
+            f"with the same --rdzv-endpoint and --rdzv-id, that {run.addr} is reachable from every "
             f"node, and see {run.rundir.agent_log(run.host)}"))
     if isinstance(e, KeyboardInterrupt):
         print("ddprun: interrupted; workers stopped.", file=err, flush=True)

@@ -5,7 +5,7 @@ three hooks ddprun needs and torch does not offer:
   a worker ending non-zero, *before* torch stops its siblings (which may take torch's 30 s SIGTERM
   grace): the agent records a worker that died by a signal while the peers' echoes are still in
   flight (agent/failures.py).
-* ``on_workers_started(worker_group, pids)``: after each (re)start of the worker group (local rank -> pid).
+* ``on_workers_started(worker_group, pids, restarts_left)``: after each (re)start of the worker group.
 * ``on_signal(sig)``: the agent got a death signal; called before torch stops the workers, so the
   record of why reaches the other nodes before the echoes of the stopped workers do.
 * a bounded exit barrier that ends early when ``exit_barrier_done()`` says so (a node was lost),
@@ -34,7 +34,7 @@ class AgentHooks:
     """What ddprun adds to torch's agent; every callback must return quickly and never raise."""
 
     on_worker_exit: Callable[[int, int, int, int], None] = lambda rank, local_rank, pid, code: None
-    on_workers_started: Callable[[WorkerGroup, dict[int, int]], None] = lambda group, pids: None
+    on_workers_started: Callable[[WorkerGroup, dict[int, int], int], None] = lambda group, pids, left: None
     on_signal: Callable[[int], None] = lambda sig: None
     """This agent got a death signal (SIGTERM, SIGINT, ...): called before torch stops the workers."""
     exit_barrier_done: Callable[[], bool] = lambda: False
@@ -48,14 +48,15 @@ class AgentHooks:
 class DdprunAgent(LocalElasticAgent):
     """LocalElasticAgent with :class:`AgentHooks` (module docstring)."""
 
-    def __init__(self, *args: Any, hooks: AgentHooks, **kwargs: Any):
-        super().__init__(*args, exit_barrier_timeout=hooks.exit_barrier_s, **kwargs)
+    def __init__(self, *, hooks: AgentHooks, **kwargs: Any):
+        kwargs["exit_barrier_timeout"] = hooks.exit_barrier_s
+        super().__init__(**kwargs)
         self._hooks = hooks
         self._hooks_said_signal: int | None = None
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         pids = super()._start_workers(worker_group)
-        self._hooks.on_workers_started(worker_group, pids)
+        self._hooks.on_workers_started(worker_group, pids, self._remaining_restarts)
         return pids
 
     def _monitor_workers(self, worker_group: WorkerGroup):  # type: ignore[override]
@@ -84,6 +85,8 @@ class DdprunAgent(LocalElasticAgent):
     def _exit_barrier(self) -> None:
         """torch's barrier of agents at the end, bounded and left early when a node is lost."""
         store, n = self._store, self._worker_group.group_world_size
+        if store is None or n is None:
+            return
         key = "ddprun/exit-barrier/" + str(self._worker_group.spec.rdzv_handler.get_run_id())
         deadline = time.monotonic() + self._exit_barrier_timeout
         try:

@@ -46,7 +46,10 @@ def write_atomic(path: str, write: Callable[[IO[bytes]], None]) -> None:
 
 
 def write_text_atomic(path: str, text: str) -> None:
-    write_atomic(path, lambda f: f.write(text.encode()))
+    def write(f: IO[bytes]) -> None:
+        f.write(text.encode())
+
+    write_atomic(path, write)
 
 
 def write_json_atomic(path: str, data: dict) -> None:

@@ -67,7 +67,7 @@ def restore_source_file(fn: Any, filename: str | None) -> None:
 
     def fixed(code: types.CodeType) -> types.CodeType:
         consts = tuple(fixed(c) if isinstance(c, types.CodeType) else c for c in code.co_consts)
-        name = filename if code.co_filename == "<dynamic-code>" else code.co_filename
+        name = filename if (filename and code.co_filename == "<dynamic-code>") else code.co_filename
         return code.replace(co_filename=name, co_consts=consts)
 
     if filename and isinstance(fn, types.FunctionType) and fn.__code__.co_filename == "<dynamic-code>":

@@ -39,7 +39,7 @@ from ddprun import runtime
 from ddprun.errors import ConfigError
 from ddprun.protocol.env import WorkerEnv
 from ddprun.runtime import RankInfo
-from ddprun.telemetry import TIMER
+from ddprun.telemetry import TIMER, busy
 from ddprun.train import checkpoint as ckpt
 from ddprun.train import resume as resume_mod
 from ddprun.train import timing
@@ -655,7 +655,8 @@ class _Loop:
         if self.step % o.log_every == 0:
             self._flush_window()
         if o.checkpoint_every is not None and self.step % o.checkpoint_every == 0:
-            saved = p.ckpts.save(self.step, self.epoch, self._state)
+            with busy("checkpoint"):
+                saved = p.ckpts.save(self.step, self.epoch, self._state)
             if saved:
                 self.progress.message(f"checkpoint: {saved}")
             if o.on_checkpoint is not None:
@@ -682,8 +683,9 @@ class _Loop:
 
     def _validation(self, during_epoch: int) -> None:
         p = self.p
-        self.val_result = _validate(p.module, p.val_loader, p.info, loss_fn=self.o.loss_fn,
-                                    training_step=self.o.training_step, metrics=self.metrics, amp=p.amp)
+        with busy("validation"):
+            self.val_result = _validate(p.module, p.val_loader, p.info, loss_fn=self.o.loss_fn,
+                                        training_step=self.o.training_step, metrics=self.metrics, amp=p.amp)
         self.val_step = self.step
         self.history.append(self.val_result)
         self.log.write(self.step, during_epoch, self.val_result)
@@ -705,7 +707,8 @@ class _Loop:
             self._validation(self.epoch if self.batches_done else self.epoch - 1)
         train_loss = _mean_over_ranks(self.window.last, info)
         if p.ckpts.last_saved != (self.step, self.epoch):  # saved at the last step, before its epoch counted: again
-            path = p.ckpts.save(self.step, self.epoch, self._state, final=True)
+            with busy("checkpoint"):
+                path = p.ckpts.save(self.step, self.epoch, self._state, final=True)
             if path:
                 self.progress.message(f"checkpoint: {path}")
         else:  # saved at this step already (or resumed a finished run): that file is the final one

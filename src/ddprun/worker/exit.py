@@ -150,7 +150,7 @@ def _flush_open_files() -> None:
 
 def _hung_handlers(code: int, limit_s: float) -> None:
     """The atexit handlers ran past ``limit_s``: say where the main thread is, then leave."""
-    frame = sys._current_frames().get(threading.main_thread().ident)
+    frame = sys._current_frames().get(threading.main_thread().ident or 0)
     where = "".join(traceback.format_stack(frame)[-3:]) if frame is not None else "?\n"
     print(f"ddprun: an atexit handler did not return within {limit_s:.0f} s; exiting anyway. It is at:\n{where}",
           file=sys.stderr, flush=True)

@@ -31,6 +31,9 @@ from ddprun.worker import stacks
 from ddprun.worker.channel import JobChannel
 from ddprun.worker.exit import record, stopped_message
 
+BUSY_LIMIT_FACTOR = 4
+"""A declared busy phase counts as progress for at most this many stall timeouts."""
+
 MAX_FAILED_POLLS = 20
 """Consecutive failing polls (the store gone: the job is ending) before the thread gives up, saying so."""
 
@@ -166,6 +169,9 @@ class Monitor:
         ch = self.ch
         if ch.world_size > 1:
             self._watch_failures(store)
+        busy = PROGRESS.busy_since
+        if busy is not None and time.monotonic() - busy < BUSY_LIMIT_FACTOR * max(ch.wenv.stall_timeout, 1.0):
+            PROGRESS.beats += 1  # a declared phase (telemetry.busy): a checkpoint write, a validation pass
         total = PROGRESS.total
         if total != self._published:
             store.set(ch.keys.progress(ch.rank), str(total))

@@ -1,5 +1,5 @@
-"""Counting progress in every worker (telemetry.PROGRESS): torch's global optimizer step hook, and a
-thin wrapper around torch.distributed's collectives that counts each one that returns.
+"""Counting progress in every worker (telemetry.PROGRESS): torch's global optimizer step hook, a thin
+wrapper around torch.distributed's collectives that counts each one that returns, and DDP's forward.
 
 Installed once by the worker bootstrap before the user's code imports anything, so unmodified scripts
 are covered, evaluation loops (an all_reduce of metrics and no optimizer step) included. The wrapper
@@ -54,4 +54,16 @@ def install() -> None:
         setattr(c10d, name, wrapped)
         if getattr(dist, name, None) is original:
             setattr(dist, name, wrapped)
+    _count_ddp_forward()
     install._done = True  # type: ignore[attr-defined]
+
+
+def _count_ddp_forward() -> None:
+    """Each DDP forward counts too: a loop that updates parameters by hand (no torch.optim) makes no
+    optimizer step, and DDP's gradient all-reduce runs in C++, past the collective wrappers."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    original = DDP.forward
+    if getattr(original, "_ddprun_counted", False):
+        return
+    DDP.forward = _counting(original)  # type: ignore[method-assign]

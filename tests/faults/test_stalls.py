@@ -1,0 +1,86 @@
+"""Progress and stalls: phases without optimizer steps are not stalls; a real stall is reported
+first (every node says it) and ends the job later; bad store values and a stopped rank 0 do not
+blind the watchdog."""
+
+import json
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from tests.faults.conftest import assert_nothing_left, describe
+
+pytestmark = pytest.mark.faults
+
+STALL = ["--stall-timeout", "4", "--stall-end-after", "4"]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("phase", [["--eval-s", "14"], ["--beat-s", "14"], ["--manual-sgd", "--steps", "250"]],
+                         ids=["all-reduce-only", "heartbeats", "manual-sgd"])
+def test_a_healthy_phase_without_optimizer_steps_is_never_a_stall(nodes, tmp_path, phase):
+    job = nodes(2, 1, ["--step-s", "0.05", "--steps", "20", *phase], extra=STALL)
+    t0 = time.monotonic()
+    ended = job.finish(timeout=70)
+    assert all(e.returncode == 0 for e in ended), describe(ended)
+    for e in ended:
+        assert "hang report" not in e.output and "no rank advanced" not in e.output, describe(ended)
+    print(f"{phase[0]}: {max(e.ended_at for e in ended) - t0:.1f} s under --stall-timeout 4, no report")
+    assert not (tmp_path / "runs" / "fault" / "stacks").exists()
+    assert_nothing_left(tmp_path)
+
+
+def store_env(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as fp:
+        pairs = (item.split(b"=", 1) for item in fp.read().split(b"\0") if b"=" in item)
+        return {k.decode(): v.decode(errors="replace") for k, v in pairs}
+
+
+@pytest.mark.timeout(90)
+def test_poisoned_store_values_are_skipped_and_the_job_goes_on(nodes, tmp_path):
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    job = nodes(2, 1, ["--step-s", "0.05", "--steps", "160"], extra=STALL)
+    pids = job.worker_pids(range(2))
+    env = store_env(pids[0])
+    store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, wait_for_workers=False,
+                     timeout=timedelta(seconds=5))
+    prefix = f"ddprun/{env['TORCHELASTIC_RUN_ID']}/{env['DDPRUN_ATTEMPT']}/"
+    for key, value in [("progress/0", "garbage"), ("progress/1", "\xff\x00"), ("timing/0", "{not json"),
+                       ("stall/summary", "[1, 2]"), ("place/1", "null"), ("agent/1", "\x00")]:
+        store.set(prefix + key, value)
+    store.add(prefix + "failures", 1)  # a 'failure' that is not a record
+    store.set(prefix + "failure/1", json.dumps({"kind": "error", "rank": "zero"}))
+    del store
+    ended = job.finish(timeout=60)
+    assert all(e.returncode == 0 for e in ended), describe(ended)
+    for e in ended:
+        assert "the job failed" not in e.output and "stopped because" not in e.output, describe(ended)
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("victim", [0, 1], ids=["rank-0", "rank-1"])
+def test_a_stopped_rank_is_reported_by_another_observer_and_the_job_ends_later(nodes, tmp_path, victim):
+    job = nodes(2, 1, ["--step-s", "0.05", "--steps", "2000"], extra=STALL)
+    pids = job.worker_pids(range(2))
+    os.kill(pids[victim], signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    ended = job.finish(timeout=60)
+    assert all(e.returncode == 1 for e in ended), describe(ended)
+    for e in ended:  # every node says where the ranks are, and why the job ended
+        assert re.search(rf"hang report: no rank advanced for \d+ s: rank {victim} did not answer", e.output) \
+            or re.search(rf"^ddprun hang report: no rank advanced for \d+ s: rank {victim} did not answer",
+                         e.output, re.M), describe(ended)
+        assert re.search(r"^ddprun: the job failed: rank \d \(node \d, \S+\) found the job stalled: stall: no rank "
+                         rf"advanced for \d+ s: rank {victim} did not answer", e.output, re.M), describe(ended)
+    report = (tmp_path / "runs" / "fault" / "stacks" / "hang-report.txt").read_text()
+    assert f"rank {victim}: no answer" in report
+    last = max(e.ended_at for e in ended) - stopped_at
+    print(f"SIGSTOP of rank {victim}: report then end; last node exited {last:.1f} s after the stop")
+    assert last < 4 + 7 + 4 + 5 + 10, describe(ended)  # threshold, backup grace, end, enforce, slack
+    assert_nothing_left(tmp_path)  # the stopped rank too: its agent killed it once the job had ended
