@@ -21,7 +21,7 @@ from ddprun.errors import ConfigError, DdprunError
 from ddprun.protocol.defaults import EXIT_TIMEOUT_S, STOP_GRACE_S, TELEMETRY_WINDOW_S
 
 
-def _flag(parser: argparse.ArgumentParser, name: str, **kw) -> None:
+def _flag(parser: argparse._ActionsContainer, name: str, **kw) -> None:
     """Add ``--a-b`` with its torchrun spelling ``--a_b`` as an alias."""
     names = [name]
     if "-" in name[2:]:

@@ -29,22 +29,29 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import import_module
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 PACKAGE: str = globals().get("PACKAGE", "lightning.pytorch")
 """The Lightning package this module drives. ddprun.pytorch_lightning runs this same source with
 ``PACKAGE = "pytorch_lightning"`` (the standalone package, whose classes are distinct from these)."""
 
-try:
-    pl = import_module(PACKAGE)
-    Callback = import_module(f"{PACKAGE}.callbacks").Callback
-    ModelCheckpoint = import_module(f"{PACKAGE}.callbacks").ModelCheckpoint
-    CSVLogger = import_module(f"{PACKAGE}.loggers").CSVLogger
-    ClusterEnvironment = import_module(f"{PACKAGE}.plugins.environments").ClusterEnvironment
-    DDPStrategy = import_module(f"{PACKAGE}.strategies").DDPStrategy
-except ImportError as e:  # pragma: no cover - exercised only without the extra
-    extra = "lightning" if PACKAGE == "lightning.pytorch" else "pytorch-lightning"
-    raise ImportError(f"{__name__} needs {PACKAGE}: pip install 'ddprun[{extra}]'") from e
+if TYPE_CHECKING:  # mypy checks against lightning.pytorch; at run time the classes are PACKAGE's
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.plugins.environments import ClusterEnvironment
+    from lightning.pytorch.strategies import DDPStrategy
+else:
+    try:
+        pl = import_module(PACKAGE)
+        Callback = import_module(f"{PACKAGE}.callbacks").Callback
+        ModelCheckpoint = import_module(f"{PACKAGE}.callbacks").ModelCheckpoint
+        CSVLogger = import_module(f"{PACKAGE}.loggers").CSVLogger
+        ClusterEnvironment = import_module(f"{PACKAGE}.plugins.environments").ClusterEnvironment
+        DDPStrategy = import_module(f"{PACKAGE}.strategies").DDPStrategy
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        extra = "lightning" if PACKAGE == "lightning.pytorch" else "pytorch-lightning"
+        raise ImportError(f"{__name__} needs {PACKAGE}: pip install 'ddprun[{extra}]'") from e
 
 from ddprun import runtime
 from ddprun.errors import ConfigError
@@ -348,10 +355,13 @@ def _resume_path(resume: bool | str | os.PathLike, ckpt_dir: str) -> str | None:
     """``trainer.fit``'s ckpt_path for fit's ``resume`` (the same value on every rank)."""
     if resume is False:
         return None
-    if resume not in ("auto", True) and not isinstance(resume, (str, os.PathLike)):
+    if resume in ("auto", True):
+        path = os.path.join(ckpt_dir, "last.ckpt")
+    elif isinstance(resume, (str, os.PathLike)):
+        path = os.fspath(resume)
+    else:
         raise ConfigError("resume must be 'auto', True, False, or a checkpoint file or directory.",
                           seen=f"resume={resume!r}", hint="Leave it at 'auto', give False to start anew, or a path.")
-    path = os.path.join(ckpt_dir, "last.ckpt") if resume in ("auto", True) else os.fspath(resume)
     if os.path.isdir(path):
         path = os.path.join(path, "last.ckpt")
     if os.path.exists(path):
@@ -398,7 +408,8 @@ def _val_loader(data: Any, batch_size: int, info: RankInfo, num_workers: int | N
 def _result(trainer: pl.Trainer, model: pl.LightningModule, run_dir: str, info: RankInfo) -> LightningFitResult:
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
     train_loss = next((metrics[k] for k in ("train_loss", "loss", "train_loss_epoch") if k in metrics), None)
-    ckpt = trainer.checkpoint_callback
+    # typed Checkpoint; only a ModelCheckpoint has these paths (a user's other Checkpoint, first, fails here)
+    ckpt = cast("ModelCheckpoint | None", trainer.checkpoint_callback)
     path = (ckpt.last_model_path or ckpt.best_model_path or None) if ckpt is not None and info.is_main else None
     loop = trainer.fit_loop
     # Lightning counts an epoch stopped by max_steps as completed; FitResult.epochs does not.

@@ -14,9 +14,12 @@ from importlib.util import find_spec as _find_spec
 PACKAGE = "pytorch_lightning"
 
 _doc = __doc__
-_source = _find_spec("ddprun.lightning").origin
+_spec = _find_spec("ddprun.lightning")
+if _spec is None or _spec.origin is None:  # never: it is part of this package; says so if it is gone
+    raise ImportError("ddprun.pytorch_lightning needs ddprun/lightning.py, which is missing")
+_source = _spec.origin
 with open(_source, encoding="utf-8") as _f:
     # the classes defined below get __module__ "ddprun.pytorch_lightning", so they pickle by this name
     exec(compile(_f.read(), _source, "exec"), globals())  # noqa: S102 - ddprun's own source
 __doc__ = _doc  # the exec set ddprun.lightning's
-del _f, _source, _doc
+del _f, _spec, _source, _doc

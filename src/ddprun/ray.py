@@ -169,9 +169,10 @@ def fit(model: Any, train_data: Any = None, *, num_workers: int | None = None, u
     except ray.train.TrainingFailedError as e:
         failure = _failure(e)
         raise failure from getattr(failure, "error", None) or e
-    if getattr(result, "error", None) is not None:  # Ray versions that return the error instead of raising it
-        failure = _failure(result.error)
-        raise failure from getattr(failure, "error", None) or result.error
+    error = getattr(result, "error", None)
+    if error is not None:  # Ray versions that return the error instead of raising it
+        failure = _failure(error)
+        raise failure from getattr(failure, "error", None) or error
     trained = _load_final(model, result.checkpoint, lightning) if _is_module(model) else None
     return RayFitResult(metrics=dict(result.metrics or {}), checkpoint=result.checkpoint, model=trained,
                         path=str(result.path), run_dir=run_dir, result=result, wall_s=time.monotonic() - t0)
@@ -280,7 +281,7 @@ def _lightning_reporter(every: int | None, resumed_from: int, package: str = "li
     Lightning package (its Trainer takes only that package's callbacks)."""
     import importlib
 
-    Callback = importlib.import_module(f"{package}.callbacks").Callback
+    Callback: Any = importlib.import_module(f"{package}.callbacks").Callback  # the model's package, known at run time
 
     class RayReport(Callback):
         def __init__(self) -> None:
@@ -362,14 +363,13 @@ def _worker(config: dict[str, Any]) -> None:
     checkpoint = ray.train.get_checkpoint()
     with checkpoint.as_directory() if checkpoint is not None else nullcontext(None) as restored:
         resumed_from = _restored_step(restored)
-        lightning = _is_lightning(model)
-        if lightning:
+        package = _lightning_package(model)
+        if package is not None:
             kwargs["resume"] = os.path.join(restored, LIGHTNING_CKPT) if restored else False
             tk = dict(kwargs.get("trainer_kwargs") or {})
             callbacks = tk.get("callbacks") or []
             callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
-            tk["callbacks"] = [*callbacks, _lightning_reporter(kwargs.get("checkpoint_every"), resumed_from,
-                                                               _lightning_package(model))]
+            tk["callbacks"] = [*callbacks, _lightning_reporter(kwargs.get("checkpoint_every"), resumed_from, package)]
             kwargs["trainer_kwargs"] = tk
         else:
             kwargs["resume"] = restored if restored else False

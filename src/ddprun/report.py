@@ -94,7 +94,7 @@ def summarize_run(data: dict) -> dict:
         "steps": steps, "duration_s": duration,
         "samples_per_s": rates[len(rates) // 2] if rates else None,
         "step_ms_median": _median(list(step_ms.values())) if step_ms else None,
-        "slowest_rank": int(max(step_ms, key=step_ms.get)) if step_ms else None,
+        "slowest_rank": int(max(step_ms, key=lambda r: step_ms[r])) if step_ms else None,
         "final_loss": next((p["loss"] for p in reversed(train) if not math.isnan(p["loss"])), None),
         "final_val": {k: last_val[k] for k in data["val_names"] if k in last_val and not math.isnan(last_val[k])},
         "events": dict(events),

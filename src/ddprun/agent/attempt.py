@@ -32,6 +32,10 @@ from __future__ import annotations
 import sys
 import time
 from datetime import timedelta
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: torch.distributed is imported where the store is made
+    from torch.distributed import TCPStore
 
 
 def rendezvous_round(store, run_id: str) -> int:
@@ -53,7 +57,7 @@ class AttemptIds:
     def __init__(self, backend: str, host: str, port: int, run_id: str, wait_s: float = 10.0):
         self._backend, self._host, self._port, self._run_id = backend, host, port, run_id
         self._wait_s = wait_s
-        self._store = None
+        self._store: TCPStore | None = None
 
     def _read_round(self) -> int:
         from torch.distributed import TCPStore

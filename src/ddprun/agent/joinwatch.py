@@ -20,7 +20,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:  # annotations only: torch.distributed is imported where the store is made
+    from torch.distributed import TCPStore
 
 
 @dataclass
@@ -50,7 +53,7 @@ class JoinWatcher:
         self._stop = threading.Event()
         self._t0 = time.monotonic()
         self.last = JoinSnapshot()
-        self._store = None
+        self._store: TCPStore | None = None
         self._thread = threading.Thread(target=self._loop, name="ddprun-join-watch", daemon=True)
 
     def start(self) -> JoinWatcher:

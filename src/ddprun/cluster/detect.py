@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ddprun.cluster.base import ClusterEnvironment, ClusterSpec, Fact, NodeFacts, Reading
 from ddprun.cluster.hostfile import HostfileEnvironment
@@ -281,7 +282,8 @@ def _with_rendezvous(facts: Reading) -> tuple[Reading, list[str]]:
 
 def _spec(environment: str, facts: Reading, notes: Sequence[str]) -> ClusterSpec:
     """The ClusterSpec of resolved ``facts``, every value with its source."""
-    get = lambda k: facts[k].value if k in facts else None  # noqa: E731
+    def get(k: str) -> Any:  # Fact.value is Any: each key's type is the field's
+        return facts[k].value if k in facts else None
     return ClusterSpec(
         environment=environment,
         min_nodes=get("min_nodes"), max_nodes=get("max_nodes"),

@@ -121,12 +121,22 @@ def _first_usable(addrs: tuple[str, ...]) -> str | None:
     """IPv4 first: gloo and torch's stores take an IPv4 address more readily."""
     usable = [a for a in addrs if _usable(a)]
     v4 = [a for a in usable if ":" not in a]
-    return (v4 or usable or [None])[0]
+    first = v4 or usable
+    return first[0] if first else None
+
+
+def _master_host(spec: ClusterSpec) -> str:
+    """The rendezvous host. Only a dry run leaves it None, and cli.py plans no network then."""
+    if spec.master_addr is None:
+        raise ClusterError("The rendezvous host is unknown, so this node's network cannot be planned.",
+                           seen=spec.sources.get("master_addr", ""),
+                           hint="Name it with --rdzv-endpoint HOST:PORT or --master-addr HOST.")
+    return spec.master_addr
 
 
 def needs_probe(spec: ClusterSpec) -> bool:
     """False when there is nothing to decide: one node, or the rendezvous on a loopback address."""
-    return spec.max_nodes > 1 and not is_loopback(spec.master_addr)
+    return spec.max_nodes > 1 and not is_loopback(_master_host(spec))
 
 
 def _named_interface(spec: ClusterSpec, environ: Mapping[str, str]) -> tuple[str | None, str]:
@@ -179,6 +189,7 @@ def plan_network(spec: ClusterSpec, probe: NetProbe, environ: Mapping[str, str],
                  "the one that routes to the rendezvous host.",
         )
     addr, addr_src = _local_address(spec, probe, is_host, local_addr, named, named_src)
+    ifname: str | None
     if named is not None:
         ifname, if_src = named, named_src
     else:
@@ -233,11 +244,11 @@ def _check_static_host(spec: ClusterSpec, probe: NetProbe, is_host: bool) -> Non
 def _local_address(spec: ClusterSpec, probe: NetProbe, is_host: bool, local_addr: str | None, named: str | None,
                    named_src: str) -> tuple[str, str]:
     """The address other nodes reach this one at, and why (module docstring's order)."""
-    ifs, master = probe.interfaces, spec.master_addr
+    ifs, master = probe.interfaces, _master_host(spec)
     if local_addr:
         return local_addr, f"--local-addr {local_addr}"
-    if named is not None and _first_usable(ifs[named]):
-        return _first_usable(ifs[named]), f"address of {named}, named by {named_src}"
+    if named is not None and (first := _first_usable(ifs[named])):
+        return first, f"address of {named}, named by {named_src}"
     if probe.route_src and not is_loopback(probe.route_src):
         return probe.route_src, f"source address of the route to {master} ({probe.master_addrs[0]})"
     resolved, ifs_seen = ", ".join(probe.master_addrs), _interfaces_seen(ifs)
@@ -255,9 +266,9 @@ def _host_address(ifs: Mapping[str, tuple[str, ...]], default_ifname: str | None
                   ifs_seen: str) -> tuple[str, str]:
     """The rendezvous host's reachable address when its name resolves to loopback here."""
     why = f"{master} resolves to {resolved} here"
-    if default_ifname and _first_usable(ifs.get(default_ifname, ())):
-        return _first_usable(ifs[default_ifname]), f"{why}; address of {default_ifname}, the default route's interface"
-    candidates = {n: _first_usable(a) for n, a in ifs.items() if _first_usable(a)}
+    if default_ifname and (first := _first_usable(ifs.get(default_ifname, ()))):
+        return first, f"{why}; address of {default_ifname}, the default route's interface"
+    candidates = {n: usable for n, a in ifs.items() if (usable := _first_usable(a))}
     if len(candidates) == 1:
         (name, addr), = candidates.items()
         return addr, f"{why}; address of {name}, the only interface with one"
@@ -382,4 +393,4 @@ def network_plan(spec: ClusterSpec, environ: Mapping[str, str], local_addr: str 
     runtime.init() call. ``probe`` defaults to :func:`probe_network`."""
     if not needs_probe(spec):
         return plan_network(spec, NetProbe({}, ()), environ, local_addr, rdzv_conf)
-    return plan_network(spec, (probe or probe_network)(spec.master_addr), environ, local_addr, rdzv_conf)
+    return plan_network(spec, (probe or probe_network)(_master_host(spec)), environ, local_addr, rdzv_conf)

@@ -87,6 +87,7 @@ class SageMakerEnvironment(ClusterEnvironment):
         need_file = "SM_HOSTS" not in environ or "SM_CURRENT_HOST" not in environ
         config = load_resourceconfig(path) if need_file else {}
         hosts, hosts_src = _hosts(environ, config, path)
+        current: str | None
         if "SM_CURRENT_HOST" in environ:
             current, current_src = environ["SM_CURRENT_HOST"], f"SM_CURRENT_HOST={environ['SM_CURRENT_HOST']}"
         else:

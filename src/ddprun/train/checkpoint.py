@@ -27,8 +27,8 @@ import random
 import re
 import shutil
 import warnings
-from collections.abc import Mapping
-from typing import IO, Any
+from collections.abc import Callable, Mapping
+from typing import IO, Any, cast
 
 import torch
 
@@ -100,7 +100,8 @@ def rng_state() -> dict[str, Any]:
         import numpy as np
     except ImportError:
         return state
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    # the legacy tuple (the stubs also allow a dict, returned only for a bit generator other than the global MT19937)
+    kind, keys, pos, has_gauss, cached = cast("tuple[str, Any, int, int, float]", np.random.get_state())
     state["numpy"] = {"kind": str(kind), "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
     return state
@@ -131,6 +132,13 @@ def _why(e: BaseException) -> str:
     return (str(e).splitlines() or [type(e).__name__])[0][:300]
 
 
+def _writing(data: bytes) -> Callable[[IO[bytes]], None]:
+    """A ``write_atomic`` callback that writes ``data``."""
+    def write(f: IO[bytes]) -> None:
+        f.write(data)
+    return write
+
+
 def _free_bytes(directory: str) -> str:
     try:
         return f"{shutil.disk_usage(directory).free / 2**20:.1f} MiB free there"
@@ -156,15 +164,15 @@ def save(directory: str, state: dict[str, Any], keep: int | None = None) -> str:
         def write(f: IO[bytes]) -> None:
             w = _HashingWriter(f)
             try:
-                torch.save(state, w)
+                torch.save(state, cast(IO[bytes], w))  # a buffer to torch: it calls only write() and flush()
             except RuntimeError as e:
                 raise (w.error or e) from e
             written.update(bytes=w.bytes, sha256=w.sha256.hexdigest())
 
         write_atomic(path, write)
         meta = {"file": os.path.basename(path), "step": step, **written}
-        write_atomic(meta_path(path), lambda f: f.write(json.dumps(meta).encode() + b"\n"))
-        write_atomic(os.path.join(directory, LATEST), lambda f: f.write(os.path.basename(path).encode() + b"\n"))
+        write_atomic(meta_path(path), _writing(json.dumps(meta).encode() + b"\n"))
+        write_atomic(os.path.join(directory, LATEST), _writing(os.path.basename(path).encode() + b"\n"))
     except (OSError, RuntimeError) as e:  # torch's zip writer reports a full disk as a RuntimeError
         kept = f"the previous checkpoint {os.path.basename(previous)} is intact" if previous else \
             "there is no earlier checkpoint"
@@ -183,7 +191,7 @@ def checkpoints(directory: str) -> list[str]:
         names = [n for n in os.listdir(directory) if _NAME.match(n)]
     except FileNotFoundError:
         return []
-    return [os.path.join(directory, n) for n in sorted(names, key=lambda n: step_of(n), reverse=True)]
+    return [os.path.join(directory, n) for n in sorted(names, key=lambda n: step_of(n) or 0, reverse=True)]  # matched: never None
 
 
 def prune(directory: str, keep: int) -> list[str]:

@@ -15,9 +15,9 @@ from __future__ import annotations
 import math
 import multiprocessing
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sized
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.data import (
@@ -74,12 +74,13 @@ class ResumableSampler(DistributedSampler):
     def _order(self) -> list[int]:
         """The epoch's padded global order, built as DistributedSampler.__iter__ builds it before each
         rank takes every num_replicas-th index (tests compare the two)."""
+        size = len(cast(Sized, self.dataset))  # map-style: DistributedSampler takes len() too
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + self.epoch)
-            indices = torch.randperm(len(self.dataset), generator=g).tolist()
+            indices = torch.randperm(size, generator=g).tolist()
         else:
-            indices = list(range(len(self.dataset)))
+            indices = list(range(size))
         if self.drop_last:
             return indices[:self.total_size]
         pad = self.total_size - len(indices)
@@ -187,7 +188,7 @@ def build_train_loader(data: Dataset | DataLoader, *, batch_size: int, info: Ran
     _check_data(data, "train_data")
     warn = info.is_main
     user_loader = data if isinstance(data, DataLoader) else None
-    dataset = user_loader.dataset if user_loader is not None else data
+    dataset = data.dataset if isinstance(data, DataLoader) else data
     if user_loader is not None and user_loader.batch_size is not None:
         batch_size = user_loader.batch_size
     if _length(dataset) == 0:
@@ -235,9 +236,10 @@ def build_val_loader(data: Dataset | DataLoader, *, batch_size: int, info: RankI
     """The validation DataLoader of this rank: every sample once over all ranks, in order."""
     _check_data(data, "val_data")
     user_loader = data if isinstance(data, DataLoader) else None
-    dataset = user_loader.dataset if user_loader is not None else data
+    dataset = data.dataset if isinstance(data, DataLoader) else data
     if user_loader is not None and (info.world_size == 1 or isinstance(dataset, IterableDataset)):
         return user_loader
+    kwargs: dict[str, Any]
     if user_loader is not None:
         batch_size = user_loader.batch_size or batch_size
         kwargs = {"collate_fn": user_loader.collate_fn, "worker_init_fn": user_loader.worker_init_fn}
@@ -248,6 +250,6 @@ def build_val_loader(data: Dataset | DataLoader, *, batch_size: int, info: RankI
     workers = choose_num_workers(num_workers, dataset, info.local_world_size, warn=False)
     sampler = None
     if not isinstance(dataset, IterableDataset):
-        sampler = ShardSampler(len(dataset), info.rank, info.world_size)
+        sampler = ShardSampler(len(cast(Sized, dataset)), info.rank, info.world_size)  # map-style: sized
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **loader_options(workers, info.device.type),
                       **kwargs)

@@ -30,7 +30,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -47,6 +47,9 @@ from ddprun.train.data import build_train_loader, build_val_loader
 from ddprun.train.metrics import MetricsLog
 from ddprun.train.options import FitOptions
 from ddprun.train.progress import Progress
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
 
 # Frames from a warning's caller in this module up to the user's ``ddprun.fit(...)`` line:
 # _unwrap <- _setup <- fit_module <- ddprun.api.fit <- the user.
@@ -261,6 +264,8 @@ def _loss(net: Any, batch: Any, training_step: Callable | None, loss_fn: Callabl
     """The scalar loss of one micro-batch: ``training_step(net, batch)``, or ``loss_fn(net(x), y)``."""
     if training_step is not None:
         return _scalar(training_step(net, batch), "training_step")
+    if loss_fn is None:  # options._check_args refuses this first
+        raise ConfigError("fit() needs a way to compute the loss.", seen="loss_fn=None, training_step=None")
     x, y = _pair(batch)
     return _scalar(loss_fn(net(x), y), "loss_fn")
 
@@ -553,7 +558,7 @@ class _Loop:
     def run(self) -> FitResult:
         """Train to the end (epochs or max_steps), validate and checkpoint a last time."""
         p = self.p
-        if p.resumed is not None and p.is_ddp and self._more():
+        if p.resumed is not None and self.pos is not None and p.is_ddp and self._more():  # pos: set from resumed
             _rebuild_ddp_buckets(p.ddp, p.module, p.opt, p.loader, p.sampler, p.resumed.state["model"],
                                  self.pos.epoch, lambda net, b: _loss(net, b, self.o.training_step, self.o.loss_fn),
                                  p.amp, None if self.on_cpu else (p.info.device, self.non_blocking))
@@ -605,7 +610,7 @@ class _Loop:
         self.window.samples += _batch_len(batch)
         if self.clock is not None:
             self.clock.ready = None
-        with contextlib.nullcontext() if (last or not p.is_ddp) else p.ddp.no_sync():
+        with contextlib.nullcontext() if (last or not p.is_ddp) else cast("DistributedDataParallel", p.ddp).no_sync():
             with p.amp():
                 loss = _loss(p.ddp, batch, self.o.training_step, self.o.loss_fn)
             if divisor > 1:

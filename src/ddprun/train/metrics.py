@@ -57,7 +57,7 @@ class MetricsLog:
         """One row at optimizer step ``step``; ``values`` keys are header columns."""
         if not self.enabled:
             return
-        row = {"step": step, "epoch": epoch}
+        row: dict[str, object] = {"step": step, "epoch": epoch}
         row.update({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in values.items() if k in self.header})
         self._writer.writerow(row)
         if self._tb is not None:

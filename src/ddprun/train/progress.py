@@ -35,14 +35,14 @@ class Progress:
 
     def advance(self, step: int) -> None:
         """Called every optimizer step; cheap (a no-op without a bar)."""
-        if self._bar is not None:
+        if self._bar is not None and self._task is not None:  # set together
             self._bar.update(self._task, completed=step)
 
     def log(self, step: int, epoch: int, loss: float, samples_per_s: float) -> None:
         """Called every ``log_every`` steps with the values just read."""
         if not self.enabled:
             return
-        if self._bar is not None:
+        if self._bar is not None and self._task is not None:
             self._bar.update(self._task, completed=step, stats=f"loss {loss:.4f}  {samples_per_s:,.0f} samples/s")
             return
         total = f"/{self.total}" if self.total else ""

@@ -252,7 +252,7 @@ def _newest(table: list[dict], heads: list[dict], found: tuple[str, dict] | None
         path = mine_node["path"]
         return Resumed(path, ckpt.read(path))
     src = min(e["rank"] for e in table if e["looked"] and e["step"] == best)
-    box = [Resumed(*found) if info.rank == src else None]
+    box = [Resumed(*found) if info.rank == src and found is not None else None]  # src found it: its step is best
     dist.broadcast_object_list(box, src=src)
     return box[0]
 

@@ -52,7 +52,7 @@ def _package_hash() -> str:
 
 def _addresses(host: str) -> list[str]:
     try:
-        return sorted({ai[4][0] for ai in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)})
+        return sorted({str(ai[4][0]) for ai in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)})
     except OSError:
         return []
 

@@ -27,7 +27,8 @@ def _frame_kind(filename: str, func: str) -> str:
 
 def main_thread_place() -> dict:
     """Where the main thread is: a one-line summary for grouping, and its innermost frames."""
-    frame = sys._current_frames().get(threading.main_thread().ident)
+    ident = threading.main_thread().ident  # None only before a thread starts; the main thread has one
+    frame = sys._current_frames().get(ident) if ident is not None else None
     frames = []
     while frame is not None:
         frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
@@ -58,7 +59,8 @@ def dump_stacks(path: str) -> None:
 
 def _ranks(ranks: Sequence[int]) -> str:
     """[0, 1, 2, 5] -> '0-2, 5'."""
-    out, run = [], []
+    out: list[str] = []
+    run: list[int] = []
     for r in sorted(ranks):
         if run and r == run[-1] + 1:
             run.append(r)

@@ -71,8 +71,10 @@ class StragglerDetector:
                     self._last_named[key] = now
                     events.append(StragglerEvent(rank, hosts.get(rank, "?"), metric, value, others, self.window))
         # one message per rank: its first slow part (data before compute before the whole step)
-        seen: set[int] = set()
-        return [e for e in events if not (e.rank in seen or seen.add(e.rank))]
+        first: dict[int, StragglerEvent] = {}
+        for e in events:
+            first.setdefault(e.rank, e)
+        return list(first.values())
 
 
 class StragglerWatch:
