@@ -308,6 +308,10 @@ def _from_records(agent: _AgentRun, err: TextIO, fallback: str) -> Outcome:
     local = {rank: rec for rank in agent.logs_specs.local_workers if (rec := f.local_record(rank)) is not None}
     known = _known(agent, local) if agent.logs_specs.local_workers else f.records()
     cause = fr.root_cause([*known, *local.values()])
+    if cause is not None:  # this node's workers without a record were stopped by torch's agent on its way out
+        for rank, (local_rank, _) in agent.logs_specs.local_workers.items():
+            local.setdefault(rank, fr.stopped_by(cause, rank=rank, node_rank=f.node_rank, host=run.host,
+                                                 local_rank=local_rank, t=0.0))
     if cause is None:
         print(fallback, file=err, flush=True)
         return Outcome(1, run.rundir.path, 0.0)
