@@ -18,7 +18,6 @@ import torch
 
 pl = pytest.importorskip("lightning.pytorch")
 
-from ddprun import runtime  # noqa: E402
 from ddprun.errors import ConfigError  # noqa: E402
 from tests.helpers import ddprun_nodes, describe, run_agents  # noqa: E402
 
@@ -34,17 +33,6 @@ def facts(out: Path, pattern: str = "rank-*.json") -> list[dict]:
 
 
 # -- in this process ------------------------------------------------------------------------------
-
-@pytest.fixture
-def clean_runtime(monkeypatch):
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "DDPRUN_RUN_DIR"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("DDPRUN_DEVICE_KIND", "cpu")
-    runtime._reset()
-    yield monkeypatch
-    runtime._reset()
-
 
 def test_trainer_kwargs_follow_the_launch(clean_runtime):
     from lightning.pytorch.strategies import DDPStrategy

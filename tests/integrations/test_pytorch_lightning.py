@@ -16,23 +16,11 @@ import torch
 
 PL = pytest.importorskip("pytorch_lightning")
 
-from ddprun import runtime  # noqa: E402
 from tests.helpers import REPO, ddprun_nodes, describe, job_env, run_agents  # noqa: E402
 
 pytestmark = pytest.mark.integrations
 BORING = str(Path(__file__).parent / "scripts" / "pl_boring_unmodified.py")
 QUIET = {"enable_progress_bar": False, "enable_model_summary": False}
-
-
-@pytest.fixture
-def clean_runtime(monkeypatch):
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "DDPRUN_RUN_DIR"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("DDPRUN_DEVICE_KIND", "cpu")
-    runtime._reset()
-    yield monkeypatch
-    runtime._reset()
 
 
 class Tiny(PL.LightningModule):

@@ -11,19 +11,7 @@ import torch.distributed as dist
 from ddprun import firstcollective, runtime
 from ddprun.errors import ClusterError, ConfigError
 from tests.helpers import free_port
-from tests.unit.test_runtime import torchrun_env
-
-
-@pytest.fixture(autouse=True)
-def clean_state():
-    saved = dict(os.environ)
-    runtime._reset()
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    runtime._reset()
-    os.environ.clear()
-    os.environ.update(saved)
+from tests.unit.test_runtime import clean_state, torchrun_env  # noqa: F401 - clean_state: autouse, as there
 
 
 def test_probe_timeout_default_off_and_bad_values():
