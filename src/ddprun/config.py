@@ -1,4 +1,4 @@
-"""What the user asked for, as frozen dataclasses built from flags (cli.py) and read by launch.py.
+"""What the user asked for, as frozen dataclasses built from flags (cli.py) and read by agent/run.py.
 
 Fields left ``None`` were not given and are filled by cluster detection (cluster/detect.py), which
 records where every value came from.

@@ -109,7 +109,9 @@ class JoinWatcher:
                     claimed = True
             except Exception:  # noqa: BLE001 - unreachable, or a state this torch cannot read
                 self._store = None
-                snap = JoinSnapshot(reachable=False)
+                # a read that fails after the store answered (a slow moment, the rendezvous closing at its
+                # timeout) keeps what was seen: the store was reachable, its last state is the best word
+                snap = self.last if self.last.reachable else JoinSnapshot(reachable=False)
             if self._stop.is_set() or snap.complete:
                 return
             self.last = snap
