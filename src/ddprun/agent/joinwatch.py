@@ -114,7 +114,10 @@ class JoinWatcher:
                 snap = self.last if self.last.reachable else JoinSnapshot(reachable=False)
             if self._stop.is_set() or snap.complete:
                 return
-            self.last = snap
+            # at the join timeout torch withdraws this node from the state before it raises: an empty
+            # state right after a non-empty one is that, not "no node joined"
+            if snap.joined or not self.last.joined:
+                self.last = snap
             if time.monotonic() >= next_line:
                 next_line += self._interval
                 self._out.write(self.line(snap) + "\n")
