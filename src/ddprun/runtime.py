@@ -6,7 +6,7 @@ WORLD_SIZE, MASTER_ADDR and MASTER_PORT itself; a cluster that starts one proces
 tasks, mpirun) states them in its own variables, which resolve() translates. When resolve() finds no
 rank (plain ``python script.py``) this is one process and no process group is created.
 
-Timeouts are two-phase (shared/DESIGN.md; torchtitan's ``init_distributed``/``set_pg_timeouts``):
+Timeouts are two-phase (torchtitan's ``init_distributed``/``set_pg_timeouts``):
 joining the process group and the first step may be slow (every node imports torch, compiles,
 loads data), so the group starts with a generous ``timeout``. After the first completed step
 :func:`use_training_timeout` tightens it to ``train_timeout`` so that a rank that dies or hangs mid-run

@@ -16,7 +16,8 @@ failures and stall reports must outlive any worker) and gives every attempt its 
 store they return is a ``PrefixStore("ddprun/<run id>/<attempt>/pg", store)``. The alternative,
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, makes worker rank 0 host a new store per attempt: it
 recovers too, but the store then dies with rank 0 (no failure report survives it), the job channel
-would have to wait for user code to create it, and it made exit aborts more frequent (ANCHORS.md).
+would have to wait for user code to create it, and it made exit aborts more frequent (measured: 3 of
+22 healthy 2 x 2 runs aborted at exit with it, 0 of 22 without).
 
 The attempt id must be the same on every node. TORCHELASTIC_RESTART_COUNT is not: an agent that
 restarts its workers because another node re-joined (a membership change) does not count it. The

@@ -1,6 +1,6 @@
 """Which cluster environment this is, and the topology it implies once flags are laid over it.
 
-Priority (shared/DESIGN.md, with LSF and SkyPilot added): already inside a torchrun worker >
+Priority (docs/ARCHITECTURE.md): already inside a torchrun worker >
 explicit flags > SLURM > MPI > LSF > SkyPilot > SageMaker > Kubernetes PyTorchJob > hostfile > local.
 MPI comes before the schedulers that can host it (LSF): under mpirun its rank variables describe this
 process; SkyPilot before SageMaker and Kubernetes, whose machines it may provision. The first environment whose ``detect`` is
