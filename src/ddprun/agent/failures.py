@@ -112,7 +112,7 @@ class AgentFailures:
             self._thread.join(timeout=2 * BEAT_S)
         try:
             if self._keys is not None and self._store is not None:
-                self._store.set(self._keys._k(f"agent/{self._node}"), json.dumps({"host": self.host, "done": True}))
+                self._store.set(self._keys.agent(self._node), json.dumps({"host": self.host, "done": True}))
         except Exception:  # noqa: BLE001
             pass
         self._store = None  # no store client outlives the launch (ddprun.launch runs in the caller's process)
@@ -242,7 +242,7 @@ class AgentFailures:
         store, keys = self._client(), self._keys
         if keys is None:
             return seen_at
-        store.set(keys._k(f"agent/{self._node}"), json.dumps({"host": self.host, "beat": beat}))
+        store.set(keys.agent(self._node), json.dumps({"host": self.host, "beat": beat}))
         self._read_records(store, keys)
         self._enforce_end()
         self._say_hang_report(store, keys)
@@ -297,7 +297,7 @@ class AgentFailures:
         if self._nnodes < 2:
             return seen_at
         other = (self._node + 1) % self._nnodes
-        key = keys._k(f"agent/{other}")
+        key = keys.agent(other)
         value = store.get(key) if store.check([key]) else None
         now = time.monotonic()
         if value != seen_at[0]:
@@ -342,7 +342,7 @@ class AgentFailures:
         keys = self._keys
         if keys is None:
             return []
-        names = [keys._k(f"agent/{n}") for n in range(self._nnodes) if n != self._node]
+        names = [keys.agent(n) for n in range(self._nnodes) if n != self._node]
         from ddprun.agent.endpoint import port_open
 
         if not port_open(self._addr, self._port):  # refused at once: the store's host is gone

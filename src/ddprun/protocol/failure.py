@@ -191,6 +191,3 @@ def stopped_by(cause: FailureRecord, *, rank: int, node_rank: int, host: str, lo
     carried = asdict(replace(cause, cause=None))
     return FailureRecord(STOPPED, rank, seen, node_rank, host, local_rank, cause_rank=cause.rank, t=t, cause=carried)
 
-
-def with_summary(record: FailureRecord, summary: str) -> FailureRecord:
-    return replace(record, summary=summary)

@@ -16,6 +16,7 @@ attempts: torch's c10d shares one store server for the whole job, see agent/atte
     failures           a counter; failure/<k> the k-th failure record (protocol/failure.py)
     acks               how many ranks have read the first failure
     pg                 the prefix of this attempt's process-group keys (gloo/NCCL bootstrap)
+    agent/<node>       the heartbeat of that node's agent (JSON: host, beat or done)
 
 and one job-wide key, ``ddprun/endpoint-owner``: ``<run id>:<digest of the job token>`` of the job
 that first reached the store (:func:`claim`).
@@ -71,6 +72,10 @@ class Keys:
 
     def timing_final(self, r: int) -> str:
         return self._k(f"timing-final/{r}")
+
+    def agent(self, node: int) -> str:
+        """The heartbeat of node ``node``'s agent (agent/failures.py)."""
+        return self._k(f"agent/{node}")
 
     def failure(self, k: int) -> str:
         return self._k(f"failure/{k}")
