@@ -33,6 +33,8 @@ BEAT_S = 1.0
 LOST_AFTER_S = 10.0
 ENFORCE_S = 5.0
 """A local worker still running this long after another rank's failure ended the job is killed."""
+RESTART_CAUSE_WAIT_S = 3.0
+"""Before a restart, how long the agent waits for a first-hand record when it knows only echoes."""
 
 
 def oom_kills(proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> int | None:
@@ -96,7 +98,10 @@ class AgentFailures:
             self._node, self._nnodes, self._workers = node_rank, nnodes, dict(workers)
             self._world = world_size or len(workers)
             self._last_attempt, self._cause_seen = last_attempt, None
+            # the last attempt's records are history: a stale cause would end this attempt (_enforce_end)
             self._local.clear()
+            self._cache.clear()
+            self.lost, self.stopping_for = None, None
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="ddprun-agent-failures", daemon=True)
             self._thread.start()
@@ -334,6 +339,33 @@ class AgentFailures:
         for rank, (local_rank, _, _) in list(self._workers.items()):  # about to be stopped by torch
             self._publish(fr.stopped_by(cause, rank=rank, node_rank=self._node, host=self.host,
                                         local_rank=local_rank, t=time.time()))
+
+    def on_restarting(self, left: int, most: int) -> None:
+        """torch restarts the failed worker group: one line on this node's console naming the cause
+        (the records read from the store now, so a failure on another node is named too)."""
+        from ddprun.agent.endpoint import port_open
+
+        keys, deadline = self._keys, time.monotonic() + RESTART_CAUSE_WAIT_S
+        cause = self.root_cause()
+        # local workers that died of a peer's death (an echo) end before that peer's agent has written
+        # its record: wait a little for it, so the line names the rank that failed, not a victim
+        while keys is not None and (cause is None or cause.is_echo) and time.monotonic() < deadline:
+            try:
+                if self._store is None and not port_open(self._addr, self._port):
+                    break
+                self._read_records(self._client(), keys)
+            except Exception:  # noqa: BLE001 - the store is gone: the local records are all there is
+                self._store = None
+                break
+            cause = self.root_cause()
+            if cause is None or cause.is_echo:
+                time.sleep(0.1)
+        what = "a worker failed"
+        if cause is not None:
+            what = cause.headline()
+            if cause.rank >= 0:
+                what += f" (its log: logs/rank-{cause.rank}.log on {cause.host})"
+        print(f"ddprun: {what}; restarting the workers (restart {most - left} of {most})", file=self.out, flush=True)
 
     def probe_lost(self, wait_s: float = 2 * BEAT_S + 0.5) -> list[fr.FailureRecord]:
         """Which nodes are gone now: agents whose heartbeat does not move within ``wait_s`` (one batched

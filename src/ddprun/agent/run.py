@@ -268,6 +268,7 @@ class _AgentRun:
         from ddprun.agent.torch_agent import AgentHooks, run_agent
 
         hooks = AgentHooks(on_worker_exit=self.failures.on_worker_exit, on_workers_started=self._started,
+                           on_restarting=self.failures.on_restarting,
                            on_signal=self.failures.on_signal, exit_barrier_done=self.failures.exit_barrier_done,
                            stop_grace_s=self.run_.cfg.stop_grace)
         argv = self.run_.cfg.entry.argv() if self.run_.cfg.entry is not None else []

@@ -1,11 +1,13 @@
 """torch's elastic agent, set up the way ``torch.distributed.launcher.api.launch_agent`` does, with
-three hooks ddprun needs and torch does not offer:
+the hooks ddprun needs and torch does not offer:
 
 * ``on_worker_exit(global_rank, local_rank, pid, exit_code)``: called within one monitor interval of
   a worker ending non-zero, *before* torch stops its siblings (which may take torch's 30 s SIGTERM
   grace): the agent records a worker that died by a signal while the peers' echoes are still in
   flight (agent/failures.py).
 * ``on_workers_started(worker_group, pids, restarts_left)``: after each (re)start of the worker group.
+* ``on_restarting(left, most)``: a failed group is about to be restarted (not a restart because a
+  node joined): the agent says on its console which rank failed and how, every time.
 * ``on_signal(sig)``: the agent got a death signal; called before torch stops the workers, so the
   record of why reaches the other nodes before the echoes of the stopped workers do.
 * a bounded exit barrier that ends early when ``exit_barrier_done()`` says so (a node was lost),
@@ -35,6 +37,8 @@ class AgentHooks:
 
     on_worker_exit: Callable[[int, int, int, int], None] = lambda rank, local_rank, pid, code: None
     on_workers_started: Callable[[WorkerGroup, dict[int, int], int], None] = lambda group, pids, left: None
+    on_restarting: Callable[[int, int], None] = lambda left, most: None
+    """A failed worker group is about to be restarted; ``left`` restarts remain after this one, of ``most``."""
     on_signal: Callable[[int], None] = lambda sig: None
     """This agent got a death signal (SIGTERM, SIGINT, ...): called before torch stops the workers."""
     exit_barrier_done: Callable[[], bool] = lambda: False
@@ -61,7 +65,18 @@ class DdprunAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup):  # type: ignore[override]
         self._report_exits(worker_group)
-        return super()._monitor_workers(worker_group)
+        result = super()._monitor_workers(worker_group)
+        if result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
+            # a worker that ended between the poll above and torch's is reported before torch
+            # restarts or stops the group (its handler is gone after that)
+            self._report_exits(worker_group)
+        return result
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        # torch restarts a FAILED/UNHEALTHY group (one restart spent) or a HEALTHY one (a node joined)
+        if worker_group.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
+            self._hooks.on_restarting(self._remaining_restarts, worker_group.spec.max_restarts)
+        super()._restart_workers(worker_group)
 
     def _report_exits(self, worker_group: WorkerGroup) -> None:
         handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
