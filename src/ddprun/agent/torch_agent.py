@@ -10,6 +10,8 @@ the hooks ddprun needs and torch does not offer:
   node joined): the agent says on its console which rank failed and how, every time.
 * ``on_signal(sig)``: the agent got a death signal; called before torch stops the workers, so the
   record of why reaches the other nodes before the echoes of the stopped workers do.
+* node 0 shares the workers' store address in every rendezvous round (:func:`share_bootstrap`:
+  torch 2.13 hangs when a node joins a running elastic job).
 * a bounded exit barrier that ends early when ``exit_barrier_done()`` says so (a node was lost),
   instead of torch's fixed 300 s wait for agents that may be gone.
 
@@ -18,6 +20,8 @@ Everything else (rendezvous, worker processes, restarts, supervision) is torch's
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +43,8 @@ class AgentHooks:
     on_workers_started: Callable[[WorkerGroup, dict[int, int], int], None] = lambda group, pids, left: None
     on_restarting: Callable[[int, int], None] = lambda left, most: None
     """A failed worker group is about to be restarted; ``left`` restarts remain after this one, of ``most``."""
+    on_membership_change: Callable[[], None] = lambda: None
+    """torch restarts a healthy group because a node waits to join (an elastic job with room)."""
     on_signal: Callable[[int], None] = lambda sig: None
     """This agent got a death signal (SIGTERM, SIGINT, ...): called before torch stops the workers."""
     exit_barrier_done: Callable[[], bool] = lambda: False
@@ -76,6 +82,8 @@ class DdprunAgent(LocalElasticAgent):
         # torch restarts a FAILED/UNHEALTHY group (one restart spent) or a HEALTHY one (a node joined)
         if worker_group.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
             self._hooks.on_restarting(self._remaining_restarts, worker_group.spec.max_restarts)
+        else:
+            self._hooks.on_membership_change()
         super()._restart_workers(worker_group)
 
     def _report_exits(self, worker_group: WorkerGroup) -> None:
@@ -88,9 +96,13 @@ class DdprunAgent(LocalElasticAgent):
             worker = worker_group.workers[local_rank]
             self._hooks.on_worker_exit(worker.global_rank, local_rank, handler.proc.pid, code)
 
-    def _shutdown(self, death_sig: Any = None, timeout: int = 30, **kwargs: Any) -> None:  # type: ignore[override]
-        import signal
+    def _assign_worker_ranks(self, store: Any, group_rank: int, group_world_size: int,  # type: ignore[override]
+                             spec: WorkerSpec) -> Any:
+        if group_rank == 0:
+            share_bootstrap(store, spec.rdzv_handler)
+        return super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
 
+    def _shutdown(self, death_sig: Any = None, timeout: int = 30, **kwargs: Any) -> None:  # type: ignore[override]
         # torch passes death_sig only when a signal ended the agent (else only the timeout, at every end)
         if death_sig is not None and self._hooks_said_signal is None:
             self._hooks_said_signal = int(death_sig)
@@ -112,11 +124,52 @@ class DdprunAgent(LocalElasticAgent):
             pass
 
 
+def share_bootstrap(store: Any, handler: Any) -> None:
+    """Give a node that joins a later round the workers' store address, as in round 0.
+
+    torch 2.13's c10d handler (shared TCP store) publishes MASTER_ADDR/MASTER_PORT in the round's
+    store only in the round where node 0 creates the workers' store server; a node joining a running
+    elastic job (round >= 1) waits for them for ever in ``RendezvousStoreInfo.build`` while the others
+    wait for it in ``_assign_worker_ranks``: plain torchrun --nnodes 1:3 hangs the whole job when a
+    third node arrives (seen here, 127.0.0.1). Node 0 writes them in every round (a no-op where set)."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+
+    info = getattr(handler, "_bootstrap_store_info", None)
+    if info is None:  # another backend, or a torch that keeps it elsewhere: nothing to add
+        return
+    try:
+        if not store.check([RendezvousStoreInfo.MASTER_ADDR_KEY]):
+            store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(info.master_port))
+            store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, str(info.master_addr))
+    except Exception:  # noqa: BLE001 - the store is gone: torch's own next call says so
+        pass
+
+
 def run_agent(config: Any, entrypoint: str, args: list[str], hooks: AgentHooks) -> dict[int, Any]:
     """torch's ``launch_agent(config, entrypoint, args)`` with :class:`DdprunAgent` (same exceptions)."""
     params = RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
                                   min_nodes=config.min_nodes, max_nodes=config.max_nodes,
                                   local_addr=config.local_addr, **config.rdzv_configs)
+    saved = {sig: signal.signal(sig, _signal_exception) for sig in EARLY_SIGNALS}
+    try:
+        return _run(config, entrypoint, args, hooks, params)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+EARLY_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+"""Handled as torch does once workers run, from the start: a SIGTERM while the rendezvous waits (a
+scheduler's, or ddprun's own join watcher refusing this node) ends the agent with its one message."""
+
+
+def _signal_exception(signum: int, frame: Any) -> None:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+
+def _run(config: Any, entrypoint: str, args: list[str], hooks: AgentHooks, params: RendezvousParameters) -> Any:
     master_addr, master_port = None, None
     if config.rdzv_backend == "static":
         master_addr, master_port = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=-1)
