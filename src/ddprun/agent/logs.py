@@ -1,5 +1,7 @@
 """Where worker output goes: ``<run dir>/logs/rank-<N>.log`` per worker, rank 0 (and --tee ranks)
-followed onto the console, torch's own agent chatter into ``logs/agent-<host>.log``.
+followed onto the console, torch's own agent chatter into ``logs/agent-<host>.log`` (appended to).
+Nothing is overwritten: a restart keeps each attempt's log (``rank-<N>.attempt-<k>.log``), a
+relaunch into the same run directory moves the earlier launch's to ``logs/before-<launch>/``.
 
 :class:`RankLogsSpecs` plugs into torch's agent (``LogsSpecs.reify`` is called once per attempt
 with every local worker's environment, global RANK included), so files are named by global rank.
@@ -10,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TextIO
@@ -49,6 +52,27 @@ def tail_lines(path: str, n: int = 15) -> list[str]:
     except OSError:
         return []
     return data.splitlines()[-n:]
+
+
+def keep_earlier_launch(run_dir: str, rank: int | str, launch: str) -> None:
+    """A relaunch into the same run directory (an explicit --rdzv-id, a requeued scheduler job): the
+    logs and failure record rank ``rank`` left there move to ``logs/before-<launch>/`` (this launch's
+    start on this node), never overwritten."""
+    logs = os.path.join(run_dir, "logs")
+    names = [n for n in os.listdir(logs) if n.startswith(f"rank-{rank}.") and n.endswith((".log", ".json"))]
+    record = os.path.join(run_dir, "failures", f"rank-{rank}.json")
+    moves = [(os.path.join(logs, n), n) for n in names]
+    if os.path.exists(record):
+        moves.append((record, f"failure-rank-{rank}.json"))
+    if not moves:
+        return
+    dest = os.path.join(logs, f"before-{launch}")
+    os.makedirs(dest, exist_ok=True)
+    for src, name in moves:
+        try:
+            os.replace(src, os.path.join(dest, name))
+        except FileNotFoundError:  # a shared run dir: moved by another node's agent already
+            pass
 
 
 class LogFollower:
@@ -128,6 +152,7 @@ class RankLogsSpecs(LogsSpecs):
         self._extra_env = dict(extra_env or {})
         self.attempt = ""
         """The attempt id given to the latest workers."""
+        self._launch = time.strftime("%Y%m%d-%H%M%S")
 
     @property
     def root_log_dir(self) -> str:
@@ -148,6 +173,8 @@ class RankLogsSpecs(LogsSpecs):
         for local_rank, env in envs.items():
             rank = env["RANK"]
             path = rank_log_path(self._run_dir, rank)
+            if self._starts == 1:
+                keep_earlier_launch(self._run_dir, rank, self._launch)
             if self._starts > 1 and os.path.exists(path):
                 # keep every attempt's log: the failed one explains the restart. Counted here, not by
                 # TORCHELASTIC_RESTART_COUNT, which a membership-change restart does not advance.
