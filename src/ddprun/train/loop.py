@@ -549,6 +549,19 @@ class _Loop:
         self.clock = timing.install(p.module) if (p.is_ddp and o.step_timing) else None
         TIMER.detailed = True  # fit records its own steps (or none): the optimizer hook stays quiet
         self.times = _StepTimes(prev=time.perf_counter())
+        if p.resumed is not None and not self._more():
+            self._say_finished(p.resumed.path)
+
+    def _say_finished(self, path: str) -> None:
+        """The run resumed is complete for these options: one line, and no validation again."""
+        self.val_step = self.step
+        try:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(os.path.getmtime(path)))
+        except OSError:  # the file is on another node (a broadcast resume)
+            when = "an earlier launch"
+        self.progress.message(f"ddprun: run {os.path.basename(self.p.run_dir)} finished at step {self.step} "
+                              f"(checkpoint of {when}: {path}); nothing to do. Give a new --rdzv-id (or run_dir), "
+                              "or resume=False to train again.")
 
     def close(self) -> None:
         TIMER.detailed = False
