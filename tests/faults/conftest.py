@@ -51,15 +51,19 @@ class Nodes:
     """``n`` agents of one job; :meth:`finish` waits (bounded) and kills what is left."""
 
     def __init__(self, tmp_path: Path, n: int, nproc: int, job_args: list[str], extra: list[str] | None = None,
-                 rdzv_id: str = "fault", env: dict[str, str] | None = None, nnodes: str | None = None):
-        self.dir, self.port = tmp_path, free_port()
+                 rdzv_id: str | None = "fault", env: dict[str, str] | None = None, nnodes: str | None = None,
+                 script: str = JOB, port: int | None = None, name: str = "node"):
+        """``rdzv_id=None``: no --rdzv-id (the nodes agree on a new run id); ``port``: join the
+        endpoint of another Nodes; ``script``: another job than scripts/job.py (no --pids then)."""
+        self.dir, self.port = tmp_path, port or free_port()
         self.pids_dir = tmp_path / "pids"
         self.pids_dir.mkdir(exist_ok=True)
+        ident = ["--rdzv-id", rdzv_id] if rdzv_id is not None else []
+        job = [JOB, "--pids", str(self.pids_dir)] if script == JOB else [script]
         self.cmd = [DDPRUN, "run", "--nnodes", nnodes or str(n), "--nproc-per-node", str(nproc), "--rdzv-endpoint",
-                    f"127.0.0.1:{self.port}", "--rdzv-id", rdzv_id, *(extra or []), JOB, "--pids",
-                    str(self.pids_dir), *job_args]
+                    f"127.0.0.1:{self.port}", *ident, *(extra or []), *job, *job_args]
         self.env = env or job_env()
-        self.outs = [tmp_path / f"node-{i}.out" for i in range(n)]
+        self.outs = [tmp_path / f"{name}-{i}.out" for i in range(n)]
         self.procs = [self._start(i) for i in range(n)]
         self.ended: dict[int, float] = {}
 

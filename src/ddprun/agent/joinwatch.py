@@ -4,10 +4,11 @@ A thread in the launcher reads the c10d rendezvous state torch keeps in the endp
 (key ``torch.rendezvous.<run id>``: base64 of torch's pickled ``_RendezvousState``, which torch's
 own handler unpickles the same way) every few seconds and prints one line, e.g.
 ``ddprun: 1/2 nodes joined (node-a pid 4242); waiting up to 120 s (114 s left)``. It stops when this
-node's workers start. It only reads, except for one key: as soon as the store answers, it claims
-the endpoint for this job (guard.py) and ends this node's agent if another job holds it. The
-rendezvous itself is torch's. If the state cannot be read
-(another torch version, static rendezvous) the line says so and the launch goes on unchanged.
+node's workers start. It only reads. When the job's round completes without this node (it started
+with the job and was not taken in: two launches raced for one job's places), it says so and ends this
+node's agent (agent/admission.py :func:`~ddprun.agent.admission.left_out`), unless the job is elastic
+with room for it. The rendezvous itself is torch's. If the state cannot be read (another torch
+version, static rendezvous) the line says so and the launch goes on unchanged.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:  # annotations only: torch.distributed is imported where the store is made
     from torch.distributed import TCPStore
+
+    from ddprun.agent.admission import Newcomer
 
 
 @dataclass
@@ -44,9 +47,9 @@ def describe_state(state) -> JoinSnapshot:
 class JoinWatcher:
     """Prints join progress for a c10d rendezvous until :meth:`stop` (called when workers start)."""
 
-    def __init__(self, host: str, port: int, run_id: str, token: str, nnodes: int, join_timeout: float,
-                 out: TextIO, interval_s: float = 3.0):
-        self._run_id, self._token = run_id, token
+    def __init__(self, host: str, port: int, run_id: str, me: Newcomer, nnodes: int, join_timeout: float,
+                 out: TextIO, agent: tuple[str, int], interval_s: float = 3.0):
+        self._run_id, self._me, self._agent = run_id, me, agent
         self.refused: str | None = None
         self._host, self._port, self._key = host, port, "torch.rendezvous." + run_id
         self._nnodes, self._timeout, self._out, self._interval = nnodes, join_timeout, out, interval_s
@@ -77,43 +80,48 @@ class JoinWatcher:
     def line(self, snap: JoinSnapshot) -> str:
         left = max(0, int(self._timeout - (time.monotonic() - self._t0)))
         if not snap.reachable:
-            return (f"ddprun: rendezvous host {self._host}:{self._port} not reachable yet (has the node that hosts it "
-                    f"started?); waiting up to {self._timeout:.0f} s ({left} s left)")
+            from ddprun.agent.admission import unreachable_line
+
+            return unreachable_line(f"{self._host}:{self._port}", self._timeout, left)
         who = ", ".join(snap.joined) if snap.joined else "none"
         return (f"ddprun: {len(snap.joined)}/{self._nnodes} nodes joined ({who}); waiting up to "
                 f"{self._timeout:.0f} s ({left} s left)")
 
-    def _claim(self) -> bool:
-        """Claim the endpoint's store for this job as soon as it answers; False when refused."""
-        from ddprun.protocol.store import claim, refusal
+    def _admitted(self) -> bool:
+        """False (and this node's agent ended) when the job's round completed without this node and
+        the job cannot take it in (agent/admission.py)."""
+        from ddprun.agent.admission import left_out, refusal_reason, refusal_text
 
-        other = claim(self._store, self._run_id, self._token)
-        if other is None:
+        out = left_out(self._store, *self._agent)
+        reason = refusal_reason(out[0], -1, self._me) if out is not None else None
+        if out is None or reason is None:
             return True
-        self.refused = refusal(f"{self._host}:{self._port}", other, self._run_id)
+        self.refused = "ddprun: error: " + refusal_text(out[0], reason, self._me.endpoint, out[1], time.time())
         self._out.write(self.refused + "\n")
         self._out.flush()
-        # End this node's agent before its join completes: torch turns SIGTERM into SignalException.
+        # End this node's agent: torch turns SIGTERM into SignalException (agent/run.py ending()).
         os.kill(os.getpid(), signal.SIGTERM)
         return False
 
     def _loop(self) -> None:
-        claimed = False
         next_line = time.monotonic() + self._interval
-        while not self._stop.wait(0.2 if not claimed else 0.5):
+        while not self._stop.wait(0.5):
             try:
                 snap = self._read()
-                if not claimed:
-                    if not self._claim():
-                        return
-                    claimed = True
             except Exception:  # noqa: BLE001 - unreachable, or a state this torch cannot read
                 self._store = None
                 # a read that fails after the store answered (a slow moment, the rendezvous closing at its
                 # timeout) keeps what was seen: the store was reachable, its last state is the best word
                 snap = self.last if self.last.reachable else JoinSnapshot(reachable=False)
-            if self._stop.is_set() or snap.complete:
+            try:
+                if self._store is not None and not self._stop.is_set() and not self._admitted():
+                    return
+            except Exception:  # noqa: BLE001 - the store went away: the next round asks again
+                self._store = None
+            if self._stop.is_set():
                 return
+            if snap.complete:  # this node's workers start soon, or it was left out: _admitted says which
+                continue
             # at the join timeout torch withdraws this node from the state before it raises: an empty
             # state right after a non-empty one is that, not "no node joined"
             if snap.joined or not self.last.joined:

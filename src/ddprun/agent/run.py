@@ -19,8 +19,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
 from ddprun._util import cpu_count
+from ddprun.agent import admission
 from ddprun.agent import console as agent_console
-from ddprun.agent.endpoint import claim_endpoint, free_port
+from ddprun.agent.endpoint import free_port
 from ddprun.agent.failures import AgentFailures
 from ddprun.cluster.base import ClusterSpec
 from ddprun.config import LaunchConfig
@@ -29,6 +30,7 @@ from ddprun.protocol import defaults
 from ddprun.protocol import failure as fr
 from ddprun.protocol.env import JOB_TOKEN, WorkerEnv
 from ddprun.protocol.rundir import RunDir, new_run_id
+from ddprun.protocol.store import JobRecord
 
 
 def job_token(environ: Mapping[str, str], spec: ClusterSpec) -> str:
@@ -101,6 +103,12 @@ class _Run:
     extra_env: dict[str, str]
     shared_store_off: bool = False
     """TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the workers cannot reach the agents' store."""
+    rdzv_id: str = ""
+    """torch's rendezvous run id (the key of the rendezvous and of ddprun's store keys): the run id
+    when one was given, else the same default on every node."""
+    explicit_id: bool = True
+    endpoint_store: Any = None
+    """The admission's store client (agent/admission.py), kept for the launch; None on one node."""
 
     @property
     def endpoint(self) -> str:
@@ -113,7 +121,8 @@ def prepare(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], ho
     if spec.master_addr is None:  # only a dry run (ddprun plan) resolves without one
         raise LaunchError("No rendezvous host to launch with.", seen=spec.sources.get("master_addr", ""),
                           hint="Give every node the same --rdzv-endpoint HOST:PORT.")
-    run_id = spec.run_id or new_run_id()
+    run_id = spec.run_id or new_run_id()  # without one, multi-node: this node's proposal (admit_run)
+    rdzv_id = spec.run_id or (defaults.RDZV_ID if spec.max_nodes > 1 else run_id)
     rundir = RunDir(run_dir_for(cfg, run_id))
     port = spec.master_port or free_port(spec.master_addr)
     token = job_token(environ, spec)
@@ -128,7 +137,23 @@ def prepare(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], ho
     if threads is not None:
         extra["OMP_NUM_THREADS"] = threads
     off = environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1"
-    return _Run(cfg, spec, run_id, rundir, hostname, spec.master_addr, port, token, wenv, extra, off)
+    return _Run(cfg, spec, run_id, rundir, hostname, spec.master_addr, port, token, wenv, extra, off, rdzv_id,
+                bool(spec.run_id))
+
+
+def admit_run(run: _Run, console: TextIO) -> _Run:
+    """Multi-node: reach the endpoint's store, be admitted, and take the run id the nodes agreed on
+    (agent/admission.py); the run with it. Raises LaunchError when refused or nothing answers."""
+    spec = run.spec
+    if spec.max_nodes <= 1 or spec.rdzv_backend not in ("c10d", "static"):
+        return run
+    host_it = admission.should_host(run.addr, run.cfg.rdzv_conf, spec.rdzv_backend, spec.node_rank or 0)
+    store, _ = admission.connect(run.addr, run.port, host_it, run.cfg.join_timeout, console)
+    me = admission.Newcomer(run.endpoint, run.rdzv_id, run.token, run.explicit_id, run.run_id)
+    run_id = admission.admit(store, me)
+    rundir = RunDir(run_dir_for(run.cfg, run_id))
+    return replace(run, run_id=run_id, rundir=rundir, wenv=replace(run.wenv, run_dir=rundir.path),
+                   endpoint_store=store)
 
 
 class AgentLog:
@@ -175,7 +200,7 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
     if net.summary():
         print(net.summary(), file=console, flush=True)
     t0 = time.monotonic()
-    run = prepare(cfg, spec, environ, hostname, net.worker_env)
+    run = admit_run(prepare(cfg, spec, environ, hostname, net.worker_env), console)
     os.makedirs(run.rundir.logs, exist_ok=True)
     with AgentLog(run.rundir.agent_log(hostname)) as log:
         outcome = supervise(run, tee, console, log.console)
@@ -203,16 +228,13 @@ def supervise(run: _Run, tee: set[int], console: TextIO, err: TextIO) -> Outcome
     from ddprun.agent.logs import LogFollower, remove_empty_early_logs
 
     _announce(run, console)
-    refused = claim_endpoint(run.addr, run.port, run.run_id, run.token)
-    if refused:
-        print(refused, file=err, flush=True)
-        return Outcome(1, run.rundir.path, 0.0)
     follower = LogFollower(console)
     watcher = None
     if run.spec.rdzv_backend == "c10d" and run.spec.max_nodes > 1:
-        watcher = JoinWatcher(run.addr, run.port, run.run_id, run.token, run.spec.max_nodes,
-                              run.cfg.join_timeout, err).start()
-    failures = AgentFailures(run.rundir, run.host, run.addr, run.port, run.run_id, err)
+        me = admission.Newcomer(run.endpoint, run.rdzv_id, run.token, run.explicit_id, run.run_id)
+        watcher = JoinWatcher(run.addr, run.port, run.rdzv_id, me, run.spec.max_nodes, run.cfg.join_timeout, err,
+                              (run.host, os.getpid())).start()
+    failures = AgentFailures(run.rundir, run.host, run.addr, run.port, run.rdzv_id, err)
     agent = _AgentRun(run, tee, follower, watcher, failures)
     try:
         outcome = agent.run(err)
@@ -235,7 +257,9 @@ class _AgentRun:
         from ddprun.agent.logs import RankLogsSpecs
 
         self.run_, self.failures, self.watcher = run, failures, watcher
-        attempts = AttemptIds(run.spec.rdzv_backend, run.addr, run.port, run.run_id)
+        self._round = 0
+        """The rendezvous round of the latest worker start (0: a backend without rounds)."""
+        attempts = AttemptIds(run.spec.rdzv_backend, run.addr, run.port, run.rdzv_id)
         self.logs_specs = RankLogsSpecs(run.rundir.path, follower, tee, run.wenv, run.extra_env,
                                         on_workers_start=watcher.stop if watcher else None,
                                         attempt_id=attempts.current)
@@ -248,6 +272,24 @@ class _AgentRun:
         store = (group.master_addr, int(group.master_port)) if group.master_addr and group.master_port else None
         self.failures.on_workers_started(self.logs_specs.attempt, group.group_rank, group.group_world_size, workers,
                                          world, store, last_attempt=restarts_left == 0)
+        attempt = self.logs_specs.attempt
+        self._round = int(attempt[1:]) if attempt.startswith("r") and attempt[1:].isdigit() else 0
+        run = self.run_
+        if run.endpoint_store is not None:
+            job = JobRecord(run.run_id, self._round, group.group_world_size, run.spec.min_nodes, run.spec.max_nodes,
+                            time.time())
+            admission.publish_start(run.endpoint_store, job, group.group_rank, run.host, os.getpid())
+
+    def _membership_change(self) -> None:
+        print("ddprun: a node waits to join; restarting the workers to take it in (a membership change, not "
+              "counted against --max-restarts)", file=self.failures.out, flush=True)
+        if self.run_.endpoint_store is not None:
+            admission.publish_reforming(self.run_.endpoint_store, self._round)
+
+    def _restarting(self, left: int, most: int) -> None:
+        self.failures.on_restarting(left, most)
+        if self.run_.endpoint_store is not None:
+            admission.publish_reforming(self.run_.endpoint_store, self._round)
 
     def torch_config(self) -> Any:
         from torch.distributed.launcher.api import LaunchConfig as TorchLaunchConfig
@@ -260,7 +302,7 @@ class _AgentRun:
             rdzv["rank"] = spec.node_rank
         return TorchLaunchConfig(
             min_nodes=spec.min_nodes, max_nodes=spec.max_nodes, nproc_per_node=spec.nproc_per_node,
-            logs_specs=self.logs_specs, run_id=run.run_id, role="trainer", rdzv_endpoint=run.endpoint,
+            logs_specs=self.logs_specs, run_id=run.rdzv_id, role="trainer", rdzv_endpoint=run.endpoint,
             rdzv_backend=spec.rdzv_backend, rdzv_configs=rdzv, max_restarts=cfg.max_restarts,
             monitor_interval=cfg.monitor_interval, start_method=cfg.start_method, local_addr=cfg.local_addr)
 
@@ -268,7 +310,7 @@ class _AgentRun:
         from ddprun.agent.torch_agent import AgentHooks, run_agent
 
         hooks = AgentHooks(on_worker_exit=self.failures.on_worker_exit, on_workers_started=self._started,
-                           on_restarting=self.failures.on_restarting,
+                           on_restarting=self._restarting, on_membership_change=self._membership_change,
                            on_signal=self.failures.on_signal, exit_barrier_done=self.failures.exit_barrier_done,
                            stop_grace_s=self.run_.cfg.stop_grace)
         argv = self.run_.cfg.entry.argv() if self.run_.cfg.entry is not None else []
@@ -332,8 +374,9 @@ def ending(e: BaseException, agent: _AgentRun, err: TextIO) -> Outcome:
     if isinstance(e, RendezvousTimeoutError) and not agent.failures.records():
         seen = agent.watcher.timeout_message() if agent.watcher else "the rendezvous did not complete"
         print(f"ddprun: not every node joined within {run.cfg.join_timeout:.0f} s: {seen}.\n"
-              f"HINT: start ddprun on every node with the same --rdzv-endpoint {run.endpoint} and --rdzv-id "
-              f"{run.run_id}; check the missing nodes' own output; raise --join-timeout if nodes start late.",
+              f"HINT: start ddprun on every node with the same --rdzv-endpoint {run.endpoint}"
+              f"{f' and --rdzv-id {run.rdzv_id}' if run.explicit_id else ''}; check the missing nodes' own output; "
+              "raise --join-timeout if nodes start late.",
               file=err, flush=True)
         return Outcome(1, run.rundir.path, 0.0)
     if isinstance(e, RendezvousError):

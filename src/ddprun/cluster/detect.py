@@ -197,7 +197,7 @@ def resolve(cfg: LaunchConfig, environ: Mapping[str, str], node: NodeFacts,
     _check_per_process(facts, env.name)
     if "run_id" not in facts:
         facts["run_id"] = (
-            Fact("ddprun", "default for multi-node (give --rdzv-id JOB to keep jobs apart)")
+            Fact("", "a new one each launch, agreed by the nodes (--rdzv-id JOB names it)")
             if _multi_node(facts) else Fact("", "generated at launch")
         )
     return _spec(env.name, facts, (*notes, *node_notes, *rdzv_notes))

@@ -8,6 +8,9 @@ from __future__ import annotations
 RUNS_ROOT = "runs"
 """Where run directories go (``runs/<run id>``) unless --log-dir or --run-dir says otherwise."""
 
+RDZV_ID = "ddprun"
+"""torch's rendezvous id of a multi-node job launched without --rdzv-id (its run id is agreed at launch)."""
+
 JOIN_TIMEOUT_S = 120.0
 """The rendezvous waits this long for every node (torchrun: 600 s, and it prints nothing meanwhile)."""
 

@@ -18,17 +18,64 @@ attempts: torch's c10d shares one store server for the whole job, see agent/atte
     pg                 the prefix of this attempt's process-group keys (gloo/NCCL bootstrap)
     agent/<node>       the heartbeat of that node's agent (JSON: host, beat or done)
 
-and one job-wide key, ``ddprun/endpoint-owner``: ``<run id>:<digest of the job token>`` of the job
-that first reached the store (:func:`claim`).
+and job-wide keys in the rendezvous endpoint's store (agent/admission.py), written before and
+between attempts:
+
+    endpoint-owner     ``<rendezvous id>:<digest of the job token>`` of the job that first reached
+                       the store (:func:`claim`)
+    run-id             the run id the nodes agreed on (the first agent's proposal wins)
+    job                JSON :class:`JobRecord`: the running round's membership, written by node 0
+    job/host/<round>/<node>  JSON {host, pid} of that node's agent in that round
+    job/reforming      the latest round whose group failed and is re-forming (a restart)
+    job/since          epoch seconds of the job's first worker start
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from typing import Any
 
 OWNER_KEY = "ddprun/endpoint-owner"
+RUN_ID_KEY = "ddprun/run-id"
+JOB_KEY = "ddprun/job"
+REFORMING_KEY = "ddprun/job/reforming"
+SINCE_KEY = "ddprun/job/since"
+
+
+def job_host_key(round_: int, node: int) -> str:
+    return f"ddprun/job/host/{round_}/{node}"
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """A running job as a newcomer at its endpoint sees it (:data:`JOB_KEY`)."""
+
+    run_id: str
+    round: int
+    """The rendezvous round whose workers run (0 where the backend has none: static)."""
+    nnodes: int
+    min_nodes: int
+    max_nodes: int
+    since: float
+    """Epoch seconds of the job's first worker start."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def parse(cls, raw: bytes | str | None) -> JobRecord | None:
+        """The record in ``raw``; None for anything else (a bad value is not a job)."""
+        if raw is None:
+            return None
+        try:
+            data = json.loads(raw)
+            return cls(str(data["run_id"]), int(data["round"]), int(data["nnodes"]), int(data["min_nodes"]),
+                       int(data["max_nodes"]), float(data["since"]))
+        except (ValueError, TypeError, KeyError, IndexError):
+            return None
 
 
 def attempt_id(environ: Mapping[str, str]) -> str:

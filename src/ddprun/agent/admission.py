@@ -1,0 +1,212 @@
+"""Before torch's agent joins the rendezvous: reach the endpoint's store (host it on the host), be
+admitted or refused, and agree on the run id.
+
+* Another job holds the endpoint (another rendezvous id or job token): refused (protocol/store.py
+  :func:`~ddprun.protocol.store.claim`).
+* The job at the endpoint already runs (its :class:`~ddprun.protocol.store.JobRecord`): a full job
+  refuses every newcomer (torch would park it in its redundancy list for ever); an elastic job with
+  room admits only a node that proves it belongs, by an explicit ``--rdzv-id`` or a job token (torch's
+  agent restarts the running workers to take a waiting node in: a stranger would join the job); a
+  job re-forming after a failure takes its own nodes back.
+* The run id: an explicit one (``--rdzv-id``, a scheduler's job id) as given; else the first agent's
+  proposal (a fresh id) wins in the store, so every launch is a new run and all its nodes agree.
+
+The store object lives for the launch: on the host it is the server that torch's c10d and static
+handlers then share (they ask for ``multi_tenant`` too), and the agent writes the job record through it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TextIO
+
+from ddprun.agent.endpoint import port_open
+from ddprun.errors import LaunchError
+from ddprun.protocol import store as keys
+from ddprun.protocol.store import JobRecord
+
+STORE_TIMEOUT_S = 10.0
+"""The admission store's timeout for one request (the host answers in milliseconds)."""
+
+
+@dataclass
+class Endpoint:
+    """This node's connection to the endpoint's store, and the run id the nodes agreed on."""
+
+    store: Any
+    run_id: str
+    hosted: bool
+    """Whether this agent hosts the store (it then outlives every other node's agent)."""
+
+
+@dataclass(frozen=True)
+class Newcomer:
+    """What a node brings to the endpoint: the identity it claims and the job shape it asks for."""
+
+    endpoint: str
+    rdzv_id: str
+    token: str
+    explicit: bool
+    """The run id was given (--rdzv-id, a scheduler's job id), not the multi-node default."""
+    proposal: str
+    """A fresh run id, taken when no other node proposed one first."""
+
+
+def should_host(addr: str, rdzv_conf: Mapping[str, Any], backend: str, node_rank: int) -> bool:
+    """Whether this node hosts the store, by torch's own rules (c10d: ``is_host``, else the endpoint
+    names this machine; static: node rank 0). Several agents on one machine: the first one binds."""
+    if backend == "static":
+        return node_rank == 0
+    value = str(rdzv_conf.get("is_host", "")).lower()
+    if value in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return value in ("1", "true", "yes", "on")
+    try:
+        from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+    except ImportError:  # another torch: as torch would then decide, unknown; try to bind
+        return True
+    return bool(_matches_machine_hostname(addr))
+
+
+def unreachable_line(endpoint: str, timeout_s: float, left_s: float) -> str:
+    return (f"ddprun: rendezvous host {endpoint} not reachable yet (has the node that hosts it started?); "
+            f"waiting up to {timeout_s:.0f} s ({max(0, int(left_s))} s left)")
+
+
+def connect(addr: str, port: int, host_it: bool, timeout_s: float, out: TextIO,
+            line_every_s: float = 3.0) -> tuple[Any, bool]:
+    """The endpoint's store within ``timeout_s``: hosted here (``host_it`` and nothing listens yet) or
+    a client of it; (store, hosted). Raises LaunchError when nothing answered in time."""
+    from torch.distributed import TCPStore
+
+    t0 = time.monotonic()
+    next_line = t0 + line_every_s
+    while True:
+        if host_it and not port_open(addr, port):
+            try:
+                return TCPStore(addr, port, is_master=True, multi_tenant=True, wait_for_workers=False,
+                                timeout=timedelta(seconds=STORE_TIMEOUT_S)), True
+            except (RuntimeError, ValueError):  # another agent on this machine bound it first
+                pass
+        if port_open(addr, port):
+            try:
+                return TCPStore(addr, port, is_master=False, wait_for_workers=False,
+                                timeout=timedelta(seconds=STORE_TIMEOUT_S)), False
+            except (RuntimeError, ValueError, TimeoutError):  # not a store yet, or it went away
+                pass
+        now = time.monotonic()
+        if now - t0 >= timeout_s:
+            raise LaunchError(f"Not every node joined within {timeout_s:.0f} s: the rendezvous host {addr}:{port} "
+                              "was never reachable from this node.", seen=f"nothing answered at {addr}:{port}",
+                              hint="Start ddprun on the node that hosts the endpoint (the same --rdzv-endpoint on "
+                                   "every node); check the address and the firewall; raise --join-timeout if nodes "
+                                   "start late.")
+        if now >= next_line:
+            next_line += line_every_s
+            print(unreachable_line(f"{addr}:{port}", timeout_s, timeout_s - (now - t0)), file=out, flush=True)
+        time.sleep(0.2)
+
+
+def read_job(store: Any) -> tuple[JobRecord | None, int]:
+    """The running job's record (None: none, or a bad value) and the latest re-forming round (-1: none)."""
+    job = JobRecord.parse(store.get(keys.JOB_KEY)) if store.check([keys.JOB_KEY]) else None
+    reforming = -1
+    if store.check([keys.REFORMING_KEY]):
+        try:
+            reforming = int(store.get(keys.REFORMING_KEY))
+        except ValueError:
+            reforming = -1
+    return job, reforming
+
+
+def refusal_reason(job: JobRecord | None, reforming: int, me: Newcomer) -> str | None:
+    """Why ``me`` may not join the job at the endpoint (None: it may). Pure."""
+    if job is None or reforming >= job.round:
+        return None  # the job is forming, or re-forming after a failure: torch's rendezvous decides
+    if job.nnodes >= job.max_nodes:
+        return (f"it is full ({job.nnodes} of {job.max_nodes} node(s)): torch would keep this node waiting "
+                "for ever")
+    if not me.explicit and not me.token:
+        return (f"it is elastic ({job.min_nodes}:{job.max_nodes} nodes, {job.nnodes} running) and admits a late "
+                "node only with the job's DDPRUN_JOB_TOKEN or an explicit --rdzv-id: this node may be another "
+                "job's, and taking it in restarts the running workers")
+    return None
+
+
+def hosts_of(store: Any, job: JobRecord) -> list[str]:
+    """``host (pid N)`` of each node of the job's round that said so (one batched read)."""
+    names = [keys.job_host_key(job.round, n) for n in range(job.nnodes)]
+    present = [n for n in names if store.check([n])]
+    out = []
+    for raw in store.multi_get(present) if present else []:
+        try:
+            data = json.loads(raw)
+            out.append(f"{data['host']} (agent pid {int(data['pid'])})")
+        except (ValueError, KeyError, TypeError):
+            out.append("?")
+    return out
+
+
+def refusal_text(job: JobRecord, reason: str, endpoint: str, hosts: list[str], now: float) -> str:
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job.since))
+    return (f"Refused: the job at the rendezvous endpoint {endpoint} runs already, and {reason}.\n"
+            f"Seen: run {job.run_id}, {job.nnodes} node(s): {', '.join(hosts) or '?'}; running since {since} "
+            f"({now - job.since:.0f} s)\n"
+            "HINT: to start another job give it its own --rdzv-endpoint port (and --rdzv-id); to add nodes to "
+            "a job start it with --nnodes MIN:MAX and the same DDPRUN_JOB_TOKEN on every node; or wait for "
+            "this one to end.")
+
+
+def admit(store: Any, me: Newcomer) -> str:
+    """Claim the endpoint, check the running job, agree on the run id; the run id. Raises LaunchError
+    when refused."""
+    other = keys.claim(store, me.rdzv_id, me.token)
+    if other is not None:
+        raise LaunchError(keys.refusal(me.endpoint, other, me.rdzv_id).removeprefix("ddprun: "))
+    job, reforming = read_job(store)
+    reason = refusal_reason(job, reforming, me)
+    if job is not None and reason is not None:
+        raise LaunchError(refusal_text(job, reason, me.endpoint, hosts_of(store, job), time.time()))
+    if me.explicit:
+        return me.rdzv_id
+    agreed = store.compare_set(keys.RUN_ID_KEY, "", me.proposal)
+    return agreed.decode(errors="replace") if isinstance(agreed, bytes) else str(agreed)
+
+
+def publish_start(store: Any, job: JobRecord, node: int, host: str, pid: int) -> None:
+    """A worker group started (every node, every attempt): this node's entry of the round and, from
+    node 0, the job record (its first start time kept across attempts). Best effort."""
+    try:
+        store.set(keys.job_host_key(job.round, node), json.dumps({"host": host, "pid": pid}))
+        if node == 0:
+            first = store.compare_set(keys.SINCE_KEY, "", repr(job.since))
+            since = float(first.decode() if isinstance(first, bytes) else first)
+            store.set(keys.JOB_KEY, JobRecord(job.run_id, job.round, job.nnodes, job.min_nodes, job.max_nodes,
+                                              since).to_json())
+    except Exception:  # noqa: BLE001 - the store is gone: the job is ending, nobody will ask
+        pass
+
+
+def publish_reforming(store: Any, round_: int) -> None:
+    """The group of ``round_`` failed and torch restarts it: its nodes may come back (best effort)."""
+    try:
+        store.set(keys.REFORMING_KEY, str(round_))
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def left_out(store: Any, host: str, pid: int) -> tuple[JobRecord, list[str]] | None:
+    """While this node waits in the rendezvous: the running job and its nodes when its round is
+    complete without this node (it was not taken in); else None."""
+    job, reforming = read_job(store)
+    if job is None or reforming >= job.round:
+        return None
+    names = [keys.job_host_key(job.round, n) for n in range(job.nnodes)]
+    if not all(store.check([n]) for n in names):
+        return None
+    me = json.dumps({"host": host, "pid": pid})
+    raws = [r.decode(errors="replace") if isinstance(r, bytes) else str(r) for r in store.multi_get(names)]
+    return None if me in raws else (job, hosts_of(store, job))

@@ -1,0 +1,156 @@
+"""One run per launch, and one job per endpoint (agent/admission.py): a relaunch, two jobs in one
+directory, a third node at a full job, a stranger at an elastic job, two launches racing for one job."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.faults.conftest import assert_nothing_left, describe
+from tests.helpers import job_env
+
+pytestmark = pytest.mark.faults
+
+FIT = str(Path(__file__).parents[1] / "multiprocess" / "scripts" / "fit_restart.py")
+RUN_ID = re.compile(r"^ddprun: run (\S+): ", re.M)
+
+
+def facts(out: Path, rank: int) -> dict:
+    return json.loads((out / f"facts-{rank}.json").read_text())
+
+
+def run_ids(ended) -> set[str]:
+    return {m for e in ended for m in RUN_ID.findall(e.output)}
+
+
+def fit_nodes(nodes, tmp_path: Path, out: str, *, rdzv_id: str | None = None, name: str = "node", **kw):
+    return nodes(2, 1, ["--out", str(tmp_path / out), "--steps", "6", "--checkpoint-every", "3"],
+                 script=FIT, rdzv_id=rdzv_id, name=name, **kw)
+
+
+@pytest.mark.timeout(150)
+def test_a_relaunch_of_the_same_command_is_a_new_run_that_trains(nodes, tmp_path):
+    first = fit_nodes(nodes, tmp_path, "a", name="a").finish(timeout=60)
+    assert [e.returncode for e in first] == [0, 0], describe(first)
+    second = fit_nodes(nodes, tmp_path, "b", name="b").finish(timeout=60)
+    assert [e.returncode for e in second] == [0, 0], describe(second)
+    (id1,), (id2,) = run_ids(first), run_ids(second)  # every node of a launch names the same run
+    assert id1 != id2, describe(first + second)
+    assert "resuming from" not in "".join(e.output for e in second), describe(second)
+    for out, run_id in (("a", id1), ("b", id2)):
+        got = [facts(tmp_path / out, r) for r in range(2)]
+        assert {(f["steps"], f["training_step_calls"]) for f in got} == {(6, 6)}, got  # trained, not 0 steps
+        assert {Path(f["run_dir"]).name for f in got} == {run_id}
+        assert (tmp_path / "runs" / run_id / "checkpoints" / "step-00000006.pt").exists()
+        assert (tmp_path / "runs" / run_id / "logs" / "rank-1.log").exists()
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_two_jobs_with_the_defaults_in_one_directory_keep_their_runs_apart(nodes, tmp_path):
+    a, b = fit_nodes(nodes, tmp_path, "a", name="a"), fit_nodes(nodes, tmp_path, "b", name="b")
+    ended_a, ended_b = a.finish(timeout=90), b.finish(timeout=60)
+    assert [e.returncode for e in ended_a + ended_b] == [0] * 4, describe(ended_a + ended_b)
+    (id_a,), (id_b,) = run_ids(ended_a), run_ids(ended_b)
+    assert id_a != id_b
+    for out, run_id in (("a", id_a), ("b", id_b)):
+        got = [facts(tmp_path / out, r) for r in range(2)]
+        assert {(f["training_step_calls"], Path(f["run_dir"]).name) for f in got} == {(6, run_id)}, got
+    assert "resuming from" not in "".join(e.output for e in ended_a + ended_b)
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(150)
+def test_a_finished_run_relaunched_by_its_id_says_so_and_keeps_its_logs(nodes, tmp_path):
+    first = fit_nodes(nodes, tmp_path, "a", rdzv_id="job1", name="a").finish(timeout=60)
+    assert [e.returncode for e in first] == [0, 0], describe(first)
+    log1 = (tmp_path / "runs" / "job1" / "logs" / "rank-1.log").read_text()
+    t0 = time.monotonic()
+    again = fit_nodes(nodes, tmp_path, "b", rdzv_id="job1", name="b").finish(timeout=60)
+    assert [e.returncode for e in again] == [0, 0], describe(again)
+    said = re.findall(r"^ddprun: run job1 finished at step 6 \(checkpoint of .*\); nothing to do\. Give a new "
+                      r"--rdzv-id \(or run_dir\), or resume=False to train again\.$", again[0].output + again[1].output,
+                      re.M)
+    assert len(said) == 1, describe(again)  # rank 0 says it, once
+    assert {facts(tmp_path / "b", r)["training_step_calls"] for r in range(2)} == {0}
+    print(f"relaunch of a finished run: {time.monotonic() - t0:.1f} s to the end")
+    earlier = list((tmp_path / "runs" / "job1" / "logs").glob("before-*/rank-1.log"))
+    assert len(earlier) == 1 and earlier[0].read_text() == log1, "the first launch's log was not kept"
+    assert_nothing_left(tmp_path)
+
+
+def slow_job(nodes, **kw):
+    return nodes(2, 1, ["--steps", "400", "--step-s", "0.05"], rdzv_id=None, **kw)
+
+
+@pytest.mark.timeout(120)
+def test_a_third_node_at_a_full_job_is_refused_within_seconds(nodes, tmp_path):
+    job = slow_job(nodes)
+    job.worker_pids(range(2))
+    t0 = time.monotonic()
+    (third,) = nodes(1, 1, [], rdzv_id=None, nnodes="2", port=job.port, name="third").finish(timeout=30)
+    took = third.ended_at - t0
+    assert third.returncode == 1, describe([third])
+    (run_id,) = {m for m in RUN_ID.findall(Path(job.outs[0]).read_text())}
+    msg = third.output
+    assert f"Refused: the job at the rendezvous endpoint 127.0.0.1:{job.port} runs already, and it is full " \
+           "(2 of 2 node(s))" in msg, msg
+    assert re.search(rf"Seen: run {run_id}, 2 node\(s\): \S+ \(agent pid \d+\), \S+ \(agent pid \d+\); running since ",
+                     msg), msg
+    assert "Traceback" not in msg and "ddprun: run " not in msg, msg  # refused before it announced a run
+    print(f"third node refused {took:.1f} s after it started (its Python and torch imports included)")
+    assert took < 15, msg
+    ended = job.finish(timeout=60)
+    assert [e.returncode for e in ended] == [0, 0], describe(ended)  # the job is unharmed
+    assert "restarting the workers" not in "".join(e.output for e in ended)
+    assert_nothing_left(tmp_path)
+
+
+ELASTIC = ["--rdzv-conf", "last_call_timeout=1"]
+
+
+@pytest.mark.timeout(120)
+def test_a_stranger_at_an_elastic_job_with_room_is_refused(nodes, tmp_path):
+    job = slow_job(nodes, nnodes="1:3", extra=ELASTIC)
+    job.worker_pids(range(2))
+    (third,) = nodes(1, 1, [], rdzv_id=None, nnodes="1:3", extra=ELASTIC, port=job.port,
+                     name="third").finish(timeout=30)
+    assert third.returncode == 1, describe([third])
+    assert "and it is elastic (1:3 nodes, 2 running) and admits a late node only with the job's DDPRUN_JOB_TOKEN " \
+           "or an explicit --rdzv-id" in third.output, third.output
+    ended = job.finish(timeout=60)
+    assert [e.returncode for e in ended] == [0, 0], describe(ended)
+    assert "a node waits to join" not in "".join(e.output for e in ended), describe(ended)  # never restarted for it
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(150)
+def test_a_node_of_the_same_elastic_job_is_taken_in(nodes, tmp_path):
+    env = job_env(DDPRUN_JOB_TOKEN="job-7")
+    job = nodes(2, 1, ["--steps", "120", "--step-s", "0.05"], rdzv_id=None, nnodes="1:3", extra=ELASTIC, env=env)
+    job.worker_pids(range(2))
+    late = nodes(1, 1, ["--steps", "120", "--step-s", "0.05"], rdzv_id=None, nnodes="1:3", extra=ELASTIC,
+                 env=env, port=job.port, name="late")
+    ended = job.finish(timeout=90) + late.finish(timeout=30)
+    assert [e.returncode for e in ended] == [0, 0, 0], describe(ended)
+    both = "".join(e.output for e in ended)
+    assert both.count("ddprun: a node waits to join; restarting the workers to take it in") == 2, describe(ended)
+    assert "ddprun: 3/3 ranks on 3 node(s)" in both, describe(ended)
+    assert len(run_ids(ended)) == 1, describe(ended)  # the late node joined the same run
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_of_three_launches_racing_for_a_two_node_job_the_one_left_out_says_so(nodes, tmp_path):
+    job = nodes(3, 1, ["--steps", "60", "--step-s", "0.05"], rdzv_id=None, nnodes="2")
+    ended = job.finish(timeout=90)
+    codes = sorted(e.returncode for e in ended)
+    assert codes == [0, 0, 1], describe(ended)
+    (out,) = [e for e in ended if e.returncode == 1]
+    assert "Refused: the job at the rendezvous endpoint" in out.output and "it is full (2 of 2 node(s))" in \
+        out.output, describe(ended)
+    assert_nothing_left(tmp_path)

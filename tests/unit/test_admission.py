@@ -1,0 +1,116 @@
+"""Who may join the job at an endpoint, and the run id the nodes agree on (agent/admission.py),
+on a real TCPStore."""
+
+from __future__ import annotations
+
+import io
+import time
+from datetime import timedelta
+
+import pytest
+from torch.distributed import TCPStore
+
+from ddprun.agent import admission
+from ddprun.errors import LaunchError
+from ddprun.protocol import store as keys
+from ddprun.protocol.store import JobRecord
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def me(explicit=False, token="", proposal="20261201-000000-aaaaaa", rdzv_id="ddprun"):
+    return admission.Newcomer("h:1", rdzv_id, token, explicit, proposal)
+
+
+def job(nnodes=2, lo=2, hi=2, round_=0):
+    return JobRecord("run-a", round_, nnodes, lo, hi, time.time() - 60)
+
+
+@pytest.fixture
+def store():
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+
+
+def test_a_full_job_refuses_everyone_and_an_elastic_one_only_strangers():
+    assert "it is full (2 of 2 node(s))" in admission.refusal_reason(job(), -1, me(explicit=True, token="t"))
+    stranger = admission.refusal_reason(job(2, 1, 3), -1, me())
+    assert "elastic (1:3 nodes, 2 running)" in stranger and "DDPRUN_JOB_TOKEN" in stranger
+    assert admission.refusal_reason(job(2, 1, 3), -1, me(token="t")) is None
+    assert admission.refusal_reason(job(2, 1, 3), -1, me(explicit=True)) is None
+    assert admission.refusal_reason(None, -1, me()) is None  # forming: torch's rendezvous decides
+    assert admission.refusal_reason(job(round_=3), 3, me()) is None  # re-forming after a failure
+
+
+def test_a_bad_job_record_is_no_job():
+    for raw in (b"", b"{", b"[]", b'{"run_id": "x"}', b'{"run_id":1,"round":"a","nnodes":2,"min_nodes":1,'
+                                                       b'"max_nodes":2,"since":0}', b"\xff"):
+        assert JobRecord.parse(raw) is None, raw
+    j = job()
+    assert JobRecord.parse(j.to_json()) == JobRecord.parse(j.to_json().encode()) == j
+
+
+def test_every_node_takes_the_first_proposal_and_an_explicit_id_as_given(store):
+    assert admission.admit(store, me(proposal="first")) == "first"
+    assert admission.admit(store, me(proposal="second")) == "first"
+    other = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    assert admission.admit(other, me(explicit=True, rdzv_id="job1")) == "job1"
+
+
+def test_a_running_full_job_refuses_with_its_run_nodes_and_age(store):
+    admission.admit(store, me())
+    admission.publish_start(store, job(), 0, "node-a", 11)
+    admission.publish_start(store, job(), 1, "node-b", 22)
+    with pytest.raises(LaunchError) as e:
+        admission.admit(store, me())
+    msg = str(e.value)
+    assert msg.startswith("Refused: the job at the rendezvous endpoint h:1 runs already, and it is full"), msg
+    assert "Seen: run run-a, 2 node(s): node-a (agent pid 11), node-b (agent pid 22); running since " in msg, msg
+    assert "(60 s)" in msg and "HINT: " in msg
+
+
+def test_another_job_at_the_endpoint_is_refused_before_the_job_record_is_read(store):
+    admission.admit(store, me(token="a"))
+    with pytest.raises(LaunchError, match="different DDPRUN_JOB_TOKEN"):
+        admission.admit(store, me(token="b"))
+
+
+def test_a_job_re_forming_after_a_failure_takes_a_node_back(store):
+    admission.publish_start(store, job(round_=1), 0, "node-a", 11)
+    admission.publish_reforming(store, 1)
+    assert admission.admit(store, me(proposal="p")) == "p"
+
+
+def test_the_first_start_time_is_kept_across_rounds(store):
+    admission.publish_start(store, JobRecord("r", 0, 2, 2, 2, 100.0), 0, "a", 1)
+    admission.publish_start(store, JobRecord("r", 1, 2, 2, 2, 200.0), 0, "a", 1)
+    assert JobRecord.parse(store.get(keys.JOB_KEY)) == JobRecord("r", 1, 2, 2, 2, 100.0)
+
+
+def test_a_node_left_out_of_a_complete_round_knows_it(store):
+    admission.publish_start(store, job(), 0, "node-a", 11)
+    assert admission.left_out(store, "node-c", 33) is None  # round not complete yet: it may be in it
+    admission.publish_start(store, job(), 1, "node-b", 22)
+    assert admission.left_out(store, "node-b", 22) is None
+    seen = admission.left_out(store, "node-c", 33)
+    assert seen is not None and seen[1] == ["node-a (agent pid 11)", "node-b (agent pid 22)"]
+
+
+def test_nothing_at_the_endpoint_is_said_while_waiting_and_named_at_the_bound():
+    out = io.StringIO()
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match=r"the rendezvous host 127.0.0.1:1 was never reachable"):
+        admission.connect("127.0.0.1", 1, False, 1.5, out, line_every_s=0.5)
+    assert time.monotonic() - t0 < 4
+    assert "ddprun: rendezvous host 127.0.0.1:1 not reachable yet" in out.getvalue()
+
+
+def test_the_host_hosts_a_store_that_torch_can_share():
+    from ddprun.agent.endpoint import free_port
+
+    port = free_port("127.0.0.1")
+    store, hosted = admission.connect("127.0.0.1", port, True, 5, io.StringIO())
+    assert hosted
+    # torch's c10d handler asks for the same server (multi_tenant): it gets this one
+    shared = TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False)
+    store.set("k", "v")
+    assert shared.get("k") == b"v"
