@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +30,18 @@ def test_a_healthy_phase_without_optimizer_steps_is_never_a_stall(nodes, tmp_pat
         assert "hang report" not in e.output and "no rank advanced" not in e.output, describe(ended)
     print(f"{phase[0]}: {max(e.ended_at for e in ended) - t0:.1f} s under --stall-timeout 4, no report")
     assert not (tmp_path / "runs" / "fault" / "stacks").exists()
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(90)
+def test_a_validation_pass_longer_than_the_stall_threshold_is_not_a_stall(nodes, tmp_path):
+    script = str(Path(__file__).parent / "scripts" / "fit_slow_val.py")
+    job = nodes(2, 1, ["--val-s", "10"], script=script, extra=STALL)
+    ended = job.finish(timeout=70)
+    assert [e.returncode for e in ended] == [0, 0], describe(ended)
+    both = "".join(e.output for e in ended)
+    assert "hang report" not in both and "no rank advanced" not in both, describe(ended)
+    assert "validated: val_loss" in both and "val_loss" in ended[0].output, describe(ended)
     assert_nothing_left(tmp_path)
 
 
