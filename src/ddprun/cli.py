@@ -336,7 +336,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = config_from_args(args)
         if args.command == "plan":
             return cmd_plan(cfg, args, environ)
-        return _exit_now(cmd_run(cfg, environ))
+        try:
+            return _exit_now(cmd_run(cfg, environ))
+        except KeyboardInterrupt:  # after the agent ended (the report, the summary): nothing to stop
+            print("ddprun: interrupted.", file=sys.stderr)
+            return _exit_now(130)
     except DdprunError as e:
         print(f"ddprun: error: {e}", file=sys.stderr)
         return e.exit_code

@@ -150,7 +150,10 @@ def run_agent(config: Any, entrypoint: str, args: list[str], hooks: AgentHooks) 
     params = RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
                                   min_nodes=config.min_nodes, max_nodes=config.max_nodes,
                                   local_addr=config.local_addr, **config.rdzv_configs)
-    saved = {sig: signal.signal(sig, _signal_exception) for sig in EARLY_SIGNALS}
+    # torch's agent leaves its handlers installed when it ends: after it, a Ctrl-C is a KeyboardInterrupt again
+    saved = {sig: signal.getsignal(sig) for sig in (*EARLY_SIGNALS, signal.SIGINT, signal.SIGQUIT)}
+    for sig in EARLY_SIGNALS:
+        signal.signal(sig, _signal_exception)
     try:
         return _run(config, entrypoint, args, hooks, params)
     finally:

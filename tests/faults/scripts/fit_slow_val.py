@@ -32,7 +32,8 @@ def main() -> None:
     x = torch.randn(64, 8, generator=g)
     n_val = 16  # per rank 8 samples (2 ranks): each sleeps val_s / 8
     res = ddprun.fit(nn.Linear(8, 1), TensorDataset(x, x[:, :1]), val_data=Slow(n_val, args.val_s / (n_val // 2)),
-                     batch_size=8, epochs=1, loss_fn=nn.functional.mse_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01), log_every=100)
+                     batch_size=8, epochs=1, loss_fn=nn.functional.mse_loss, log_every=100,
+                     optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01))
     print(f"validated: val_loss {res.val_metrics['val_loss']:.4f}", flush=True)
 
 
