@@ -76,6 +76,52 @@ def test_poisoned_store_values_are_skipped_and_the_job_goes_on(nodes, tmp_path):
     assert_nothing_left(tmp_path)
 
 
+class Payload:
+    """Unpickling it creates ``path``: proof that something loaded a pickle it read from the store."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.timeout(90)
+def test_a_malicious_pickle_in_every_key_ddprun_reads_runs_nothing(nodes, tmp_path):
+    import pickle
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from ddprun.agent import admission, joinwatch
+    from ddprun.protocol import store as keys
+
+    marker = tmp_path / "pwned"
+    bomb = pickle.dumps(Payload(str(marker)))
+    job = nodes(2, 1, ["--step-s", "0.05", "--steps", "160"], rdzv_id=None, extra=STALL)
+    pids = job.worker_pids(range(2))
+    env = store_env(pids[0])
+    workers = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, wait_for_workers=False,
+                       timeout=timedelta(seconds=5))
+    prefix = f"ddprun/{env['TORCHELASTIC_RUN_ID']}/{env['DDPRUN_ATTEMPT']}/"
+    for key in ("progress/0", "progress/1", "timing/0", "timing/1", "timing-final/0", "stall", "stall/summary",
+                "place/0", "place/1", "agent/0", "agent/1", "rank/0", "rank/1", "node/0", "failure/1"):
+        workers.set(prefix + key, bomb)
+    workers.add(prefix + "failures", 1)
+    endpoint = TCPStore("127.0.0.1", job.port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5))
+    for key in (keys.JOB_KEY, keys.REFORMING_KEY, keys.SINCE_KEY, keys.job_host_key(0, 0), keys.joining_key(1)):
+        endpoint.set(key, bomb)
+    # what a newcomer and a join watcher read from the endpoint's store
+    assert admission.read_job(endpoint) == (None, -1)
+    assert admission.left_out(endpoint, "x", 1) is None
+    assert [joinwatch.describe_entry(raw) for raw in joinwatch.joining_entries(endpoint).values()][0] is None
+    del workers, endpoint
+    ended = job.finish(timeout=60)
+    assert all(e.returncode == 0 for e in ended), describe(ended)
+    assert not marker.exists(), "a pickle read from the store was loaded"
+    assert_nothing_left(tmp_path)
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("victim", [0, 1], ids=["rank-0", "rank-1"])
 def test_a_stopped_rank_is_reported_by_another_observer_and_the_job_ends_later(nodes, tmp_path, victim):

@@ -1,7 +1,5 @@
 """Attempt ids and the per-attempt store namespace that lets a restarted worker group start cleanly."""
 
-import base64
-import pickle
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -88,14 +86,30 @@ def test_nothing_changes_without_the_agent_store(handlers):
     assert handlers == before
 
 
-def test_launcher_reads_the_rendezvous_round_from_torchs_state(store):
-    state = SimpleNamespace(round=7)
-    store.set("torch.rendezvous.job", base64.b64encode(pickle.dumps(state)))
-    ids = attempt.AttemptIds("c10d", "127.0.0.1", store.port, "job")
+def test_the_attempt_id_is_the_round_torchs_handler_completed_in_this_process():
+    handler = SimpleNamespace(_state_holder=SimpleNamespace(state=SimpleNamespace(round=7)))
+    assert attempt.handler_round(handler) == 7
+    assert attempt.handler_round(object()) is None  # another backend: no state
+    ids = attempt.AttemptIds("c10d")
+    ids.set_round(attempt.handler_round(handler))
     assert ids.current("0") == "r7"
-    assert attempt.AttemptIds("static", "127.0.0.1", store.port, "job").current(2) == "c2"
-    missing = attempt.AttemptIds("c10d", "127.0.0.1", store.port, "other-job", wait_s=0.3)
-    assert missing.current("1") == "c1"  # unreadable: the restart count, with a line in the agent log
+    assert attempt.AttemptIds("static").current(2) == "c2"
+    assert attempt.AttemptIds("c10d").current("1") == "c1"  # unknown: the restart count, with a line in the agent log
+
+
+def test_a_real_c10d_handler_gives_its_round():
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
+
+    params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{free_port()}", run_id="job", min_nodes=1,
+                                  max_nodes=1, is_host="true")
+    handler = registry.get_rendezvous_handler(params)
+    try:
+        handler.next_rendezvous()
+        first = attempt.handler_round(handler)
+        handler.next_rendezvous()
+        assert (first, attempt.handler_round(handler)) == (0, 1)
+    finally:
+        handler.shutdown()
 
 
 def test_logs_spec_gives_every_worker_the_attempt_and_keeps_each_attempts_log(tmp_path):

@@ -31,56 +31,36 @@ changes, so ``c<restart count>`` is the same everywhere there.
 from __future__ import annotations
 
 import sys
-import time
-from datetime import timedelta
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # annotations only: torch.distributed is imported where the store is made
-    from torch.distributed import TCPStore
+from typing import Any
 
 
-def rendezvous_round(store, run_id: str) -> int:
-    """The round in torch's c10d rendezvous state (key ``torch.rendezvous.<run id>``, base64 of a
-    pickled ``_RendezvousState``; torch's own backend reads it the same way, see joinwatch.py)."""
-    import base64
-    import pickle
-
-    key = "torch.rendezvous." + run_id
-    if not store.check([key]):  # get() would wait for it until the store's timeout
-        raise KeyError(f"no rendezvous state under {key}")
-    state = pickle.loads(base64.b64decode(store.get(key)))  # noqa: S301 - torch's format
-    return int(state.round)
+def handler_round(handler: Any) -> int | None:
+    """The round of the rendezvous this agent just completed, from torch's c10d handler in this
+    process (None where another backend or torch keeps no such state)."""
+    try:
+        return int(handler._state_holder.state.round)
+    except (AttributeError, TypeError, ValueError):
+        return None
 
 
 class AttemptIds:
     """Launcher side: the attempt id to give the workers each time this agent starts them."""
 
-    def __init__(self, backend: str, host: str, port: int, run_id: str, wait_s: float = 10.0):
-        self._backend, self._host, self._port, self._run_id = backend, host, port, run_id
-        self._wait_s = wait_s
-        self._store: TCPStore | None = None
+    def __init__(self, backend: str):
+        self._backend = backend
+        self.round: int | None = None
+        """Set by the agent after each rendezvous (:func:`handler_round`)."""
 
-    def _read_round(self) -> int:
-        from torch.distributed import TCPStore
-
-        if self._store is None:
-            self._store = TCPStore(self._host, self._port, is_master=False, wait_for_workers=False,
-                                   timeout=timedelta(seconds=5))
-        return rendezvous_round(self._store, self._run_id)
+    def set_round(self, round_: int | None) -> None:
+        self.round = round_
 
     def current(self, restart_count: int | str) -> str:
-        """``r<round>`` under c10d; ``c<restart count>`` otherwise, or if the state cannot be read (then
-        a line in the agent log: nodes that disagree would not meet in init_process_group)."""
+        """``r<round>`` under c10d; ``c<restart count>`` otherwise, or if the round is unknown (then a
+        line in the agent log: nodes that disagree would not meet in init_process_group)."""
         if self._backend != "c10d":
             return f"c{restart_count}"
-        deadline = time.monotonic() + self._wait_s
-        while True:
-            try:
-                return f"r{self._read_round()}"
-            except Exception as e:  # noqa: BLE001 - another torch's state, or the store briefly away
-                self._store = None
-                if time.monotonic() >= deadline:
-                    print(f"ddprun: could not read the rendezvous round ({type(e).__name__}: {e}); the attempt id "
-                          f"falls back to the restart count c{restart_count}", file=sys.stderr, flush=True)
-                    return f"c{restart_count}"
-                time.sleep(0.2)
+        if self.round is None:
+            print(f"ddprun: the rendezvous round is unknown (another torch?); the attempt id falls back to the "
+                  f"restart count c{restart_count}", file=sys.stderr, flush=True)
+            return f"c{restart_count}"
+        return f"r{self.round}"

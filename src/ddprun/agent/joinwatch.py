@@ -1,21 +1,21 @@
 """Join progress while the rendezvous waits for nodes: who joined, how many are missing, how long.
 
-A thread in the launcher reads the c10d rendezvous state torch keeps in the endpoint's TCP store
-(key ``torch.rendezvous.<run id>``: base64 of torch's pickled ``_RendezvousState``, which torch's
-own handler unpickles the same way) every few seconds and prints one line, e.g.
-``ddprun: 1/2 nodes joined (node-a pid 4242); waiting up to 120 s (114 s left)``. It stops when this
-node's workers start. It only reads. When the job's round completes without this node (it started
-with the job and was not taken in: two launches raced for one job's places), it says so and ends this
-node's agent (agent/admission.py :func:`~ddprun.agent.admission.left_out`), unless the job is elastic
-with room for it. The rendezvous itself is torch's. If the state cannot be read (another torch
-version, static rendezvous) the line says so and the launch goes on unchanged.
+A thread in the launcher announces this node in the endpoint's store (``ddprun/joining/<k>``: JSON
+host, pid and a beat it advances every poll; protocol/store.py) and reads every node's entry, then
+prints one line every few seconds, e.g.
+``ddprun: 1/2 nodes joined (node-a pid 4242); waiting up to 120 s (114 s left)``: the nodes whose
+beat moved within the last 10 s (a node that started its workers, or died, stops beating). It stops
+when this node's workers start. Nothing read here is a pickle (torch's rendezvous state is one).
+When the job's round completes without this node (it started with the job and was not taken in:
+two launches raced for one job's places), it says so and ends this node's agent (agent/admission.py
+:func:`~ddprun.agent.admission.left_out`), unless the job is elastic with room for it.
+The rendezvous itself is torch's.
 """
 
 from __future__ import annotations
 
-import base64
+import json
 import os
-import pickle
 import signal
 import threading
 import time
@@ -34,24 +34,44 @@ class JoinSnapshot:
     reachable: bool = False
     joined: list[str] = field(default_factory=list)
     """One ``host pid N`` per node that joined the current round."""
-    complete: bool = False
 
 
-def describe_state(state) -> JoinSnapshot:
-    """The nodes in a torch ``_RendezvousState`` (participants, then the wait list)."""
-    nodes = list(getattr(state, "participants", {}).keys()) + list(getattr(state, "wait_list", ()))
-    return JoinSnapshot(reachable=True, joined=[f"{n.addr} pid {n.pid}" for n in nodes],
-                        complete=bool(getattr(state, "complete", False)))
+STALE_S = 10.0
+"""A joining node whose beat has not moved for this long is not counted (gone, or started)."""
+
+
+def joining_entries(store: TCPStore) -> dict[str, bytes]:
+    """Every node's ``ddprun/joining/<k>`` entry (one batched read)."""
+    from ddprun.protocol import store as keys
+
+    n = int(store.add(keys.JOINING_COUNT_KEY, 0))
+    names = [keys.joining_key(k) for k in range(1, n + 1)]
+    present = [k for k in names if store.check([k])]
+    return dict(zip(present, store.multi_get(present))) if present else {}
+
+
+def describe_entry(raw: bytes) -> str | None:
+    """``host pid N`` of one entry; None for a malformed value (skipped, never trusted)."""
+    try:
+        data = json.loads(raw)
+        return f"{str(data['host'])} pid {int(data['pid'])}"
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 class JoinWatcher:
     """Prints join progress for a c10d rendezvous until :meth:`stop` (called when workers start)."""
 
     def __init__(self, host: str, port: int, run_id: str, me: Newcomer, nnodes: int, join_timeout: float,
-                 out: TextIO, agent: tuple[str, int], interval_s: float = 3.0):
+                 out: TextIO, agent: tuple[str, int], interval_s: float = 3.0, stale_s: float = STALE_S):
         self._run_id, self._me, self._agent = run_id, me, agent
         self.refused: str | None = None
-        self._host, self._port, self._key = host, port, "torch.rendezvous." + run_id
+        self._host, self._port = host, port
+        self._entry: str | None = None
+        self._beat = 0
+        self._stale_s = stale_s
+        self._seen: dict[str, tuple[bytes, float]] = {}
+        """entry key -> (its last value, when it last changed), by this watcher's clock."""
         self._nnodes, self._timeout, self._out, self._interval = nnodes, join_timeout, out, interval_s
         self._stop = threading.Event()
         self._t0 = time.monotonic()
@@ -69,13 +89,26 @@ class JoinWatcher:
     def _read(self) -> JoinSnapshot:
         from torch.distributed import TCPStore
 
+        from ddprun.protocol import store as keys
+
         if self._store is None:
             self._store = TCPStore(self._host, self._port, is_master=False, wait_for_workers=False,
                                    timeout=timedelta(seconds=2))
-        if not self._store.check([self._key]):
-            return JoinSnapshot(reachable=True)
-        raw = self._store.get(self._key)
-        return describe_state(pickle.loads(base64.b64decode(raw)))  # noqa: S301 - torch's own format
+        if self._entry is None:
+            self._entry = keys.joining_key(int(self._store.add(keys.JOINING_COUNT_KEY, 1)))
+        self._beat += 1
+        self._store.set(self._entry, json.dumps({"host": self._agent[0], "pid": self._agent[1], "beat": self._beat}))
+        now, joined = time.monotonic(), []
+        for key, raw in joining_entries(self._store).items():
+            value, since = self._seen.get(key, (b"", now))
+            if raw != value:
+                self._seen[key] = (raw, now)
+            elif now - since > self._stale_s:
+                continue
+            who = describe_entry(raw)
+            if who is not None:
+                joined.append(who)
+        return JoinSnapshot(reachable=True, joined=joined)
 
     def line(self, snap: JoinSnapshot) -> str:
         left = max(0, int(self._timeout - (time.monotonic() - self._t0)))
@@ -120,8 +153,6 @@ class JoinWatcher:
                 self._store = None
             if self._stop.is_set():
                 return
-            if snap.complete:  # this node's workers start soon, or it was left out: _admitted says which
-                continue
             # at the join timeout torch withdraws this node from the state before it raises: an empty
             # state right after a non-empty one is that, not "no node joined"
             if snap.joined or not self.last.joined:

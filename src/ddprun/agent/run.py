@@ -259,7 +259,7 @@ class _AgentRun:
         self.run_, self.failures, self.watcher = run, failures, watcher
         self._round = 0
         """The rendezvous round of the latest worker start (0: a backend without rounds)."""
-        attempts = AttemptIds(run.spec.rdzv_backend, run.addr, run.port, run.rdzv_id)
+        self.attempts = attempts = AttemptIds(run.spec.rdzv_backend)
         self.logs_specs = RankLogsSpecs(run.rundir.path, follower, tee, run.wenv, run.extra_env,
                                         on_workers_start=watcher.stop if watcher else None,
                                         attempt_id=attempts.current)
@@ -311,6 +311,7 @@ class _AgentRun:
 
         hooks = AgentHooks(on_worker_exit=self.failures.on_worker_exit, on_workers_started=self._started,
                            on_restarting=self._restarting, on_membership_change=self._membership_change,
+                           on_rendezvous=self.attempts.set_round,
                            on_signal=self.failures.on_signal, exit_barrier_done=self.failures.exit_barrier_done,
                            stop_grace_s=self.run_.cfg.stop_grace)
         argv = self.run_.cfg.entry.argv() if self.run_.cfg.entry is not None else []

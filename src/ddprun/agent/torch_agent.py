@@ -43,6 +43,8 @@ class AgentHooks:
     on_workers_started: Callable[[WorkerGroup, dict[int, int], int], None] = lambda group, pids, left: None
     on_restarting: Callable[[int, int], None] = lambda left, most: None
     """A failed worker group is about to be restarted; ``left`` restarts remain after this one, of ``most``."""
+    on_rendezvous: Callable[[int | None], None] = lambda round_: None
+    """A rendezvous completed: its round (agent/attempt.py handler_round), before the workers start."""
     on_membership_change: Callable[[], None] = lambda: None
     """torch restarts a healthy group because a node waits to join (an elastic job with room)."""
     on_signal: Callable[[int], None] = lambda sig: None
@@ -95,6 +97,12 @@ class DdprunAgent(LocalElasticAgent):
             self._hooks.seen.add(handler.proc.pid)
             worker = worker_group.workers[local_rank]
             self._hooks.on_worker_exit(worker.global_rank, local_rank, handler.proc.pid, code)
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        super()._rendezvous(worker_group)
+        from ddprun.agent.attempt import handler_round
+
+        self._hooks.on_rendezvous(handler_round(worker_group.spec.rdzv_handler))
 
     def _assign_worker_ranks(self, store: Any, group_rank: int, group_world_size: int,  # type: ignore[override]
                              spec: WorkerSpec) -> Any:

@@ -28,6 +28,8 @@ between attempts:
     job/host/<round>/<node>  JSON {host, pid} of that node's agent in that round
     job/reforming      the latest round whose group failed and is re-forming (a restart)
     job/since          epoch seconds of the job's first worker start
+    joining            a counter; joining/<k> JSON {host, pid, beat} of the k-th node that came to join
+                       (agent/joinwatch.py: its beat moves while it waits)
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ RUN_ID_KEY = "ddprun/run-id"
 JOB_KEY = "ddprun/job"
 REFORMING_KEY = "ddprun/job/reforming"
 SINCE_KEY = "ddprun/job/since"
+JOINING_COUNT_KEY = "ddprun/joining"
+
+
+def joining_key(k: int) -> str:
+    return f"ddprun/joining/{k}"
 
 
 def job_host_key(round_: int, node: int) -> str:

@@ -1,0 +1,36 @@
+"""Join progress from ddprun's own keys (agent/joinwatch.py), on a real TCPStore."""
+
+from __future__ import annotations
+
+import io
+import time
+from datetime import timedelta
+
+import pytest
+from torch.distributed import TCPStore
+
+from ddprun.agent.admission import Newcomer
+from ddprun.agent.joinwatch import JoinWatcher
+from ddprun.protocol import store as keys
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def watcher(store, host: str, pid: int) -> JoinWatcher:
+    me = Newcomer(f"127.0.0.1:{store.port}", "ddprun", "", False, "p")
+    return JoinWatcher("127.0.0.1", store.port, "ddprun", me, 2, 60, io.StringIO(), (host, pid), stale_s=0.5)
+
+
+def test_nodes_that_came_to_join_are_counted_while_they_beat():
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    a, b = watcher(store, "node-a", 11), watcher(store, "node-b", 22)
+    assert a._read().joined == ["node-a pid 11"]
+    b._read()
+    assert a._read().joined == ["node-a pid 11", "node-b pid 22"]
+    store.set(keys.joining_key(int(store.add(keys.JOINING_COUNT_KEY, 1))), b"\x80not json")  # skipped
+    assert a._read().joined == ["node-a pid 11", "node-b pid 22"]
+    assert a.line(a._read()).startswith("ddprun: 2/2 nodes joined (node-a pid 11, node-b pid 22); waiting up to 60 s")
+    time.sleep(0.7)  # node-b stopped beating (its workers started, or it died)
+    a.last = a._read()
+    assert a.last.joined == ["node-a pid 11"]
+    assert a.timeout_message() == "1/2 nodes joined (node-a pid 11); 1 missing"
