@@ -31,14 +31,21 @@ def store():
     return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
 
 
-def test_a_full_job_refuses_everyone_and_an_elastic_one_only_strangers():
+def test_a_full_job_refuses_everyone_and_an_elastic_one_with_room_takes_its_nodes():
     assert "it is full (2 of 2 node(s))" in admission.refusal_reason(job(), -1, me(explicit=True, token="t"))
-    stranger = admission.refusal_reason(job(2, 1, 3), -1, me())
-    assert "elastic (1:3 nodes, 2 running)" in stranger and "DDPRUN_JOB_TOKEN" in stranger
+    # an elastic job with room: a node with its identity (the claim passed) arrives late, as elastic allows
+    assert admission.refusal_reason(job(2, 1, 3), -1, me()) is None
     assert admission.refusal_reason(job(2, 1, 3), -1, me(token="t")) is None
     assert admission.refusal_reason(job(2, 1, 3), -1, me(explicit=True)) is None
     assert admission.refusal_reason(None, -1, me()) is None  # forming: torch's rendezvous decides
     assert admission.refusal_reason(job(round_=3), 3, me()) is None  # re-forming after a failure
+
+
+def test_an_elastic_job_of_default_identity_says_who_it_takes_in():
+    assert "takes in any node started with the same command" in admission.elastic_note(me(), 1, 3)
+    assert admission.elastic_note(me(token="t"), 1, 3) is None and admission.elastic_note(me(explicit=True), 1, 3) \
+        is None
+    assert admission.elastic_note(me(), 2, 2) is None and admission.elastic_note(me(), 1, 1) is None
 
 
 def test_a_bad_job_record_is_no_job():

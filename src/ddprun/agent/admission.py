@@ -5,9 +5,10 @@ admitted or refused, and agree on the run id.
   :func:`~ddprun.protocol.store.claim`).
 * The job at the endpoint already runs (its :class:`~ddprun.protocol.store.JobRecord`): a full job
   refuses every newcomer (torch would park it in its redundancy list for ever); an elastic job with
-  room admits only a node that proves it belongs, by an explicit ``--rdzv-id`` or a job token (torch's
-  agent restarts the running workers to take a waiting node in: a stranger would join the job); a
-  job re-forming after a failure takes its own nodes back.
+  room takes in a node with its identity (the claim: the same rendezvous id and token), a node that
+  arrives late being the reason for ``--nnodes MIN:MAX`` (torch restarts the running workers to add
+  it). Without a token or an explicit id every node started with the same command has that identity:
+  :func:`elastic_note` says so at launch.
 * The run id: an explicit one (``--rdzv-id``, a scheduler's job id) as given; else the first agent's
   proposal (a fresh id) wins in the store, so every launch is a new run and all its nodes agree.
 
@@ -17,6 +18,7 @@ handlers then share (they ask for ``multi_tenant`` too), and the agent writes th
 
 from __future__ import annotations
 
+import errno
 import json
 import time
 from collections.abc import Mapping
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TextIO
 
-from ddprun.agent.endpoint import port_open
+from ddprun.agent.endpoint import bound_server, port_open
 from ddprun.errors import LaunchError
 from ddprun.protocol import store as keys
 from ddprun.protocol.store import JobRecord
@@ -78,8 +80,9 @@ def unreachable_line(endpoint: str, timeout_s: float, left_s: float) -> str:
 
 def connect(addr: str, port: int, host_it: bool, timeout_s: float, out: TextIO,
             line_every_s: float = 3.0) -> tuple[Any, bool]:
-    """The endpoint's store within ``timeout_s``: hosted here (``host_it`` and nothing listens yet) or
-    a client of it; (store, hosted). Raises LaunchError when nothing answered in time."""
+    """The endpoint's store at ``addr`` within ``timeout_s``: hosted here, listening on ``addr`` only
+    (``host_it`` and nothing listens yet), or a client of it; (store, hosted). Raises LaunchError when
+    nothing answered in time."""
     from torch.distributed import TCPStore
 
     t0 = time.monotonic()
@@ -87,10 +90,13 @@ def connect(addr: str, port: int, host_it: bool, timeout_s: float, out: TextIO,
     while True:
         if host_it and not port_open(addr, port):
             try:
-                return TCPStore(addr, port, is_master=True, multi_tenant=True, wait_for_workers=False,
-                                timeout=timedelta(seconds=STORE_TIMEOUT_S)), True
-            except (RuntimeError, ValueError):  # another agent on this machine bound it first
-                pass
+                return bound_server(addr, port, STORE_TIMEOUT_S), True
+            except OSError as e:  # in use: another agent on this machine bound it first
+                if e.errno == errno.EADDRNOTAVAIL:  # a name of this node that is no address of it (a VIP)
+                    print(f"ddprun: note: {addr} is no address of this machine; the store listens on every "
+                          "interface", file=out, flush=True)
+                    return TCPStore(addr, port, is_master=True, multi_tenant=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=STORE_TIMEOUT_S)), True
         if port_open(addr, port):
             try:
                 return TCPStore(addr, port, is_master=False, wait_for_workers=False,
@@ -129,11 +135,15 @@ def refusal_reason(job: JobRecord | None, reforming: int, me: Newcomer) -> str |
     if job.nnodes >= job.max_nodes:
         return (f"it is full ({job.nnodes} of {job.max_nodes} node(s)): torch would keep this node waiting "
                 "for ever")
-    if not me.explicit and not me.token:
-        return (f"it is elastic ({job.min_nodes}:{job.max_nodes} nodes, {job.nnodes} running) and admits a late "
-                "node only with the job's DDPRUN_JOB_TOKEN or an explicit --rdzv-id: this node may be another "
-                "job's, and taking it in restarts the running workers")
-    return None
+    return None  # an elastic job with room: a node with its identity (claim) is one of its own, arriving late
+
+
+def elastic_note(me: Newcomer, min_nodes: int, max_nodes: int) -> str | None:
+    """The launch line for an elastic multi-node job whose identity is only the defaults."""
+    if max_nodes <= 1 or min_nodes == max_nodes or me.explicit or me.token:
+        return None
+    return ("ddprun: note: this elastic job takes in any node started with the same command at this endpoint; "
+            "give every node the same DDPRUN_JOB_TOKEN (or --rdzv-id) to take in only this job's nodes")
 
 
 def hosts_of(store: Any, job: JobRecord) -> list[str]:

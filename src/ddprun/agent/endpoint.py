@@ -1,9 +1,17 @@
-"""Sockets at the rendezvous endpoint: is something listening, and a free port (admission.py
-decides who may join)."""
+"""Sockets at the rendezvous endpoint: is something listening, a free port, and a store server
+bound to one address (admission.py decides who may join).
+
+torch's TCPStore server listens on every interface. :func:`bound_server` gives it a socket bound to
+the one address its clients use (a single-machine job: loopback; a multi-node job: the address of
+the job's interface), through TCPStore's ``master_listen_fd``; ``multi_tenant`` lets torch's own
+handler in this process share that server.
+"""
 
 from __future__ import annotations
 
 import socket
+from datetime import timedelta
+from typing import Any
 
 
 def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
@@ -20,3 +28,33 @@ def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host if host not in ("localhost",) else "127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def bind_address(addr: str) -> tuple[int, str]:
+    """(family, IP) that ``addr`` (a name or an IP) resolves to here: what its clients will dial."""
+    if addr.lower() == "localhost":
+        return socket.AF_INET, "127.0.0.1"
+    family, _, _, _, sockaddr = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)[0]
+    return family, str(sockaddr[0])
+
+
+def bound_server(addr: str, port: int, timeout_s: float) -> Any:
+    """A TCPStore server listening on ``addr``'s IP only, at ``port`` (0: the OS picks). Raises OSError
+    when the address cannot be bound (in use: another agent on this machine hosts it already)."""
+    from torch.distributed import TCPStore
+
+    family, ip = bind_address(addr)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((ip, port))
+        sock.listen(1024)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    try:
+        return TCPStore(ip, port, is_master=True, multi_tenant=True, wait_for_workers=False,
+                        master_listen_fd=sock.detach(), timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError) as e:
+        raise OSError(f"the store server at {ip}:{port} did not start: {e}") from e

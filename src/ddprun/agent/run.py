@@ -108,7 +108,9 @@ class _Run:
     when one was given, else the same default on every node."""
     explicit_id: bool = True
     endpoint_store: Any = None
-    """The admission's store client (agent/admission.py), kept for the launch; None on one node."""
+    """The admission's store client (agent/admission.py), kept for the launch (on the host: the server)."""
+    dial: str = ""
+    """The address this node's store clients use for the endpoint (the host: its bind address)."""
 
     @property
     def endpoint(self) -> str:
@@ -142,18 +144,26 @@ def prepare(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], ho
 
 
 def admit_run(run: _Run, console: TextIO) -> _Run:
-    """Multi-node: reach the endpoint's store, be admitted, and take the run id the nodes agreed on
-    (agent/admission.py); the run with it. Raises LaunchError when refused or nothing answers."""
+    """Reach (one node: host) the endpoint's store, bound to the endpoint's address only, be admitted,
+    and take the run id the nodes agreed on (agent/admission.py); the run with it. Raises LaunchError
+    when refused or nothing answers."""
     spec = run.spec
-    if spec.max_nodes <= 1 or spec.rdzv_backend not in ("c10d", "static"):
+    if spec.rdzv_backend not in ("c10d", "static"):
         return run
-    host_it = admission.should_host(run.addr, run.cfg.rdzv_conf, spec.rdzv_backend, spec.node_rank or 0)
-    store, _ = admission.connect(run.addr, run.port, host_it, run.cfg.join_timeout, console)
+    host_it = spec.max_nodes == 1 or admission.should_host(run.addr, run.cfg.rdzv_conf, spec.rdzv_backend,
+                                                           spec.node_rank or 0)
+    # the host listens where the other nodes reach it (the network plan's local address: a name that
+    # resolves to loopback on its own host is common), and its own clients, torch's included, dial that
+    dial = (run.cfg.local_addr or run.addr) if host_it else run.addr
+    store, _ = admission.connect(dial, run.port, host_it, run.cfg.join_timeout, console)
     me = admission.Newcomer(run.endpoint, run.rdzv_id, run.token, run.explicit_id, run.run_id)
     run_id = admission.admit(store, me)
+    note = admission.elastic_note(me, spec.min_nodes, spec.max_nodes)
+    if note:
+        print(note, file=console, flush=True)
     rundir = RunDir(run_dir_for(run.cfg, run_id))
     return replace(run, run_id=run_id, rundir=rundir, wenv=replace(run.wenv, run_dir=rundir.path),
-                   endpoint_store=store)
+                   endpoint_store=store, dial=dial)
 
 
 class AgentLog:
@@ -188,7 +198,7 @@ class AgentLog:
 def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hostname: str,
            console: TextIO | None = None) -> Outcome:
     """Run this node's agent until the job ends; return the exit code for this node (and its failures)."""
-    from ddprun.cluster.netaddr import network_plan
+    from ddprun.cluster.netaddr import is_loopback, network_plan
 
     if cfg.entry is None:
         raise LaunchError("Nothing to run.", hint="Give a script: ddprun run train.py, or a module: ddprun run -m pkg.train")
@@ -196,7 +206,9 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
     tee = parse_local_ranks(cfg.tee, spec.nproc_per_node)
     # the network plan prints before stderr goes to the agent log, so that its errors reach the console
     net = network_plan(spec, environ, cfg.local_addr, cfg.rdzv_conf)
-    cfg = replace(cfg, local_addr=net.local_addr, rdzv_conf={**net.rdzv_conf, **cfg.rdzv_conf})
+    # every node on this machine (one node, or a loopback endpoint): the workers' store on loopback too
+    local = net.local_addr or ("127.0.0.1" if spec.master_addr and is_loopback(spec.master_addr) else None)
+    cfg = replace(cfg, local_addr=local, rdzv_conf={**net.rdzv_conf, **cfg.rdzv_conf})
     if net.summary():
         print(net.summary(), file=console, flush=True)
     t0 = time.monotonic()
@@ -232,8 +244,8 @@ def supervise(run: _Run, tee: set[int], console: TextIO, err: TextIO) -> Outcome
     watcher = None
     if run.spec.rdzv_backend == "c10d" and run.spec.max_nodes > 1:
         me = admission.Newcomer(run.endpoint, run.rdzv_id, run.token, run.explicit_id, run.run_id)
-        watcher = JoinWatcher(run.addr, run.port, run.rdzv_id, me, run.spec.max_nodes, run.cfg.join_timeout, err,
-                              (run.host, os.getpid())).start()
+        watcher = JoinWatcher(run.dial or run.addr, run.port, run.rdzv_id, me, run.spec.max_nodes,
+                              run.cfg.join_timeout, err, (run.host, os.getpid())).start()
     failures = AgentFailures(run.rundir, run.host, run.addr, run.port, run.rdzv_id, err)
     agent = _AgentRun(run, tee, follower, watcher, failures)
     try:
@@ -302,7 +314,7 @@ class _AgentRun:
             rdzv["rank"] = spec.node_rank
         return TorchLaunchConfig(
             min_nodes=spec.min_nodes, max_nodes=spec.max_nodes, nproc_per_node=spec.nproc_per_node,
-            logs_specs=self.logs_specs, run_id=run.rdzv_id, role="trainer", rdzv_endpoint=run.endpoint,
+            logs_specs=self.logs_specs, run_id=run.rdzv_id, role="trainer", rdzv_endpoint=f"{run.dial or run.addr}:{run.port}",
             rdzv_backend=spec.rdzv_backend, rdzv_configs=rdzv, max_restarts=cfg.max_restarts,
             monitor_interval=cfg.monitor_interval, start_method=cfg.start_method, local_addr=cfg.local_addr)
 

@@ -153,6 +153,22 @@ def share_bootstrap(store: Any, handler: Any) -> None:
         pass
 
 
+def bind_workers_store(handler: Any) -> None:
+    """The workers' store that torch's c10d handler creates on node 0 listens on the address it tells
+    the workers (this node's local address) instead of every interface (agent/endpoint.py)."""
+    if not hasattr(handler, "_create_tcp_store_server"):  # another backend, or another torch
+        return
+    from ddprun.agent.endpoint import bound_server
+
+    def create(master_addr: str, master_port: int) -> Any:
+        try:
+            return bound_server(master_addr, master_port, 300.0)  # torch's default timeout
+        except OSError:  # an address this node cannot bind: torch's own way, every interface
+            return type(handler)._create_tcp_store_server(handler, master_addr, master_port)
+
+    handler._create_tcp_store_server = create
+
+
 def run_agent(config: Any, entrypoint: str, args: list[str], hooks: AgentHooks) -> dict[int, Any]:
     """torch's ``launch_agent(config, entrypoint, args)`` with :class:`DdprunAgent` (same exceptions)."""
     params = RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
@@ -184,8 +200,10 @@ def _run(config: Any, entrypoint: str, args: list[str], hooks: AgentHooks, param
     master_addr, master_port = None, None
     if config.rdzv_backend == "static":
         master_addr, master_port = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=-1)
+    handler = rdzv_registry.get_rendezvous_handler(params)
+    bind_workers_store(handler)
     spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
-                      args=tuple(args), rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
+                      args=tuple(args), rdzv_handler=handler,
                       max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
                       master_addr=master_addr, master_port=master_port, local_addr=config.local_addr)
     agent = DdprunAgent(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method, hooks=hooks,
