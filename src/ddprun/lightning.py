@@ -25,6 +25,7 @@ import this module.
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -321,8 +322,9 @@ def fit_lightning(model: pl.LightningModule, train_data: Any = None, *, val_data
     settings.update(user)
     settings["callbacks"] = callbacks
     trainer = pl.Trainer(**settings)
+    safe = {"weights_only": True} if "weights_only" in inspect.signature(trainer.fit).parameters else {}
     trainer.fit(model, train_dataloaders=train_loader, val_dataloaders=val_loader, datamodule=datamodule,
-                ckpt_path=_agreed(_resume_path(resume, ckpt_dir), info))
+                ckpt_path=_agreed(_resume_path(resume, ckpt_dir), info), **safe)  # no code runs on resume
     return _result(trainer, model, run_dir, info)
 
 

@@ -156,3 +156,14 @@ def test_of_three_launches_racing_for_a_two_node_job_the_one_left_out_says_so(no
     assert "Refused: the job at the rendezvous endpoint" in out.output and "it is full (2 of 2 node(s))" in \
         out.output, describe(ended)
     assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_the_job_token_is_never_printed_nor_written_to_the_run_directory(nodes, tmp_path):
+    secret = "s3cret-token-4242"
+    (ended,) = nodes(1, 2, ["--steps", "5", "--step-s", "0"], env=job_env(DDPRUN_JOB_TOKEN=secret)).finish(timeout=40)
+    assert ended.returncode == 0, describe([ended])
+    assert secret not in ended.output
+    files = [p for p in (tmp_path / "runs").rglob("*") if p.is_file()]
+    assert files and not [p for p in files if secret.encode() in p.read_bytes()]
+    assert_nothing_left(tmp_path)

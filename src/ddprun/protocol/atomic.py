@@ -25,12 +25,28 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    """The process's umask: Linux says it in /proc (no change of it, which other threads could see);
+    elsewhere it is read by setting it and straight back."""
+    try:
+        with open("/proc/self/status") as fp:
+            for line in fp:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_atomic(path: str, write: Callable[[IO[bytes]], None]) -> None:
     """Create or replace ``path`` with what ``write(fileobj)`` writes, atomically."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 otherwise: every file of a run gets the user's umask
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
