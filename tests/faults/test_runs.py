@@ -167,3 +167,23 @@ def test_the_job_token_is_never_printed_nor_written_to_the_run_directory(nodes, 
     files = [p for p in (tmp_path / "runs").rglob("*") if p.is_file()]
     assert files and not [p for p in files if secret.encode() in p.read_bytes()]
     assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(150)
+def test_a_node_restarted_after_its_agent_died_is_taken_back_by_a_job_with_restarts_left(nodes, tmp_path):
+    """3 nodes; the one that hosts neither store (the endpoint's, nor the workers' on group rank 0:
+    losing either ends the job, tests/faults/test_exits.py) loses its agent and comes back at once."""
+    import signal
+
+    args, extra = ["--steps", "200", "--step-s", "0.05"], ["--max-restarts", "1"]
+    job = nodes(3, 1, args, rdzv_id=None, extra=extra)
+    pids = job.worker_pids(range(3))
+    victim = ({0, 1, 2} - {job.store_host(), job.agent_of(pids[0])}).pop()
+    job.signal(victim, signal.SIGKILL)  # its worker dies with it (PR_SET_PDEATHSIG)
+    back = nodes(1, 1, args, rdzv_id=None, nnodes="3", extra=extra, port=job.port, name="back")
+    ended = [e for e in job.finish(timeout=100) if e.node != victim] + back.finish(timeout=30)
+    assert [e.returncode for e in ended] == [0, 0, 0], describe(ended)
+    assert "Refused" not in ended[2].output, describe(ended)
+    assert all("restarting the workers (restart 1 of 1)" in e.output for e in ended[:2]), describe(ended)
+    assert len(run_ids(ended)) == 1, describe(ended)  # the same run, agreed again
+    assert_nothing_left(tmp_path)

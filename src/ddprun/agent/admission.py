@@ -4,7 +4,8 @@ admitted or refused, and agree on the run id.
 * Another job holds the endpoint (another rendezvous id or job token): refused (protocol/store.py
   :func:`~ddprun.protocol.store.claim`).
 * The job at the endpoint already runs (its :class:`~ddprun.protocol.store.JobRecord`): a full job
-  refuses every newcomer (torch would park it in its redundancy list for ever); an elastic job with
+  whose nodes are all alive refuses a newcomer (torch would park it in its redundancy list until one of
+  them is gone; a node restarted after its agent died is let in); an elastic job with
   room takes in a node with its identity (the claim: the same rendezvous id and token), a node that
   arrives late being the reason for ``--nnodes MIN:MAX`` (torch restarts the running workers to add
   it). Without a token or an explicit id every node started with the same command has that identity:
@@ -64,8 +65,8 @@ def should_host(addr: str, rdzv_conf: Mapping[str, Any], backend: str, node_rank
     if backend == "static":
         return node_rank == 0
     value = str(rdzv_conf.get("is_host", "")).lower()
-    if value in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        return value in ("1", "true", "yes", "on")
+    if value in ("1", "true", "t", "yes", "y", "0", "false", "f", "no", "n"):  # RendezvousParameters.get_as_bool
+        return value in ("1", "true", "t", "yes", "y")
     try:
         from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
     except ImportError:  # another torch: as torch would then decide, unknown; try to bind
@@ -78,29 +79,21 @@ def unreachable_line(endpoint: str, timeout_s: float, left_s: float) -> str:
             f"waiting up to {timeout_s:.0f} s ({max(0, int(left_s))} s left)")
 
 
-def connect(addr: str, port: int, host_it: bool, timeout_s: float, out: TextIO,
+def connect(addr: str, port: int, host_it: bool, timeout_s: float, out: TextIO, bind: str | None = None,
             line_every_s: float = 3.0) -> tuple[Any, bool]:
-    """The endpoint's store at ``addr`` within ``timeout_s``: hosted here, listening on ``addr`` only
-    (``host_it`` and nothing listens yet), or a client of it; (store, hosted). Raises LaunchError when
-    nothing answered in time."""
-    from torch.distributed import TCPStore
-
+    """The endpoint's store at ``addr`` within ``timeout_s``: hosted here (``host_it`` and nothing
+    listens yet), listening on ``bind`` only (None: every interface, torch's way), or a client of it;
+    (store, hosted). Raises LaunchError when nothing answered in time or this node cannot listen."""
     t0 = time.monotonic()
     next_line = t0 + line_every_s
     while True:
         if host_it and not port_open(addr, port):
-            try:
-                return bound_server(addr, port, STORE_TIMEOUT_S), True
-            except OSError as e:  # in use: another agent on this machine bound it first
-                if e.errno == errno.EADDRNOTAVAIL:  # a name of this node that is no address of it (a VIP)
-                    print(f"ddprun: note: {addr} is no address of this machine; the store listens on every "
-                          "interface", file=out, flush=True)
-                    return TCPStore(addr, port, is_master=True, multi_tenant=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=STORE_TIMEOUT_S)), True
+            hosted = _host(addr, port, bind)
+            if hosted is not None:
+                return hosted, True
         if port_open(addr, port):
             try:
-                return TCPStore(addr, port, is_master=False, wait_for_workers=False,
-                                timeout=timedelta(seconds=STORE_TIMEOUT_S)), False
+                return client(addr, port), False
             except (RuntimeError, ValueError, TimeoutError):  # not a store yet, or it went away
                 pass
         now = time.monotonic()
@@ -114,6 +107,32 @@ def connect(addr: str, port: int, host_it: bool, timeout_s: float, out: TextIO,
             next_line += line_every_s
             print(unreachable_line(f"{addr}:{port}", timeout_s, timeout_s - (now - t0)), file=out, flush=True)
         time.sleep(0.2)
+
+
+def client(addr: str, port: int) -> Any:
+    from torch.distributed import TCPStore
+
+    return TCPStore(addr, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=STORE_TIMEOUT_S))
+
+
+def _host(addr: str, port: int, bind: str | None) -> Any:
+    """The store server (None: the port is taken, another agent on this machine hosts it). Raises
+    LaunchError when this node cannot listen there at all."""
+    from torch.distributed import TCPStore
+
+    try:
+        if bind is not None:
+            return bound_server(bind, port, STORE_TIMEOUT_S)
+        return TCPStore(addr, port, is_master=True, multi_tenant=True, wait_for_workers=False,
+                        timeout=timedelta(seconds=STORE_TIMEOUT_S))
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            return None
+        raise LaunchError(f"This node hosts the rendezvous endpoint but cannot listen at {bind or addr}:{port}.",
+                          seen=f"{type(e).__name__}: {e}", hint="Give --rdzv-endpoint an address of this node and "
+                          "a free port (ports below 1024 need root).") from e
+    except (RuntimeError, ValueError):  # torch's own bind failed: the port is taken
+        return None
 
 
 def read_job(store: Any) -> tuple[JobRecord | None, int]:
@@ -130,11 +149,13 @@ def read_job(store: Any) -> tuple[JobRecord | None, int]:
 
 def refusal_reason(job: JobRecord | None, reforming: int, me: Newcomer) -> str | None:
     """Why ``me`` may not join the job at the endpoint (None: it may). Pure."""
+    if job is not None and job.ended:
+        return "it has ended and the node hosting its store is closing: start again in a few seconds"
     if job is None or reforming >= job.round:
         return None  # the job is forming, or re-forming after a failure: torch's rendezvous decides
     if job.nnodes >= job.max_nodes:
-        return (f"it is full ({job.nnodes} of {job.max_nodes} node(s)): torch would keep this node waiting "
-                "for ever")
+        return (f"it is full ({job.nnodes} of {job.max_nodes} node(s)), every one alive: torch would keep this "
+                "node waiting until one of them is gone")
     return None  # an elastic job with room: a node with its identity (claim) is one of its own, arriving late
 
 
@@ -178,6 +199,8 @@ def admit(store: Any, me: Newcomer) -> str:
         raise LaunchError(keys.refusal(me.endpoint, other, me.rdzv_id).removeprefix("ddprun: "))
     job, reforming = read_job(store)
     reason = refusal_reason(job, reforming, me)
+    if job is not None and reason is not None and not job.ended and not job_alive(store, job):
+        reason = None  # a node of the job is gone (its restarted agent, say): torch's rendezvous decides
     if job is not None and reason is not None:
         raise LaunchError(refusal_text(job, reason, me.endpoint, hosts_of(store, job), time.time()))
     if me.explicit:
@@ -198,6 +221,56 @@ def publish_start(store: Any, job: JobRecord, node: int, host: str, pid: int) ->
                                               since).to_json())
     except Exception:  # noqa: BLE001 - the store is gone: the job is ending, nobody will ask
         pass
+
+
+def publish_end(store: Any, job: JobRecord) -> None:
+    """Node 0's agent ended: the job is over (best effort)."""
+    try:
+        store.set(keys.JOB_KEY, JobRecord(job.run_id, job.round, job.nnodes, job.min_nodes, job.max_nodes, job.since,
+                                          ended=True).to_json())
+    except Exception:  # noqa: BLE001 - the store is gone with its host: nobody will ask
+        pass
+
+
+def job_alive(store: Any, job: JobRecord, wait_s: float = 1.5) -> bool:
+    """Whether every node of the job's round is alive: its agent's beat (:class:`EndpointBeat`) moves
+    within ``wait_s`` (two batched reads)."""
+    names = [keys.job_beat_key(n) for n in range(job.nnodes)]
+
+    def beats() -> list[bytes] | None:
+        return store.multi_get(names) if all(store.check([n]) for n in names) else None
+
+    before = beats()
+    if before is None:
+        return False
+    time.sleep(wait_s)
+    after = beats()
+    return after is not None and all(a != b for a, b in zip(before, after))
+
+
+class EndpointBeat:
+    """This agent's beat in the endpoint's store (``job/beat/<node>``), for a newcomer's liveness check
+    (:func:`job_alive`). Called from the agent's failure thread every half second: its own client with
+    a short timeout, and after a failure it tries again only 5 s later, so it never stalls that thread."""
+
+    def __init__(self, addr: str, port: int):
+        self._addr, self._port = addr, port
+        self._store: Any = None
+        self._retry_at = 0.0
+
+    def __call__(self, node: int, beat: int) -> None:
+        now = time.monotonic()
+        if self._store is None and now < self._retry_at:
+            return
+        try:
+            if self._store is None:
+                from torch.distributed import TCPStore
+
+                self._store = TCPStore(self._addr, self._port, is_master=False, wait_for_workers=False,
+                                       timeout=timedelta(seconds=2))
+            self._store.set(keys.job_beat_key(node), str(beat))
+        except Exception:  # noqa: BLE001 - the endpoint's host is gone or slow: the job's own watch says
+            self._store, self._retry_at = None, now + 5.0
 
 
 def publish_reforming(store: Any, round_: int) -> None:

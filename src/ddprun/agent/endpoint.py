@@ -38,6 +38,36 @@ def bind_address(addr: str) -> tuple[int, str]:
     return family, str(sockaddr[0])
 
 
+def is_local(ip: str) -> bool:
+    """Whether ``ip`` is an address of this machine (it can be bound)."""
+    try:
+        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((ip, 0))
+        return True
+    except OSError:
+        return False
+
+
+def store_bind(endpoint_host: str, local_addr: str | None, user_named: bool) -> str | None:
+    """Where this node's endpoint store listens when it hosts it: the IP the endpoint's name resolves
+    to here, when that is an address of this machine; where the name resolves to loopback on a
+    multi-node job (a container's own name), the network plan's local address unless the user named
+    an interface or address (it may be another network than the one the peers dial); else None:
+    every interface (a virtual IP, a name that does not resolve)."""
+    import ipaddress
+
+    try:
+        ip = bind_address(endpoint_host)[1]
+    except OSError:
+        return None
+    if ipaddress.ip_address(ip.split("%", 1)[0]).is_loopback:
+        if local_addr is None or ipaddress.ip_address(bind_address(local_addr)[1]).is_loopback:
+            return ip  # every node on this machine
+        return None if user_named else local_addr
+    return ip if is_local(ip) else None
+
+
 def bound_server(addr: str, port: int, timeout_s: float) -> Any:
     """A TCPStore server listening on ``addr``'s IP only, at ``port`` (0: the OS picks). Raises OSError
     when the address cannot be bound (in use: another agent on this machine hosts it already)."""

@@ -62,8 +62,11 @@ class AgentFailures:
     """One per ``ddprun run`` agent; see the module docstring. Thread-safe; never raises into torch."""
 
     def __init__(self, run_dir: RunDir, host: str, addr: str, port: int, run_id: str, out: TextIO,  # noqa: PLR0913
-                 lost_after_s: float = LOST_AFTER_S, connect: Callable[[], Any] | None = None):
+                 lost_after_s: float = LOST_AFTER_S, connect: Callable[[], Any] | None = None,
+                 on_beat: Callable[[int, int], None] | None = None):
+        """``on_beat(node, beat)``: called with this agent's heartbeat (the endpoint's copy, admission.py)."""
         self.run_dir, self.host, self.out = run_dir, host, out
+        self._on_beat = on_beat
         self._addr, self._port, self._run_id = addr, port, run_id
         self._lost_after = lost_after_s
         self._connect_fn = connect
@@ -248,6 +251,8 @@ class AgentFailures:
         if keys is None:
             return seen_at
         store.set(keys.agent(self._node), json.dumps({"host": self.host, "beat": beat}))
+        if self._on_beat is not None:
+            self._on_beat(self._node, beat)
         self._read_records(store, keys)
         self._enforce_end()
         self._say_hang_report(store, keys)
@@ -278,8 +283,9 @@ class AgentFailures:
         present = [k for k in missing if store.check([k])]
         for key, raw in zip(present, store.multi_get(present) if present else []):
             parsed = fr.parse_many([raw])
-            if parsed:
-                with self._lock:
+            with self._lock:
+                # a read that began before a new attempt started must not bring the old attempt's records back
+                if parsed and self._keys is not None and key.startswith(self._keys.prefix):
                     self._cache[key] = parsed[0]
 
     def _say_hang_report(self, store: Any, keys: Keys) -> None:

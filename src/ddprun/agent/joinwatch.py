@@ -63,7 +63,10 @@ class JoinWatcher:
     """Prints join progress for a c10d rendezvous until :meth:`stop` (called when workers start)."""
 
     def __init__(self, host: str, port: int, run_id: str, me: Newcomer, nnodes: int, join_timeout: float,
-                 out: TextIO, agent: tuple[str, int], interval_s: float = 3.0, stale_s: float = STALE_S):
+                 out: TextIO, agent: tuple[str, int], interval_s: float = 3.0, stale_s: float = STALE_S,
+                 hosted: bool = False):
+        """``hosted``: this agent hosts the endpoint's store; left out, it keeps serving it (below)."""
+        self._hosted = hosted
         self._run_id, self._me, self._agent = run_id, me, agent
         self.refused: str | None = None
         self._host, self._port = host, port
@@ -106,6 +109,8 @@ class JoinWatcher:
             elif now - since > self._stale_s:
                 continue
             who = describe_entry(raw)
+            if b'"started": true' in raw:
+                continue
             if who is not None:
                 joined.append(who)
         return JoinSnapshot(reachable=True, joined=joined)
@@ -123,17 +128,21 @@ class JoinWatcher:
     def _admitted(self) -> bool:
         """False (and this node's agent ended) when the job's round completed without this node and
         the job cannot take it in (agent/admission.py)."""
-        from ddprun.agent.admission import left_out, refusal_reason, refusal_text
+        from ddprun.agent.admission import job_alive, left_out, refusal_reason, refusal_text
 
         out = left_out(self._store, *self._agent)
         reason = refusal_reason(out[0], -1, self._me) if out is not None else None
-        if out is None or reason is None:
-            return True
+        if out is None or reason is None or not job_alive(self._store, out[0]):
+            return True  # a node of that round is gone: the job re-forms, with this node in it
         self.refused = "ddprun: error: " + refusal_text(out[0], reason, self._me.endpoint, out[1], time.time())
+        if self._hosted:  # the job's store lives in this process: ending it would end the job it refuses
+            self.refused += ("\nddprun: this node hosts the store of that job: it serves it until the job ends "
+                             "(torch then closes the rendezvous and this launcher exits 1).")
         self._out.write(self.refused + "\n")
         self._out.flush()
-        # End this node's agent: torch turns SIGTERM into SignalException (agent/run.py ending()).
-        os.kill(os.getpid(), signal.SIGTERM)
+        if not self._hosted:
+            # End this node's agent: torch turns SIGTERM into SignalException (agent/run.py ending()).
+            os.kill(os.getpid(), signal.SIGTERM)
         return False
 
     def _loop(self) -> None:
@@ -152,7 +161,7 @@ class JoinWatcher:
             except Exception:  # noqa: BLE001 - the store went away: the next round asks again
                 self._store = None
             if self._stop.is_set():
-                return
+                break
             # at the join timeout torch withdraws this node from the state before it raises: an empty
             # state right after a non-empty one is that, not "no node joined"
             if snap.joined or not self.last.joined:
@@ -161,6 +170,16 @@ class JoinWatcher:
                 next_line += self._interval
                 self._out.write(self.line(snap) + "\n")
                 self._out.flush()
+        self._mark_started()
+
+    def _mark_started(self) -> None:
+        """This node's entry says it is no longer waiting (another node's watcher stops counting it)."""
+        try:
+            if self._store is not None and self._entry is not None:
+                self._store.set(self._entry, json.dumps({"host": self._agent[0], "pid": self._agent[1],
+                                                         "beat": self._beat, "started": True}))
+        except Exception:  # noqa: BLE001 - the store went away: the entry goes stale by itself
+            pass
 
     def timeout_message(self) -> str:
         snap = self.last

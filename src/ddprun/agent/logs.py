@@ -54,24 +54,23 @@ def tail_lines(path: str, n: int = 15) -> list[str]:
     return data.splitlines()[-n:]
 
 
-def keep_earlier_launch(run_dir: str, rank: int | str, launch: str) -> None:
+def keep_earlier_launch(run_dir: str, rank: int | str, launch: str, started: float) -> None:
     """A relaunch into the same run directory (an explicit --rdzv-id, a requeued scheduler job): the
-    logs and failure record rank ``rank`` left there move to ``logs/before-<launch>/`` (this launch's
-    start on this node), never overwritten."""
+    logs and failure record rank ``rank`` left there before this launch ``started`` (epoch seconds)
+    move to ``logs/before-<launch>/`` (this launch's start on this node), never overwritten. Files of
+    this launch (a node joining late into a shared run dir) stay; a file that cannot move stays too."""
     logs = os.path.join(run_dir, "logs")
     names = [n for n in os.listdir(logs) if n.startswith(f"rank-{rank}.") and n.endswith((".log", ".json"))]
-    record = os.path.join(run_dir, "failures", f"rank-{rank}.json")
     moves = [(os.path.join(logs, n), n) for n in names]
-    if os.path.exists(record):
-        moves.append((record, f"failure-rank-{rank}.json"))
-    if not moves:
-        return
+    moves.append((os.path.join(run_dir, "failures", f"rank-{rank}.json"), f"failure-rank-{rank}.json"))
     dest = os.path.join(logs, f"before-{launch}")
-    os.makedirs(dest, exist_ok=True)
     for src, name in moves:
         try:
+            if os.path.getmtime(src) >= started:
+                continue
+            os.makedirs(dest, exist_ok=True)
             os.replace(src, os.path.join(dest, name))
-        except FileNotFoundError:  # a shared run dir: moved by another node's agent already
+        except OSError:  # gone (another node's agent moved it: a shared run dir), or not ours to move
             pass
 
 
@@ -152,7 +151,8 @@ class RankLogsSpecs(LogsSpecs):
         self._extra_env = dict(extra_env or {})
         self.attempt = ""
         """The attempt id given to the latest workers."""
-        self._launch = time.strftime("%Y%m%d-%H%M%S")
+        self._launch_t = time.time()
+        self._launch = time.strftime("%Y%m%d-%H%M%S-", time.localtime(self._launch_t)) + f"{os.getpid()}"
 
     @property
     def root_log_dir(self) -> str:
@@ -174,7 +174,7 @@ class RankLogsSpecs(LogsSpecs):
             rank = env["RANK"]
             path = rank_log_path(self._run_dir, rank)
             if self._starts == 1:
-                keep_earlier_launch(self._run_dir, rank, self._launch)
+                keep_earlier_launch(self._run_dir, rank, self._launch, self._launch_t)
             if self._starts > 1 and os.path.exists(path):
                 # keep every attempt's log: the failed one explains the restart. Counted here, not by
                 # TORCHELASTIC_RESTART_COUNT, which a membership-change restart does not advance.

@@ -111,6 +111,10 @@ class _Run:
     """The admission's store client (agent/admission.py), kept for the launch (on the host: the server)."""
     dial: str = ""
     """The address this node's store clients use for the endpoint (the host: its bind address)."""
+    bind: str | None = None
+    """Where the endpoint's store listens if this node hosts it (agent/endpoint.py store_bind)."""
+    hosted: bool = False
+    """This agent hosts the endpoint's store (it must outlive the job's other agents)."""
 
     @property
     def endpoint(self) -> str:
@@ -152,10 +156,9 @@ def admit_run(run: _Run, console: TextIO) -> _Run:
         return run
     host_it = spec.max_nodes == 1 or admission.should_host(run.addr, run.cfg.rdzv_conf, spec.rdzv_backend,
                                                            spec.node_rank or 0)
-    # the host listens where the other nodes reach it (the network plan's local address: a name that
-    # resolves to loopback on its own host is common), and its own clients, torch's included, dial that
-    dial = (run.cfg.local_addr or run.addr) if host_it else run.addr
-    store, _ = admission.connect(dial, run.port, host_it, run.cfg.join_timeout, console)
+    # the host listens on one address (endpoint.store_bind), and its own clients, torch's included, dial it
+    dial = (run.bind or run.addr) if host_it else run.addr
+    store, hosted = admission.connect(dial, run.port, host_it, run.cfg.join_timeout, console, bind=run.bind)
     me = admission.Newcomer(run.endpoint, run.rdzv_id, run.token, run.explicit_id, run.run_id)
     run_id = admission.admit(store, me)
     note = admission.elastic_note(me, spec.min_nodes, spec.max_nodes)
@@ -163,7 +166,7 @@ def admit_run(run: _Run, console: TextIO) -> _Run:
         print(note, file=console, flush=True)
     rundir = RunDir(run_dir_for(run.cfg, run_id))
     return replace(run, run_id=run_id, rundir=rundir, wenv=replace(run.wenv, run_dir=rundir.path),
-                   endpoint_store=store, dial=dial)
+                   endpoint_store=store, dial=dial, hosted=hosted)
 
 
 class AgentLog:
@@ -198,7 +201,8 @@ class AgentLog:
 def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hostname: str,
            console: TextIO | None = None) -> Outcome:
     """Run this node's agent until the job ends; return the exit code for this node (and its failures)."""
-    from ddprun.cluster.netaddr import is_loopback, network_plan
+    from ddprun.agent.endpoint import store_bind
+    from ddprun.cluster.netaddr import IFNAME_VARS, is_loopback, network_plan
 
     if cfg.entry is None:
         raise LaunchError("Nothing to run.", hint="Give a script: ddprun run train.py, or a module: ddprun run -m pkg.train")
@@ -208,11 +212,13 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
     net = network_plan(spec, environ, cfg.local_addr, cfg.rdzv_conf)
     # every node on this machine (one node, or a loopback endpoint): the workers' store on loopback too
     local = net.local_addr or ("127.0.0.1" if spec.master_addr and is_loopback(spec.master_addr) else None)
+    named = bool(cfg.local_addr) or any(environ.get(v) for v in IFNAME_VARS)  # by the user, not the plan
     cfg = replace(cfg, local_addr=local, rdzv_conf={**net.rdzv_conf, **cfg.rdzv_conf})
     if net.summary():
         print(net.summary(), file=console, flush=True)
     t0 = time.monotonic()
-    run = admit_run(prepare(cfg, spec, environ, hostname, net.worker_env), console)
+    bind = store_bind(spec.master_addr, local, named) if spec.master_addr else None
+    run = admit_run(replace(prepare(cfg, spec, environ, hostname, net.worker_env), bind=bind), console)
     os.makedirs(run.rundir.logs, exist_ok=True)
     with AgentLog(run.rundir.agent_log(hostname)) as log:
         outcome = supervise(run, tee, console, log.console)
@@ -245,8 +251,9 @@ def supervise(run: _Run, tee: set[int], console: TextIO, err: TextIO) -> Outcome
     if run.spec.rdzv_backend == "c10d" and run.spec.max_nodes > 1:
         me = admission.Newcomer(run.endpoint, run.rdzv_id, run.token, run.explicit_id, run.run_id)
         watcher = JoinWatcher(run.dial or run.addr, run.port, run.rdzv_id, me, run.spec.max_nodes,
-                              run.cfg.join_timeout, err, (run.host, os.getpid())).start()
-    failures = AgentFailures(run.rundir, run.host, run.addr, run.port, run.rdzv_id, err)
+                              run.cfg.join_timeout, err, (run.host, os.getpid()), hosted=run.hosted).start()
+    beat = admission.EndpointBeat(run.dial or run.addr, run.port) if run.endpoint_store is not None else None
+    failures = AgentFailures(run.rundir, run.host, run.addr, run.port, run.rdzv_id, err, on_beat=beat)
     agent = _AgentRun(run, tee, follower, watcher, failures)
     try:
         outcome = agent.run(err)
@@ -255,6 +262,8 @@ def supervise(run: _Run, tee: set[int], console: TextIO, err: TextIO) -> Outcome
         failures.stop()
         if watcher is not None:
             watcher.stop()
+        if agent.job is not None and failures.node_rank == 0 and run.endpoint_store is not None:
+            admission.publish_end(run.endpoint_store, agent.job)  # a relaunch now is told the job is closing
         remove_empty_early_logs(run.rundir.path)
     if agent.logs_specs.has_rank0:
         write_run_report(run.rundir.path, console)
@@ -271,6 +280,8 @@ class _AgentRun:
         self.run_, self.failures, self.watcher = run, failures, watcher
         self._round = 0
         """The rendezvous round of the latest worker start (0: a backend without rounds)."""
+        self.job: JobRecord | None = None
+        """The job record this agent published at its latest worker start."""
         self.attempts = attempts = AttemptIds(run.spec.rdzv_backend)
         self.logs_specs = RankLogsSpecs(run.rundir.path, follower, tee, run.wenv, run.extra_env,
                                         on_workers_start=watcher.stop if watcher else None,
@@ -285,12 +296,13 @@ class _AgentRun:
         self.failures.on_workers_started(self.logs_specs.attempt, group.group_rank, group.group_world_size, workers,
                                          world, store, last_attempt=restarts_left == 0)
         attempt = self.logs_specs.attempt
-        self._round = int(attempt[1:]) if attempt.startswith("r") and attempt[1:].isdigit() else 0
+        # r<rendezvous round> under c10d, c<restart count> under static: either counts the starts
+        self._round = int(attempt[1:]) if attempt[1:].isdigit() else 0
         run = self.run_
         if run.endpoint_store is not None:
-            job = JobRecord(run.run_id, self._round, group.group_world_size, run.spec.min_nodes, run.spec.max_nodes,
-                            time.time())
-            admission.publish_start(run.endpoint_store, job, group.group_rank, run.host, os.getpid())
+            self.job = JobRecord(run.run_id, self._round, group.group_world_size, run.spec.min_nodes,
+                                 run.spec.max_nodes, time.time())
+            admission.publish_start(run.endpoint_store, self.job, group.group_rank, run.host, os.getpid())
 
     def _membership_change(self) -> None:
         print("ddprun: a node waits to join; restarting the workers to take it in (a membership change, not "
@@ -299,9 +311,9 @@ class _AgentRun:
             admission.publish_reforming(self.run_.endpoint_store, self._round)
 
     def _restarting(self, left: int, most: int) -> None:
-        self.failures.on_restarting(left, most)
-        if self.run_.endpoint_store is not None:
+        if self.run_.endpoint_store is not None:  # first: a node coming back is let in from now on
             admission.publish_reforming(self.run_.endpoint_store, self._round)
+        self.failures.on_restarting(left, most)
 
     def torch_config(self) -> Any:
         from torch.distributed.launcher.api import LaunchConfig as TorchLaunchConfig
@@ -392,6 +404,8 @@ def ending(e: BaseException, agent: _AgentRun, err: TextIO) -> Outcome:
               "raise --join-timeout if nodes start late.",
               file=err, flush=True)
         return Outcome(1, run.rundir.path, 0.0)
+    if isinstance(e, RendezvousError) and agent.watcher is not None and agent.watcher.refused:
+        return Outcome(1, run.rundir.path, 0.0)  # left out and said so; the job it served has closed
     if isinstance(e, RendezvousError):
         return _from_records(agent, err, (
             f"ddprun: rendezvous at {run.endpoint} failed: {name}: {e}\nHINT: check that every node runs ddprun "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -174,15 +175,18 @@ def run_agent(config: Any, entrypoint: str, args: list[str], hooks: AgentHooks) 
     params = RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
                                   min_nodes=config.min_nodes, max_nodes=config.max_nodes,
                                   local_addr=config.local_addr, **config.rdzv_configs)
-    # torch's agent leaves its handlers installed when it ends: after it, a Ctrl-C is a KeyboardInterrupt again
-    saved = {sig: signal.getsignal(sig) for sig in (*EARLY_SIGNALS, signal.SIGINT, signal.SIGQUIT)}
-    for sig in EARLY_SIGNALS:
+    # torch's agent leaves its handlers installed when it ends: after it, a Ctrl-C is a KeyboardInterrupt again.
+    # Only the main thread may set handlers (ddprun.launch may run in another: torch skips them there too).
+    main = threading.current_thread() is threading.main_thread()
+    saved = {sig: signal.getsignal(sig) for sig in (*EARLY_SIGNALS, signal.SIGINT, signal.SIGQUIT)} if main else {}
+    for sig in EARLY_SIGNALS if main else ():
         signal.signal(sig, _signal_exception)
     try:
         return _run(config, entrypoint, args, hooks, params)
     finally:
         for sig, handler in saved.items():
-            signal.signal(sig, handler)
+            if handler is not None:  # None: a handler set from C, which Python cannot put back
+                signal.signal(sig, handler)
 
 
 EARLY_SIGNALS = (signal.SIGTERM, signal.SIGHUP)

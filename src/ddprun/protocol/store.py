@@ -28,6 +28,7 @@ between attempts:
     job/host/<round>/<node>  JSON {host, pid} of that node's agent in that round
     job/reforming      the latest round whose group failed and is re-forming (a restart)
     job/since          epoch seconds of the job's first worker start
+    job/beat/<node>    a counter node <node>'s agent advances every half second while the job runs
     joining            a counter; joining/<k> JSON {host, pid, beat} of the k-th node that came to join
                        (agent/joinwatch.py: its beat moves while it waits)
 """
@@ -52,6 +53,10 @@ def joining_key(k: int) -> str:
     return f"ddprun/joining/{k}"
 
 
+def job_beat_key(node: int) -> str:
+    return f"ddprun/job/beat/{node}"
+
+
 def job_host_key(round_: int, node: int) -> str:
     return f"ddprun/job/host/{round_}/{node}"
 
@@ -68,6 +73,8 @@ class JobRecord:
     max_nodes: int
     since: float
     """Epoch seconds of the job's first worker start."""
+    ended: bool = False
+    """The job ended (node 0's agent is done); its store host is closing."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -80,7 +87,7 @@ class JobRecord:
         try:
             data = json.loads(raw)
             return cls(str(data["run_id"]), int(data["round"]), int(data["nnodes"]), int(data["min_nodes"]),
-                       int(data["max_nodes"]), float(data["since"]))
+                       int(data["max_nodes"]), float(data["since"]), bool(data.get("ended", False)))
         except (ValueError, TypeError, KeyError, IndexError):
             return None
 
