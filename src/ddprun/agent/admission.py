@@ -23,7 +23,7 @@ import errno
 import json
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, TextIO
 
@@ -36,19 +36,9 @@ STORE_TIMEOUT_S = 10.0
 """The admission store's timeout for one request (the host answers in milliseconds)."""
 
 
-@dataclass
-class Endpoint:
-    """This node's connection to the endpoint's store, and the run id the nodes agreed on."""
-
-    store: Any
-    run_id: str
-    hosted: bool
-    """Whether this agent hosts the store (it then outlives every other node's agent)."""
-
-
 @dataclass(frozen=True)
 class Newcomer:
-    """What a node brings to the endpoint: the identity it claims and the job shape it asks for."""
+    """What a node brings to the endpoint: the identity it claims, and its proposal for the run id."""
 
     endpoint: str
     rdzv_id: str
@@ -109,10 +99,11 @@ def connect(addr: str, port: int, host_it: bool, timeout_s: float, out: TextIO, 
         time.sleep(0.2)
 
 
-def client(addr: str, port: int) -> Any:
+def client(addr: str, port: int, timeout_s: float = STORE_TIMEOUT_S) -> Any:
+    """A client of the store at addr:port (every store client of the agent side is made here)."""
     from torch.distributed import TCPStore
 
-    return TCPStore(addr, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=STORE_TIMEOUT_S))
+    return TCPStore(addr, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
 
 
 def _host(addr: str, port: int, bind: str | None) -> Any:
@@ -147,8 +138,8 @@ def read_job(store: Any) -> tuple[JobRecord | None, int]:
     return job, reforming
 
 
-def refusal_reason(job: JobRecord | None, reforming: int, me: Newcomer) -> str | None:
-    """Why ``me`` may not join the job at the endpoint (None: it may). Pure."""
+def refusal_reason(job: JobRecord | None, reforming: int) -> str | None:
+    """Why a node with the job's identity (the claim passed) may not join it (None: it may). Pure."""
     if job is not None and job.ended:
         return "it has ended and the node hosting its store is closing: start again in a few seconds"
     if job is None or reforming >= job.round:
@@ -198,7 +189,7 @@ def admit(store: Any, me: Newcomer) -> str:
     if other is not None:
         raise LaunchError(keys.refusal(me.endpoint, other, me.rdzv_id).removeprefix("ddprun: "))
     job, reforming = read_job(store)
-    reason = refusal_reason(job, reforming, me)
+    reason = refusal_reason(job, reforming)
     if job is not None and reason is not None and not job.ended and not job_alive(store, job):
         reason = None  # a node of the job is gone (its restarted agent, say): torch's rendezvous decides
     if job is not None and reason is not None:
@@ -206,7 +197,7 @@ def admit(store: Any, me: Newcomer) -> str:
     if me.explicit:
         return me.rdzv_id
     agreed = store.compare_set(keys.RUN_ID_KEY, "", me.proposal)
-    return agreed.decode(errors="replace") if isinstance(agreed, bytes) else str(agreed)
+    return keys.text(agreed)
 
 
 def publish_start(store: Any, job: JobRecord, node: int, host: str, pid: int) -> None:
@@ -216,9 +207,7 @@ def publish_start(store: Any, job: JobRecord, node: int, host: str, pid: int) ->
         store.set(keys.job_host_key(job.round, node), json.dumps({"host": host, "pid": pid}))
         if node == 0:
             first = store.compare_set(keys.SINCE_KEY, "", repr(job.since))
-            since = float(first.decode() if isinstance(first, bytes) else first)
-            store.set(keys.JOB_KEY, JobRecord(job.run_id, job.round, job.nnodes, job.min_nodes, job.max_nodes,
-                                              since).to_json())
+            store.set(keys.JOB_KEY, replace(job, since=float(keys.text(first))).to_json())
     except Exception:  # noqa: BLE001 - the store is gone: the job is ending, nobody will ask
         pass
 
@@ -226,8 +215,7 @@ def publish_start(store: Any, job: JobRecord, node: int, host: str, pid: int) ->
 def publish_end(store: Any, job: JobRecord) -> None:
     """Node 0's agent ended: the job is over (best effort)."""
     try:
-        store.set(keys.JOB_KEY, JobRecord(job.run_id, job.round, job.nnodes, job.min_nodes, job.max_nodes, job.since,
-                                          ended=True).to_json())
+        store.set(keys.JOB_KEY, replace(job, ended=True).to_json())
     except Exception:  # noqa: BLE001 - the store is gone with its host: nobody will ask
         pass
 
@@ -238,7 +226,7 @@ def job_alive(store: Any, job: JobRecord, wait_s: float = 1.5) -> bool:
     names = [keys.job_beat_key(n) for n in range(job.nnodes)]
 
     def beats() -> list[bytes] | None:
-        return store.multi_get(names) if all(store.check([n]) for n in names) else None
+        return store.multi_get(names) if store.check(names) else None  # check: every one of them is set
 
     before = beats()
     if before is None:
@@ -264,10 +252,7 @@ class EndpointBeat:
             return
         try:
             if self._store is None:
-                from torch.distributed import TCPStore
-
-                self._store = TCPStore(self._addr, self._port, is_master=False, wait_for_workers=False,
-                                       timeout=timedelta(seconds=2))
+                self._store = client(self._addr, self._port, timeout_s=2.0)
             self._store.set(keys.job_beat_key(node), str(beat))
         except Exception:  # noqa: BLE001 - the endpoint's host is gone or slow: the job's own watch says
             self._store, self._retry_at = None, now + 5.0
@@ -288,8 +273,7 @@ def left_out(store: Any, host: str, pid: int) -> tuple[JobRecord, list[str]] | N
     if job is None or reforming >= job.round:
         return None
     names = [keys.job_host_key(job.round, n) for n in range(job.nnodes)]
-    if not all(store.check([n]) for n in names):
+    if not store.check(names):  # the round's nodes have not all said so yet: this node may be one
         return None
     me = json.dumps({"host": host, "pid": pid})
-    raws = [r.decode(errors="replace") if isinstance(r, bytes) else str(r) for r in store.multi_get(names)]
-    return None if me in raws else (job, hosts_of(store, job))
+    return None if me in map(keys.text, store.multi_get(names)) else (job, hosts_of(store, job))

@@ -55,14 +55,14 @@ def store_bind(endpoint_host: str, local_addr: str | None, user_named: bool) -> 
     multi-node job (a container's own name), the network plan's local address unless the user named
     an interface or address (it may be another network than the one the peers dial); else None:
     every interface (a virtual IP, a name that does not resolve)."""
-    import ipaddress
+    from ddprun.cluster.netaddr import is_loopback
 
     try:
         ip = bind_address(endpoint_host)[1]
     except OSError:
         return None
-    if ipaddress.ip_address(ip.split("%", 1)[0]).is_loopback:
-        if local_addr is None or ipaddress.ip_address(bind_address(local_addr)[1]).is_loopback:
+    if is_loopback(ip):
+        if local_addr is None or is_loopback(local_addr):
             return ip  # every node on this machine
         return None if user_named else local_addr
     return ip if is_local(ip) else None

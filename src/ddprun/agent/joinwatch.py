@@ -20,7 +20,6 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:  # annotations only: torch.distributed is imported where the store is made
@@ -51,11 +50,12 @@ def joining_entries(store: TCPStore) -> dict[str, bytes]:
 
 
 def describe_entry(raw: bytes) -> str | None:
-    """``host pid N`` of one entry; None for a malformed value (skipped, never trusted)."""
+    """``host pid N`` of one waiting node's entry; None for a node that started its workers, or a
+    malformed value (skipped, never trusted)."""
     try:
         data = json.loads(raw)
-        return f"{str(data['host'])} pid {int(data['pid'])}"
-    except (ValueError, KeyError, TypeError):
+        return None if data.get("started") else f"{str(data['host'])} pid {int(data['pid'])}"
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
@@ -90,13 +90,11 @@ class JoinWatcher:
         self._stop.set()
 
     def _read(self) -> JoinSnapshot:
-        from torch.distributed import TCPStore
-
+        from ddprun.agent.admission import client
         from ddprun.protocol import store as keys
 
         if self._store is None:
-            self._store = TCPStore(self._host, self._port, is_master=False, wait_for_workers=False,
-                                   timeout=timedelta(seconds=2))
+            self._store = client(self._host, self._port, timeout_s=2.0)
         if self._entry is None:
             self._entry = keys.joining_key(int(self._store.add(keys.JOINING_COUNT_KEY, 1)))
         self._beat += 1
@@ -109,8 +107,6 @@ class JoinWatcher:
             elif now - since > self._stale_s:
                 continue
             who = describe_entry(raw)
-            if b'"started": true' in raw:
-                continue
             if who is not None:
                 joined.append(who)
         return JoinSnapshot(reachable=True, joined=joined)
@@ -131,7 +127,7 @@ class JoinWatcher:
         from ddprun.agent.admission import job_alive, left_out, refusal_reason, refusal_text
 
         out = left_out(self._store, *self._agent)
-        reason = refusal_reason(out[0], -1, self._me) if out is not None else None
+        reason = refusal_reason(out[0], -1) if out is not None else None
         if out is None or reason is None or not job_alive(self._store, out[0]):
             return True  # a node of that round is gone: the job re-forms, with this node in it
         self.refused = "ddprun: error: " + refusal_text(out[0], reason, self._me.endpoint, out[1], time.time())

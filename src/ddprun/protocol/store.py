@@ -166,6 +166,11 @@ class Keys:
         return self._k("pg")
 
 
+def text(value: bytes | str) -> str:
+    """A store value as text (TCPStore returns bytes; compare_set may return either)."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
 def owner_value(run_id: str, token: str) -> str:
     return f"{run_id}:{hashlib.sha256(token.encode()).hexdigest()[:16]}"
 
@@ -174,7 +179,7 @@ def claim(store: Any, run_id: str, token: str) -> str | None:
     """Claim the store for this job; None if it is ours, else the run id of the job that holds it."""
     mine = owner_value(run_id, token)
     current = store.compare_set(OWNER_KEY, "", mine)
-    current = current.decode(errors="replace") if isinstance(current, bytes) else str(current)
+    current = text(current)
     if current == mine:
         return None
     return current.rsplit(":", 1)[0] or "?"
