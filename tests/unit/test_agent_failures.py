@@ -23,11 +23,15 @@ def store():
     return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
 
 
-def agent(tmp_path, store, out) -> AgentFailures:
+@pytest.fixture
+def agent(tmp_path, store):
+    """Node 0's AgentFailures in attempt r1 of a 2-node job, its console, stopped afterwards."""
+    out = io.StringIO()
     a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", out)
     a.on_workers_started("r1", 0, 2, {0: (0, 0, ""), 1: (1, 0, "")}, world_size=4,
                          store=("127.0.0.1", store.port), last_attempt=False)
-    return a
+    yield a, out
+    a.stop()
 
 
 def publish(store, attempt: str, rec: fr.FailureRecord) -> None:
@@ -39,46 +43,34 @@ def killed(rank: int, node: int) -> fr.FailureRecord:
     return fr.from_exit(rank, -9, node_rank=node, host=f"host-{node}", local_rank=rank % 2, t=time.time())
 
 
-def test_a_restart_names_the_rank_that_failed_on_another_node_and_its_attempt_forgets_it(tmp_path, store):
-    out = io.StringIO()
-    a = agent(tmp_path, store, out)
-    try:
-        publish(store, "r1", killed(3, 1))
-        a.on_restarting(0, 1)
-        assert out.getvalue() == ("ddprun: rank 3 (node 1, host-1) was killed by SIGKILL (its log: logs/rank-3.log "
-                                  "on host-1); restarting the workers (restart 1 of 1)\n")
-        # the new attempt (the last one) must not inherit the old cause: it would stop its workers
-        a.on_workers_started("r2", 0, 2, {0: (0, 0, ""), 1: (1, 0, "")}, world_size=4,
-                             store=("127.0.0.1", store.port), last_attempt=True)
-        assert a.root_cause() is None and a.records() == []
-    finally:
-        a.stop()
+def test_a_restart_names_the_rank_that_failed_on_another_node_and_its_attempt_forgets_it(agent, store):
+    a, out = agent
+    publish(store, "r1", killed(3, 1))
+    a.on_restarting(0, 1)
+    assert out.getvalue() == ("ddprun: rank 3 (node 1, host-1) was killed by SIGKILL (its log: logs/rank-3.log "
+                              "on host-1); restarting the workers (restart 1 of 1)\n")
+    # the new attempt (the last one) must not inherit the old cause: it would stop its workers
+    a.on_workers_started("r2", 0, 2, {0: (0, 0, ""), 1: (1, 0, "")}, world_size=4,
+                         store=("127.0.0.1", store.port), last_attempt=True)
+    assert a.root_cause() is None and a.records() == []
 
 
-def test_a_restart_waits_for_the_first_hand_record_when_it_knows_only_an_echo(tmp_path, store):
-    out = io.StringIO()
-    a = agent(tmp_path, store, out)
-    try:
-        publish(store, "r1", fr.FailureRecord(fr.ERROR, 0, "RuntimeError: Connection closed by peer [1.2.3.4]:5",
-                                              0, "host-a", 0, t=time.time()))
-        late = threading.Timer(0.5, publish, (store, "r1", killed(2, 1)))
-        late.start()
-        t0 = time.monotonic()
-        a.on_restarting(1, 2)
-        late.join()
-        assert "ddprun: rank 2 (node 1, host-1) was killed by SIGKILL" in out.getvalue(), out.getvalue()
-        assert "(restart 1 of 2)" in out.getvalue() and time.monotonic() - t0 < 2.5
-    finally:
-        a.stop()
+def test_a_restart_waits_for_the_first_hand_record_when_it_knows_only_an_echo(agent, store):
+    a, out = agent
+    publish(store, "r1", fr.FailureRecord(fr.ERROR, 0, "RuntimeError: Connection closed by peer [1.2.3.4]:5",
+                                          0, "host-a", 0, t=time.time()))
+    late = threading.Timer(0.5, publish, (store, "r1", killed(2, 1)))
+    late.start()
+    t0 = time.monotonic()
+    a.on_restarting(1, 2)
+    late.join()
+    assert "ddprun: rank 2 (node 1, host-1) was killed by SIGKILL" in out.getvalue(), out.getvalue()
+    assert "(restart 1 of 2)" in out.getvalue() and time.monotonic() - t0 < 2.5
 
 
-def test_a_restart_with_nothing_known_says_so_within_its_bound(tmp_path, store):
-    out = io.StringIO()
-    a = agent(tmp_path, store, out)
-    try:
-        t0 = time.monotonic()
-        a.on_restarting(2, 3)
-        assert out.getvalue() == "ddprun: a worker failed; restarting the workers (restart 1 of 3)\n"
-        assert time.monotonic() - t0 < 5
-    finally:
-        a.stop()
+def test_a_restart_with_nothing_known_says_so_within_its_bound(agent, store):
+    a, out = agent
+    t0 = time.monotonic()
+    a.on_restarting(2, 3)
+    assert out.getvalue() == "ddprun: a worker failed; restarting the workers (restart 1 of 3)\n"
+    assert time.monotonic() - t0 < 5

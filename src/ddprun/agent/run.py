@@ -110,7 +110,8 @@ class _Run:
     endpoint_store: Any = None
     """The admission's store client (agent/admission.py), kept for the launch (on the host: the server)."""
     dial: str = ""
-    """The address this node's store clients use for the endpoint (the host: its bind address)."""
+    """The address this node's store clients use for the endpoint (the host: its bind address);
+    ``addr`` unless admit_run says otherwise."""
     bind: str | None = None
     """Where the endpoint's store listens if this node hosts it (agent/endpoint.py store_bind)."""
     hosted: bool = False
@@ -119,6 +120,11 @@ class _Run:
     @property
     def endpoint(self) -> str:
         return f"{self.addr}:{self.port}"
+
+    @property
+    def newcomer(self) -> admission.Newcomer:
+        """This node's identity at the endpoint (agent/admission.py)."""
+        return admission.Newcomer(self.endpoint, self.rdzv_id, self.token, self.explicit_id, self.run_id)
 
 
 def prepare(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hostname: str,
@@ -144,7 +150,7 @@ def prepare(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], ho
         extra["OMP_NUM_THREADS"] = threads
     off = environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1"
     return _Run(cfg, spec, run_id, rundir, hostname, spec.master_addr, port, token, wenv, extra, off, rdzv_id,
-                bool(spec.run_id))
+                bool(spec.run_id), dial=spec.master_addr)
 
 
 def admit_run(run: _Run, console: TextIO) -> _Run:
@@ -159,7 +165,7 @@ def admit_run(run: _Run, console: TextIO) -> _Run:
     # the host listens on one address (endpoint.store_bind), and its own clients, torch's included, dial it
     dial = (run.bind or run.addr) if host_it else run.addr
     store, hosted = admission.connect(dial, run.port, host_it, run.cfg.join_timeout, console, bind=run.bind)
-    me = admission.Newcomer(run.endpoint, run.rdzv_id, run.token, run.explicit_id, run.run_id)
+    me = run.newcomer
     run_id = admission.admit(store, me)
     note = admission.elastic_note(me, spec.min_nodes, spec.max_nodes)
     if note:
@@ -249,10 +255,9 @@ def supervise(run: _Run, tee: set[int], console: TextIO, err: TextIO) -> Outcome
     follower = LogFollower(console)
     watcher = None
     if run.spec.rdzv_backend == "c10d" and run.spec.max_nodes > 1:
-        me = admission.Newcomer(run.endpoint, run.rdzv_id, run.token, run.explicit_id, run.run_id)
-        watcher = JoinWatcher(run.dial or run.addr, run.port, run.rdzv_id, me, run.spec.max_nodes,
+        watcher = JoinWatcher(run.dial, run.port, run.rdzv_id, run.newcomer, run.spec.max_nodes,
                               run.cfg.join_timeout, err, (run.host, os.getpid()), hosted=run.hosted).start()
-    beat = admission.EndpointBeat(run.dial or run.addr, run.port) if run.endpoint_store is not None else None
+    beat = admission.EndpointBeat(run.dial, run.port) if run.endpoint_store is not None else None
     failures = AgentFailures(run.rundir, run.host, run.addr, run.port, run.rdzv_id, err, on_beat=beat)
     agent = _AgentRun(run, tee, follower, watcher, failures)
     try:
@@ -304,15 +309,18 @@ class _AgentRun:
                                  run.spec.max_nodes, time.time())
             admission.publish_start(run.endpoint_store, self.job, group.group_rank, run.host, os.getpid())
 
-    def _membership_change(self) -> None:
-        print("ddprun: a node waits to join; restarting the workers to take it in (a membership change, not "
-              "counted against --max-restarts)", file=self.failures.out, flush=True)
+    def _reforming(self) -> None:
+        """torch is about to restart this round's group: a node coming back is let in from now on."""
         if self.run_.endpoint_store is not None:
             admission.publish_reforming(self.run_.endpoint_store, self._round)
 
+    def _membership_change(self) -> None:
+        print("ddprun: a node waits to join; restarting the workers to take it in (a membership change, not "
+              "counted against --max-restarts)", file=self.failures.out, flush=True)
+        self._reforming()
+
     def _restarting(self, left: int, most: int) -> None:
-        if self.run_.endpoint_store is not None:  # first: a node coming back is let in from now on
-            admission.publish_reforming(self.run_.endpoint_store, self._round)
+        self._reforming()  # before the restart line, which may wait for a first-hand record
         self.failures.on_restarting(left, most)
 
     def torch_config(self) -> Any:
@@ -326,7 +334,7 @@ class _AgentRun:
             rdzv["rank"] = spec.node_rank
         return TorchLaunchConfig(
             min_nodes=spec.min_nodes, max_nodes=spec.max_nodes, nproc_per_node=spec.nproc_per_node,
-            logs_specs=self.logs_specs, run_id=run.rdzv_id, role="trainer", rdzv_endpoint=f"{run.dial or run.addr}:{run.port}",
+            logs_specs=self.logs_specs, run_id=run.rdzv_id, role="trainer", rdzv_endpoint=f"{run.dial}:{run.port}",
             rdzv_backend=spec.rdzv_backend, rdzv_configs=rdzv, max_restarts=cfg.max_restarts,
             monitor_interval=cfg.monitor_interval, start_method=cfg.start_method, local_addr=cfg.local_addr)
 

@@ -35,6 +35,8 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from ddprun.agent.attempt import handler_round
+
 
 @dataclass
 class AgentHooks:
@@ -101,8 +103,6 @@ class DdprunAgent(LocalElasticAgent):
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)
-        from ddprun.agent.attempt import handler_round
-
         self._hooks.on_rendezvous(handler_round(worker_group.spec.rdzv_handler))
 
     def _assign_worker_ranks(self, store: Any, group_rank: int, group_world_size: int,  # type: ignore[override]
