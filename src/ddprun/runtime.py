@@ -15,15 +15,18 @@ is noticed within that time instead of half an hour later.
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
+import sys
+import threading
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from ddprun.errors import ClusterError, ConfigError
-from ddprun.protocol.env import device_kind
+from ddprun.protocol.env import device_kind, inside_worker, soft_exit
 
 if TYPE_CHECKING:
     import torch
@@ -176,6 +179,9 @@ def init(backend: str | None = None, *, timeout: float = DEFAULT_INIT_TIMEOUT_S,
     DDPRUN_FIRST_COLLECTIVE_TIMEOUT, default 30, 0 = off) names a blocked transport with its
     interface and addresses (ClusterError) instead of hanging in the first collective.
 
+    The group init creates is destroyed at a normal interpreter exit (:func:`_destroy_at_exit`, at
+    most 10 s; under ``ddprun run`` its hard exit does that job).
+
     Idempotent: a second call returns the first call's RankInfo. If a process group already exists
     (the user's, Lightning's) it is used as it is. On CUDA, ``torch.cuda.set_device`` is called.
     """
@@ -225,9 +231,35 @@ def init(backend: str | None = None, *, timeout: float = DEFAULT_INIT_TIMEOUT_S,
                             device_id=info.device if info.device.type == "cuda" else None)
     # gloo/NCCL read os.environ (exported above), so the error names what they really used
     first_collective(info.device, backend, info.world_size, os.environ, arrival_timeout_s=timeout, timeout_s=probe_s)
+    if not inside_worker(environ) or soft_exit(environ):  # ddprun run's hard exit skips that teardown itself
+        atexit.register(_destroy_at_exit)
     info = replace(info, distributed=True, backend=backend)
     _state = _State(info, timeout, train_timeout)
     return info
+
+
+DESTROY_AT_EXIT_S = 10.0
+"""At most this long for :func:`_destroy_at_exit`; then the process exits without it."""
+
+
+def _destroy_at_exit(limit_s: float = DESTROY_AT_EXIT_S) -> None:
+    """Destroy the process group :func:`init` created, at a normal interpreter exit (atexit).
+
+    Why: a script that ends with its gloo group alive can abort at exit with SIGABRT ("terminate
+    called without an active exception", pytorch/pytorch#190489) after its work was done, which a
+    launcher then reports as a failed rank. Not after an unhandled exception (``sys.last_value``):
+    peers may still be inside a collective with this rank, and destroying then can block (NCCL).
+    Bounded: it runs in a daemon thread for at most ``limit_s`` seconds."""
+    import torch.distributed as dist
+
+    if getattr(sys, "last_value", None) is not None or not (dist.is_available() and dist.is_initialized()):
+        return
+    t = threading.Thread(target=dist.destroy_process_group, name="ddprun-destroy-group", daemon=True)
+    t.start()
+    t.join(limit_s)
+    if t.is_alive():
+        print(f"ddprun: destroying the process group did not finish within {limit_s:g} s; "
+              "exiting without it.", file=sys.stderr, flush=True)
 
 
 def rank_info(environ: Mapping[str, str] | None = None) -> RankInfo:

@@ -83,6 +83,46 @@ def test_init_in_a_torchrun_worker_of_one_joins_a_gloo_group_and_is_idempotent()
     assert not runtime._state.tightened
 
 
+def test_the_group_init_made_is_destroyed_at_a_normal_exit(monkeypatch):
+    """A gloo group left alive at exit can abort the process (SIGABRT) after its work was done."""
+    registered = []
+    monkeypatch.setattr(runtime.atexit, "register", registered.append)
+    os.environ.update(torchrun_env(port=free_port()))
+    runtime.init(timeout=30)
+    assert registered == [runtime._destroy_at_exit]
+    runtime._destroy_at_exit()
+    assert not dist.is_initialized()
+
+
+def test_the_group_is_kept_after_an_unhandled_exception(monkeypatch):
+    """Peers may still be in a collective with this rank: destroying could block there."""
+    os.environ.update(torchrun_env(port=free_port()))
+    runtime.init(timeout=30)
+    monkeypatch.setattr(sys, "last_value", ValueError("the script failed"), raising=False)
+    runtime._destroy_at_exit()
+    assert dist.is_initialized()
+
+
+def test_a_destroy_that_hangs_at_exit_is_left_after_its_limit(monkeypatch, capsys):
+    import time
+
+    os.environ.update(torchrun_env(port=free_port()))
+    runtime.init(timeout=30)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: time.sleep(30))
+    t0 = time.monotonic()
+    runtime._destroy_at_exit(limit_s=0.3)
+    assert time.monotonic() - t0 < 2
+    assert "ddprun: destroying the process group did not finish within 0.3 s; exiting without it." in capsys.readouterr().err
+
+
+def test_under_ddprun_runs_hard_exit_init_leaves_the_teardown_to_it(monkeypatch):
+    registered = []
+    monkeypatch.setattr(runtime.atexit, "register", registered.append)
+    os.environ.update(torchrun_env(port=free_port()), DDPRUN_RUN_DIR="/nonexistent/run")
+    runtime.init(timeout=30)
+    assert registered == []
+
+
 def test_init_uses_an_existing_process_group():
     port = free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)

@@ -1,11 +1,17 @@
 """One rank of a two-process gloo group started by ddprun.init(); ``--stuck`` makes this rank's
 first collective never run (as when its transport is blocked), so its peer's stays unanswered."""
 
+import atexit
 import sys
 import time
 
+import torch.distributed as dist
+
 import ddprun
 from ddprun import firstcollective
+
+# registered before init's own handler, so it runs after it (atexit is last in, first out)
+atexit.register(lambda: print(f"group alive at exit: {dist.is_initialized()}", flush=True))
 
 if "--stuck" in sys.argv:
     firstcollective._all_reduce = lambda device: time.sleep(60)
