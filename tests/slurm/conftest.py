@@ -73,6 +73,10 @@ class SlurmCluster:
     def conf(self) -> Path:
         return self.base / "etc" / "slurm.conf"
 
+    def addr(self, node: str) -> str:
+        """The node's address on the test bed (testbed/setup.sh: node i is NET.(10+i))."""
+        return f"{self.net}.{10 + self.nodes.index(node) + 1}"
+
     def env(self, **extra: str) -> dict[str, str]:
         """The submitting environment: no SLURM_*/SBATCH_*/SRUN_* from outside (pytest may itself run
         in a job), SLURM_CONF of this cluster, the venv's bin first on PATH (jobs inherit it all)."""

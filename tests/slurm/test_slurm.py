@@ -47,8 +47,13 @@ def batch_script(tmp_path: Path, body: str) -> Path:
     return script
 
 
-def check_per_node_run(job, out: Path, nproc: int, nodes=("node1", "node2")) -> list[dict]:
-    """torchrun_style.py ran under one `ddprun run` per node: every rank's facts follow SLURM's job."""
+def check_per_node_run(job, out: Path, nproc: int, master: str, nodes=("node1", "node2")) -> list[dict]:
+    """torchrun_style.py ran under one `ddprun run` per node: every rank's facts follow SLURM's job.
+
+    MASTER_ADDR is where a node's workers dial the store. Node 0's store listens on one address,
+    ``master`` (node1's IP, agent/endpoint.py), and its own workers dial exactly that, never a name
+    that may resolve to another address on its own host (127.0.1.1); the other node dials the name
+    SLURM gave, node1, as its agent did."""
     got = facts(out)
     world = nproc * len(nodes)
     assert sorted(int(f["RANK"]) for f in got) == list(range(world))
@@ -58,7 +63,7 @@ def check_per_node_run(job, out: Path, nproc: int, nodes=("node1", "node2")) -> 
         assert f["GROUP_RANK"] == f["NODE_RANK"] and rank == node * nproc + local and 0 <= local < nproc, f
         assert (f["WORLD_SIZE"], f["LOCAL_WORLD_SIZE"]) == (str(world), str(nproc)), f
         assert f["host"] == nodes[node], f  # node rank = SLURM_NODEID = place in SLURM_JOB_NODELIST
-        assert (f["MASTER_ADDR"], f["MASTER_PORT"]) == ("node1", port), f
+        assert (f["MASTER_ADDR"], f["MASTER_PORT"]) == (master if node == 0 else "node1", port), f
         assert f["TORCHELASTIC_RUN_ID"] == f"slurm-{job.job_id}" and f["GLOO_SOCKET_IFNAME"] == "eth0", f
         assert f["device"] == "cpu" and f["OMP_NUM_THREADS"] == "1", f
     params_equal(out, range(1, world))
@@ -81,7 +86,8 @@ def test_sbatch_one_ddprun_per_node_reads_everything_from_slurm(slurm, tmp_path)
     script = batch_script(tmp_path, f"srun {DDPRUN} run {EXAMPLE} {' '.join(STEPS)} --out {out} --destroy")
     job = slurm.sbatch(script, ["-N2", "--ntasks-per-node=1"], timeout=90, cwd=tmp_path)
     assert job.returncode == 0 and job.job_id, slurm.describe(job)
-    check_per_node_run(job, out, nproc=1)  # CPU nodes, no GPU asked for: one process per node
+    # CPU nodes, no GPU asked for: one process per node
+    check_per_node_run(job, out, nproc=1, master=slurm.addr("node1"))
     assert f"static rendezvous at node1:{20000 + job.job_id}" in job.output, slurm.describe(job)
     assert "2/2 ranks on 2 node(s)" in job.output, slurm.describe(job)
     plan = json.loads((tmp_path / "runs" / f"slurm-{job.job_id}" / "plan.json").read_text())
@@ -185,7 +191,7 @@ def test_slurm_template_submitted_as_printed(slurm, tmp_path):
     script.write_text(printed)
     job = slurm.sbatch(script, timeout=120, cwd=tmp_path, as_written=True)
     assert job.returncode == 0 and job.job_id, slurm.describe(job)
-    check_per_node_run(job, out, nproc=2)
+    check_per_node_run(job, out, nproc=2, master=slurm.addr("node1"))
     assert "2 node(s) x 2 process(es) on cpu" in job.output, slurm.describe(job)
     assert "SLURM_GPUS_ON_NODE=2, but torch sees no CUDA device on node1" in job.output, slurm.describe(job)
     assert (tmp_path / f"tpl-test-{job.job_id}.out").exists()  # the template's own --output
