@@ -7,6 +7,8 @@ training API is loaded on first use (module ``__getattr__``):
     ddprun.rank_info()  who this process is, without initialising anything
     ddprun.fit(...)     train an nn.Module (or a LightningModule: ddprun.lightning) data-parallel -> FitResult
     ddprun.heartbeat()  tell the stall watchdog this process is alive (a phase without steps or collectives)
+    ddprun.on_preempt(fn)  call fn(step) at the job's agreed preemption stop step (``ddprun run``; fit needs none)
+    ddprun.Preempted    what ends a script there (a SystemExit)
     ddprun.launch(fn, *args, nproc_per_node=N, **kwargs)
                         run fn on every device of this machine (script, notebook, REPL) -> rank 0's value
 
@@ -29,6 +31,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     "fit": ("ddprun.api", "fit"),
     "FitResult": ("ddprun.api", "FitResult"),
     "launch": ("ddprun.agent.fnlaunch", "launch"),
+    "on_preempt": ("ddprun.preempt", "on_preempt"),
+    "Preempted": ("ddprun.preempt", "Preempted"),
 }
 
 __all__ = ["__version__", *_LAZY]
@@ -36,6 +40,7 @@ __all__ = ["__version__", *_LAZY]
 if TYPE_CHECKING:
     from ddprun.agent.fnlaunch import launch  # noqa: F401 - names for type checkers and IDEs
     from ddprun.api import FitResult, fit  # noqa: F401 - names for type checkers and IDEs
+    from ddprun.preempt import Preempted, on_preempt  # noqa: F401 - names for type checkers and IDEs
     from ddprun.runtime import RankInfo, init, rank_info  # noqa: F401 - names for type checkers and IDEs
     from ddprun.telemetry import heartbeat  # noqa: F401 - names for type checkers and IDEs
 

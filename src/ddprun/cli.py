@@ -18,7 +18,9 @@ from ddprun.cli_help import DESCRIPTION, EPILOGS, HELP, TOP_EPILOG
 from ddprun.cluster.probe import check_endpoint, probe_node
 from ddprun.config import DEFAULT_JOIN_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, Entry, LaunchConfig
 from ddprun.errors import ConfigError, DdprunError
+from ddprun.protocol import defaults
 from ddprun.protocol.defaults import EXIT_TIMEOUT_S, STOP_GRACE_S, TELEMETRY_WINDOW_S
+from ddprun.protocol.preempt import EXIT_CODE, parse_signals
 
 
 def _flag(parser: argparse._ActionsContainer, name: str, **kw) -> None:
@@ -69,6 +71,12 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     _flag(g, "--stop-grace", type=float, default=STOP_GRACE_S,
           help=f"seconds a stopped agent (SIGTERM, Ctrl-C) gives its workers between SIGTERM and SIGKILL "
                f"(default {STOP_GRACE_S:.0f})")
+    _flag(g, "--preempt-signals", default=defaults.PREEMPT_SIGNALS,
+          help=f"signals that stop every rank at one agreed step, after ddprun.fit's checkpoint there; the node "
+               f"exits {EXIT_CODE} (default {defaults.PREEMPT_SIGNALS}; a second signal stops at once; none = off)")
+    _flag(g, "--preempt-grace", type=float, default=None,
+          help="seconds after a preemption signal before the agent stops the workers that have not stopped "
+               "(default: DDPRUN_PREEMPT_GRACE, else the environment's: SageMaker 120, SLURM/Kubernetes/other 30)")
     _flag(g, "--exit-timeout", type=float, default=EXIT_TIMEOUT_S,
           help=f"seconds a worker's atexit handlers may take after the script returned (default {EXIT_TIMEOUT_S:.0f})")
     _flag(g, "--telemetry-window", type=float, default=TELEMETRY_WINDOW_S,
@@ -192,6 +200,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         exit_timeout=getattr(args, "exit_timeout", EXIT_TIMEOUT_S), allow_uneven_nodes=args.allow_uneven_nodes,
         telemetry_window=getattr(args, "telemetry_window", TELEMETRY_WINDOW_S),
         stop_grace=getattr(args, "stop_grace", STOP_GRACE_S),
+        preempt_signals=getattr(args, "preempt_signals", defaults.PREEMPT_SIGNALS),
+        preempt_grace=getattr(args, "preempt_grace", None),
     )
 
 
@@ -210,7 +220,8 @@ def check_numbers(args: argparse.Namespace) -> None:
     _seconds("--join-timeout", args.join_timeout, zero_ok=False, example="120")
     for flag, zero_ok, example in (("--stall-timeout", True, "300"), ("--stall-end-after", True, "300"),
                                    ("--exit-timeout", False, "60"), ("--monitor-interval", False, "0.1"),
-                                   ("--telemetry-window", False, "2"), ("--stop-grace", True, "30")):
+                                   ("--telemetry-window", False, "2"), ("--stop-grace", True, "30"),
+                                   ("--preempt-grace", False, "120")):
         _seconds(flag, getattr(args, flag[2:].replace("-", "_"), None), zero_ok=zero_ok, example=example)
     if getattr(args, "max_restarts", 0) < 0:
         raise ConfigError("--max-restarts takes a number of restarts >= 0.", seen=f"--max-restarts {args.max_restarts}",
@@ -220,6 +231,7 @@ def check_numbers(args: argparse.Namespace) -> None:
         raise ConfigError("--straggler-margin must be > 0 and --straggler-windows >= 1.",
                           seen=f"--straggler-margin {margin}, --straggler-windows {windows}",
                           hint="e.g. --straggler-margin 0.2 --straggler-windows 3.")
+    parse_signals(getattr(args, "preempt_signals", defaults.PREEMPT_SIGNALS))
     for flag in ("--tee", "--redirects"):
         value = getattr(args, flag[2:], None)
         if value is not None:

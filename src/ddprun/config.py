@@ -69,6 +69,10 @@ class LaunchConfig:
     """Seconds a reported stall may last more before the job ends; None = as long as stall_timeout, 0 = at once."""
     stop_grace: float = defaults.STOP_GRACE_S
     """Seconds between the agent's SIGTERM to its workers and its SIGKILL when it is stopped."""
+    preempt_signals: str = defaults.PREEMPT_SIGNALS
+    """Signals that stop every rank at one agreed step, with fit's checkpoint (protocol/preempt.py); ``none``: off."""
+    preempt_grace: float | None = None
+    """Seconds after a preemption request before the agent stops its workers; None: from the environment."""
     exit_timeout: float = defaults.EXIT_TIMEOUT_S
     """Seconds a worker's atexit handlers may take before it exits anyway, naming the one that hangs."""
     straggler_margin: float = defaults.STRAGGLER_MARGIN

@@ -78,6 +78,17 @@ class Progress:
         """What the process says it is doing (``validation``, ``checkpoint``, ...); "" = training or unknown."""
         self.busy_since: float | None = None
         """Set while a :func:`busy` phase runs: the monitor thread beats for it (within a bound)."""
+        self.step_at = 0.0
+        """time.monotonic() of the latest optimizer step (0: none yet)."""
+        self.step_s = 0.0
+        """Seconds between the two latest optimizer steps (0: fewer than two)."""
+
+    def stepped(self, now: float) -> None:
+        """One optimizer step done at ``now`` (the optimizer step hook, worker/progress.py)."""
+        if self.step_at:
+            self.step_s = now - self.step_at
+        self.step_at = now
+        self.steps += 1
 
     @property
     def total(self) -> int:

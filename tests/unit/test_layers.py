@@ -12,7 +12,7 @@ PKG = SRC / "ddprun"
 LAYERS = [
     ("base", ["ddprun.errors", "ddprun._util", "ddprun._version"]),
     ("protocol", ["ddprun.protocol"]),
-    ("model", ["ddprun.config", "ddprun.cluster", "ddprun.telemetry", "ddprun.ranktable", "ddprun.report",
+    ("model", ["ddprun.config", "ddprun.cluster", "ddprun.telemetry", "ddprun.preempt", "ddprun.ranktable", "ddprun.report",
                "ddprun.mismatch", "ddprun.plan_json", "ddprun.cli_help"]),
     ("runtime", ["ddprun.runtime", "ddprun.firstcollective"]),
     ("sides", ["ddprun.agent", "ddprun.worker", "ddprun.train"]),

@@ -25,6 +25,7 @@ from datetime import timedelta
 from typing import Any, TextIO
 
 from ddprun.protocol import failure as fr
+from ddprun.protocol import preempt as pp
 from ddprun.protocol.atomic import write_text_atomic
 from ddprun.protocol.rundir import RunDir
 from ddprun.protocol.store import Keys
@@ -85,6 +86,10 @@ class AgentFailures:
         self.lost: fr.FailureRecord | None = None
         self._hang_said: bytes | None = None
         self.stopping_for: fr.FailureRecord | None = None
+        self.preempt_request: pp.Request | None = None
+        """The job's preemption request, once read from the store (agent/preemption.py)."""
+        self.preempt_stop: str | None = None
+        """The agreed stop step as stored (protocol/preempt.py; NO_STEP: none), once read."""
 
     # -- attempts --------------------------------------------------------------------------
     def on_workers_started(self, attempt: str, node_rank: int, nnodes: int,
@@ -254,6 +259,10 @@ class AgentFailures:
         if self._on_beat is not None:
             self._on_beat(self._node, beat)
         self._read_records(store, keys)
+        if self.preempt_request is None and store.check([keys.preempt]):
+            self.preempt_request = pp.Request.parse(store.get(keys.preempt))
+        if self.preempt_request is not None and self.preempt_stop is None and store.check([keys.preempt_stop]):
+            self.preempt_stop = store.get(keys.preempt_stop).decode(errors="replace")
         self._enforce_end()
         self._say_hang_report(store, keys)
         return self._watch_neighbour(store, keys, seen_at)
@@ -412,6 +421,45 @@ class AgentFailures:
         """The record of the node hosting the store (its node rank is not known here: -1)."""
         return fr.FailureRecord(fr.LOST, -1, f"the job store at {self._addr}:{self._port} stopped answering{how_long}",
                                 -1, self._addr, by="observer", t=time.time())
+
+    # -- preemption --------------------------------------------------------------------------
+    def publish_preempt(self, req: pp.Request) -> None:
+        """Ask the job to stop (the first request stays); best effort, bounded by the store's timeout."""
+        keys = self._keys
+        try:
+            if keys is not None:
+                self._client().compare_set(keys.preempt, "", req.to_json())
+        except Exception:  # noqa: BLE001 - no store: the grace still bounds the stop
+            self._store = None
+        self.preempt_request = self.preempt_request or req
+
+    def read_preempt_saved(self, wait_s: float = 0.0) -> pp.Saved | None:
+        """Where rank 0 stopped (protocol/preempt.py Saved), waiting at most ``wait_s`` for it; None if
+        it is not there. Rank 0 writes it as it ends, so the others' agents wait for it before the
+        exit barrier (after which the store's host may be gone)."""
+        keys, deadline = self._keys, time.monotonic() + wait_s
+        while keys is not None:
+            try:
+                store = self._client()
+                if store.check([keys.preempt_saved]):
+                    return pp.Saved.parse(store.get(keys.preempt_saved))
+            except Exception:  # noqa: BLE001 - the store's host has ended
+                self._store = None
+                return None
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+        return None
+
+    def mark_stopping(self) -> None:
+        """Torch's agent is about to signal this node's workers: they stop at once, not for a preemption."""
+        keys = self._keys
+        if keys is None:
+            return
+        try:  # no store: the workers do not find it either, and stop at once too
+            self._client().set(keys.stopping(self._node), "1")
+        except Exception:  # noqa: BLE001
+            self._store = None
 
     def exit_barrier_done(self) -> bool:
         """Leave the agents' exit barrier early: a node is lost, it will never arrive."""

@@ -224,7 +224,8 @@ def launch(fn: Callable[..., Any], /, *args: Any, nproc_per_node: int | str | No
         # One machine, whatever cluster this process runs in: a notebook on a SLURM node launches there only.
         cfg = LaunchConfig(entry=Entry("ddprun.worker.fnworker", (directory,), is_module=True), nproc_per_node=nproc,
                            standalone=True, max_restarts=max_restarts, join_timeout=join_timeout,
-                           stall_timeout=stall_timeout, run_dir=run_dir, log_dir=log_dir)
+                           stall_timeout=stall_timeout, run_dir=run_dir, log_dir=log_dir,
+                           preempt_signals="none")  # interactive: Ctrl-C interrupts now (KeyboardInterrupt)
         spec = resolve(cfg, environ, node, env=LocalEnvironment(), launcher=True)
         with _AgentSignals(), _TorchLogging():
             outcome = run_agent(cfg, spec, environ, node.hostname)

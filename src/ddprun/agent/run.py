@@ -28,6 +28,7 @@ from ddprun.config import LaunchConfig
 from ddprun.errors import ConfigError, LaunchError
 from ddprun.protocol import defaults
 from ddprun.protocol import failure as fr
+from ddprun.protocol import preempt as pp
 from ddprun.protocol.env import JOB_TOKEN, WorkerEnv
 from ddprun.protocol.rundir import RunDir, new_run_id
 from ddprun.protocol.store import JobRecord
@@ -116,6 +117,8 @@ class _Run:
     """Where the endpoint's store listens if this node hosts it (agent/endpoint.py store_bind)."""
     hosted: bool = False
     """This agent hosts the endpoint's store (it must outlive the job's other agents)."""
+    grace: tuple[float, str] = (defaults.PREEMPT_GRACE_S, "default")
+    """Seconds after a preemption request before the workers are stopped, and where that came from."""
 
     @property
     def endpoint(self) -> str:
@@ -143,14 +146,14 @@ def prepare(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], ho
                      exit_timeout=cfg.exit_timeout, min_nodes=spec.min_nodes,
                      max_nodes=spec.max_nodes, job_token=token, straggler_margin=cfg.straggler_margin,
                      straggler_windows=cfg.straggler_windows, telemetry_window=cfg.telemetry_window, doctor=cfg.doctor,
-                     allow_uneven_nodes=cfg.allow_uneven_nodes)
+                     allow_uneven_nodes=cfg.allow_uneven_nodes, preempt_signals=cfg.preempt_signals)
     extra = dict(extra_env)
     threads = omp_threads(environ, spec.nproc_per_node, cpu_count())
     if threads is not None:
         extra["OMP_NUM_THREADS"] = threads
     off = environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1"
     return _Run(cfg, spec, run_id, rundir, hostname, spec.master_addr, port, token, wenv, extra, off, rdzv_id,
-                bool(spec.run_id), dial=spec.master_addr)
+                bool(spec.run_id), dial=spec.master_addr, grace=pp.grace(environ, cfg.preempt_grace))
 
 
 def admit_run(run: _Run, console: TextIO) -> _Run:
@@ -281,8 +284,11 @@ class _AgentRun:
     def __init__(self, run: _Run, tee: set[int], follower: Any, watcher: Any, failures: AgentFailures):
         from ddprun.agent.attempt import AttemptIds
         from ddprun.agent.logs import RankLogsSpecs
+        from ddprun.agent.preemption import Preemption
 
         self.run_, self.failures, self.watcher = run, failures, watcher
+        self.preemption = Preemption(pp.parse_signals(run.cfg.preempt_signals), run.grace[0], run.grace[1], failures,
+                                     failures.out, run.host)
         self._round = 0
         """The rendezvous round of the latest worker start (0: a backend without rounds)."""
         self.job: JobRecord | None = None
@@ -345,12 +351,19 @@ class _AgentRun:
                            on_restarting=self._restarting, on_membership_change=self._membership_change,
                            on_rendezvous=self.attempts.set_round,
                            on_signal=self.failures.on_signal, exit_barrier_done=self.failures.exit_barrier_done,
-                           stop_grace_s=self.run_.cfg.stop_grace)
+                           stop_grace_s=self.run_.cfg.stop_grace, preempt_signals=self.preemption.signals,
+                           on_preempt_signal=self.preemption.on_signal, preempt_check=self.preemption.check,
+                           preempting=self.preemption.preempting, on_stopping=self.failures.mark_stopping,
+                           before_exit_barrier=self.preemption.before_exit)
         argv = self.run_.cfg.entry.argv() if self.run_.cfg.entry is not None else []
         try:
             run_agent(self.torch_config(), sys.executable, ["-m", "ddprun.worker", *argv], hooks)
         except BaseException as e:  # noqa: BLE001 - every way torch's agent ends gets its one message
             return ending(e, self, err)
+        if self.preemption.preempting():
+            code, line = self.preemption.finished_line()
+            print(line, file=err, flush=True)
+            return Outcome(code, self.run_.rundir.path, 0.0)
         return Outcome(0, self.run_.rundir.path, 0.0)
 
 
@@ -426,7 +439,8 @@ def ending(e: BaseException, agent: _AgentRun, err: TextIO) -> Outcome:
         if agent.watcher is not None and agent.watcher.refused:
             return Outcome(1, run.rundir.path, 0.0)  # the refusal is printed already
         sig = int(getattr(e, "sigval", 15))
-        print(f"ddprun: stopped by {fr.signal_name(-sig)}; workers stopped.", file=err, flush=True)
+        print(agent.preemption.forced_line() if agent.preemption.preempting() and agent.preemption.grace_over() else
+              f"ddprun: stopped by {fr.signal_name(-sig)}; workers stopped.", file=err, flush=True)
         return Outcome(128 + sig, run.rundir.path, 0.0)
     return _from_records(agent, err, f"ddprun: the launcher failed: {name}: {e}\n"
                                      f"See {run.rundir.agent_log(run.host)}")

@@ -12,6 +12,10 @@ the hooks ddprun needs and torch does not offer:
   record of why reaches the other nodes before the echoes of the stopped workers do.
 * node 0 shares the workers' store address in every rendezvous round (:func:`share_bootstrap`:
   torch 2.13 hangs when a node joins a running elastic job).
+* preemption (agent/preemption.py): once the workers run, the preemption signals only set a flag
+  (``on_preempt_signal``); ``preempt_check()`` runs every monitor interval and returns a signal
+  when the grace is over (then the workers are stopped as torch stops them); while preempting no
+  restart is made; ``on_stopping()`` before torch signals its workers for any other reason.
 * a bounded exit barrier that ends early when ``exit_barrier_done()`` says so (a node was lost),
   instead of torch's fixed 300 s wait for agents that may be gone.
 
@@ -56,6 +60,16 @@ class AgentHooks:
     exit_barrier_s: float = 300.0
     stop_grace_s: float = 30.0
     """Seconds between SIGTERM and SIGKILL when the agent stops its workers."""
+    preempt_signals: tuple[int, ...] = ()
+    on_preempt_signal: Callable[[int], None] = lambda sig: None
+    """A preemption signal reached this agent (its handler: a flag only)."""
+    preempt_check: Callable[[], int | None] = lambda: None
+    """Every monitor interval: a signal to stop the workers with now (the grace is over), else None."""
+    preempting: Callable[[], bool] = lambda: False
+    before_exit_barrier: Callable[[], None] = lambda: None
+    """The workers ended: called before the agents' exit barrier, while every node's store still answers."""
+    on_stopping: Callable[[], None] = lambda: None
+    """torch's agent is about to signal its workers (a restart, a failure, the end): not a preemption."""
     seen: set[int] = field(default_factory=set)
     """pids already reported to on_worker_exit."""
 
@@ -68,13 +82,32 @@ class DdprunAgent(LocalElasticAgent):
         super().__init__(**kwargs)
         self._hooks = hooks
         self._hooks_said_signal: int | None = None
+        self._preempt_said: int | None = None
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         pids = super()._start_workers(worker_group)
+        self._catch_preemption()  # after torch's own handlers, which its process context installs at start
         self._hooks.on_workers_started(worker_group, pids, self._remaining_restarts)
         return pids
 
+    def _catch_preemption(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in self._hooks.preempt_signals:
+            signal.signal(sig, self._preempt_signal)
+
+    def _preempt_signal(self, signum: int, frame: Any) -> None:
+        if self._preempt_said is not None:  # a second signal: stop now, as torch does
+            _signal_exception(signum, frame)
+        self._preempt_said = signum
+        self._hooks.on_preempt_signal(signum)
+
     def _monitor_workers(self, worker_group: WorkerGroup):  # type: ignore[override]
+        forced = self._hooks.preempt_check()
+        if forced is not None:
+            _signal_exception(forced, None)
+        if self._hooks.preempting():
+            self._remaining_restarts = 0  # a node going away: no restart
         self._report_exits(worker_group)
         result = super()._monitor_workers(worker_group)
         if result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
@@ -112,6 +145,7 @@ class DdprunAgent(LocalElasticAgent):
         return super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
 
     def _shutdown(self, death_sig: Any = None, timeout: int = 30, **kwargs: Any) -> None:  # type: ignore[override]
+        self._hooks.on_stopping()
         # torch passes death_sig only when a signal ended the agent (else only the timeout, at every end)
         if death_sig is not None and self._hooks_said_signal is None:
             self._hooks_said_signal = int(death_sig)
@@ -120,6 +154,7 @@ class DdprunAgent(LocalElasticAgent):
 
     def _exit_barrier(self) -> None:
         """torch's barrier of agents at the end, bounded and left early when a node is lost."""
+        self._hooks.before_exit_barrier()
         store, n = self._store, self._worker_group.group_world_size
         if store is None or n is None:
             return
@@ -178,15 +213,16 @@ def run_agent(config: Any, entrypoint: str, args: list[str], hooks: AgentHooks) 
     # torch's agent leaves its handlers installed when it ends: after it, a Ctrl-C is a KeyboardInterrupt again.
     # Only the main thread may set handlers (ddprun.launch may run in another: torch skips them there too).
     main = threading.current_thread() is threading.main_thread()
-    saved = {sig: signal.getsignal(sig) for sig in (*EARLY_SIGNALS, signal.SIGINT, signal.SIGQUIT)} if main else {}
+    caught: set[int] = {*EARLY_SIGNALS, signal.SIGINT, signal.SIGQUIT, *hooks.preempt_signals}
+    saved = {sig: signal.getsignal(sig) for sig in caught} if main else {}
     for sig in EARLY_SIGNALS if main else ():
         signal.signal(sig, _signal_exception)
     try:
         return _run(config, entrypoint, args, hooks, params)
     finally:
-        for sig, handler in saved.items():
+        for num, handler in saved.items():
             if handler is not None:  # None: a handler set from C, which Python cannot put back
-                signal.signal(sig, handler)
+                signal.signal(num, handler)
 
 
 EARLY_SIGNALS = (signal.SIGTERM, signal.SIGHUP)

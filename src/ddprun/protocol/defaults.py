@@ -59,6 +59,15 @@ ACK_WAIT_S = 3.0
 STOP_GRACE_S = 30.0
 """A stopped agent gives its workers this long between SIGTERM and SIGKILL (torch's own default)."""
 
+PREEMPT_SIGNALS = "TERM,INT,USR1,USR2,HUP"
+"""Signals that ask the job to stop at one agreed step (protocol/preempt.py): what schedulers send
+before the kill (SLURM: TERM, or USR1/USR2 with --signal; Kubernetes, SageMaker: TERM), a terminal's
+Ctrl-C (INT: once; a second one stops at once) and a lost session (HUP)."""
+
+PREEMPT_GRACE_S = 30.0
+"""After a preemption request, an agent stops its workers after this long where the environment
+says nothing else (SLURM's KillWait and Kubernetes' terminationGracePeriodSeconds default to 30 s)."""
+
 EXIT_TIMEOUT_S = 60.0
 """A worker's atexit handlers get this long after the user's code returned; then it exits anyway."""
 

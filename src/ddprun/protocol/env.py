@@ -30,6 +30,7 @@ DOCTOR = "DDPRUN_DOCTOR"
 ATTEMPT = "DDPRUN_ATTEMPT"
 MERGE_STDERR = "DDPRUN_MERGE_STDERR"
 SOFT_EXIT = "DDPRUN_SOFT_EXIT"
+PREEMPT_SIGNALS = "DDPRUN_PREEMPT_SIGNALS"
 """Set by the user, not the agent: exit workers through the interpreter (see worker/exit.py)."""
 
 
@@ -62,6 +63,8 @@ class WorkerEnv:
     """The worker group's attempt id, the same on every node (agent/attempt.py); "" = from the restart count."""
     merge_stderr: bool = False
     """The worker joins its stderr to stdout (its rank log) as its first act."""
+    preempt_signals: str = defaults.PREEMPT_SIGNALS
+    """Signals that ask the job to stop at one agreed step (protocol/preempt.py); ``none``: off."""
 
     def to_environ(self) -> dict[str, str]:
         """The variables to export into every worker of this node."""
@@ -92,6 +95,7 @@ _VARS = {
     "stall_timeout": STALL_TIMEOUT, "stall_end": STALL_END, "exit_timeout": EXIT_TIMEOUT, "job_token": JOB_TOKEN,
     "straggler_margin": STRAGGLER_MARGIN, "straggler_windows": STRAGGLER_WINDOWS, "telemetry_window": TELEMETRY_WINDOW,
     "doctor": DOCTOR, "allow_uneven_nodes": ALLOW_UNEVEN_NODES, "attempt": ATTEMPT, "merge_stderr": MERGE_STDERR,
+    "preempt_signals": PREEMPT_SIGNALS,
 }
 
 
@@ -136,6 +140,10 @@ def _parse(var: str, raw: str, default: object) -> object:
         kind = "0 or 1" if isinstance(default, bool) else f"a {'whole' if isinstance(default, int) else ''} number >= 0"
         raise ConfigError(f"{var} is not {kind.replace('  ', ' ')}.", seen=f"{var}={raw!r}",
                           hint=f"unset {var} (ddprun run sets it for its workers) or give e.g. {var}={default!r}.") from None
+    if var == PREEMPT_SIGNALS:
+        from ddprun.protocol.preempt import parse_signals
+
+        parse_signals(raw, var)  # a ConfigError naming the variable
     if var == DEVICE_KIND and raw not in ("cpu", "cuda"):
         raise ConfigError(f"{var} must be cpu or cuda.", seen=f"{var}={raw!r}", hint=f"unset {var}; ddprun run sets it.")
     return raw

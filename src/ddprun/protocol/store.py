@@ -17,6 +17,11 @@ attempts: torch's c10d shares one store server for the whole job, see agent/atte
     acks               how many ranks have read the first failure
     pg                 the prefix of this attempt's process-group keys (gloo/NCCL bootstrap)
     agent/<node>       the heartbeat of that node's agent (JSON: host, beat or done)
+    stopping/<node>    that node's agent stops its workers now (a restart, a failure, a forced stop):
+                       a signal that reaches them is not a preemption request
+    preempt            JSON preemption request (protocol/preempt.py Request; the first one wins)
+    preempt/stop       the agreed stop step (optimizer steps of this attempt; the first proposal wins)
+    preempt/saved      JSON protocol/preempt.py Saved: rank 0 stopped there (and saved its checkpoint)
 
 and job-wide keys in the rendezvous endpoint's store (agent/admission.py), written before and
 between attempts:
@@ -164,6 +169,21 @@ class Keys:
     @property
     def pg(self) -> str:
         return self._k("pg")
+
+    def stopping(self, node: int) -> str:
+        return self._k(f"stopping/{node}")
+
+    @property
+    def preempt(self) -> str:
+        return self._k("preempt")
+
+    @property
+    def preempt_stop(self) -> str:
+        return self._k("preempt/stop")
+
+    @property
+    def preempt_saved(self) -> str:
+        return self._k("preempt/saved")
 
 
 def text(value: bytes | str) -> str:

@@ -37,9 +37,10 @@ from torch import nn
 
 from ddprun import runtime
 from ddprun.errors import ConfigError
+from ddprun.preempt import PREEMPT, Preempted
 from ddprun.protocol.env import WorkerEnv
 from ddprun.runtime import RankInfo
-from ddprun.telemetry import TIMER, busy
+from ddprun.telemetry import PROGRESS, TIMER, busy
 from ddprun.train import checkpoint as ckpt
 from ddprun.train import resume as resume_mod
 from ddprun.train import timing
@@ -565,6 +566,7 @@ class _Loop:
 
     def close(self) -> None:
         TIMER.detailed = False
+        PREEMPT.fit_active = False
         self.progress.close()
         self.log.close()
 
@@ -578,6 +580,7 @@ class _Loop:
         if p.resumed is not None:  # last before the first step: nothing after this may draw differently
             resume_mod.restore_rank_rng(p.resumed.state, p.info.rank)
         p.ddp.train()
+        PREEMPT.fit_active = True  # a preemption stops at this loop's step, with its checkpoint (ddprun.preempt)
         while self._more():
             self._epoch()
         return self._finish()
@@ -682,7 +685,29 @@ class _Loop:
                                                 dict(self.history[-1] if self.history else {})))
         if o.max_steps is not None and self.step >= o.max_steps:
             self.done = True
+        if PREEMPT.due(PROGRESS.steps) and not self.done:
+            self._preempted()
         return self.done
+
+    def _preempted(self) -> None:
+        """The job's agreed preemption step (every rank is here): checkpoint, then stop (Preempted)."""
+        p, t0 = self.p, time.monotonic()
+        if self.window.steps:
+            self._flush_window()
+        if p.ckpts.last_saved != (self.step, self.epoch):
+            with busy("checkpoint"):
+                path = p.ckpts.save(self.step, self.epoch, self._state, final=True)
+        else:  # checkpoint_every saved this very step
+            path = ckpt.latest(p.ckpts.directory) if p.info.is_main else None
+            runtime.barrier()
+        seconds = time.monotonic() - t0
+        if self.o.on_checkpoint is not None:
+            self.o.on_checkpoint(CheckpointSaved(path, self.step, self.epoch, False,
+                                                 dict(self.history[-1] if self.history else {})))
+        PREEMPT.saved = (PROGRESS.steps, self.step, path or "", seconds, "fit")
+        self.progress.message(f"ddprun: preempted ({PREEMPT.signame}): checkpoint at step {self.step} saved in "
+                              f"{seconds:.1f} s" + (f": {path}" if path else ""))
+        raise Preempted(PREEMPT.signame, self.step, path or "", seconds)
 
     def _flush_window(self) -> None:
         info, w = self.p.info, self.window

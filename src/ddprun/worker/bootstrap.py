@@ -21,6 +21,7 @@ import signal
 import sys
 
 from ddprun.errors import ConfigError
+from ddprun.preempt import PREEMPT, Preempted
 from ddprun.protocol import defaults
 from ddprun.protocol import failure as fr
 from ddprun.protocol.env import MERGE_STDERR, WorkerEnv
@@ -149,6 +150,35 @@ def _on_error(e: BaseException, channel: JobChannel | None) -> None:
     ddp_exit.record(channel.me(fr.ERROR, text), channel, e)
 
 
+def _preemption_signals(wenv: WorkerEnv | None) -> int | None:
+    """Catch the preemption signals (ddprun.preempt); the fd the monitor reads them from, or None."""
+    from ddprun import preempt
+    from ddprun.protocol.preempt import parse_signals
+
+    if wenv is None:
+        return None
+    return preempt.install(parse_signals(wenv.preempt_signals, "DDPRUN_PREEMPT_SIGNALS"))
+
+
+def _stopped_for_preemption(e: Preempted, channel: JobChannel | None) -> None:
+    """The rank stopped at the agreed step: one line in its log; rank 0 tells the agents where."""
+    steps, fit_step, path, seconds, by = PREEMPT.saved or (e.step, e.step, e.saved, e.seconds, "fit")
+    what = (f"checkpoint {path}" if path else "its on_preempt callbacks ran" if by == "on_preempt"
+            else "checkpoint written by rank 0")
+    print(f"ddprun: stopped for {e.signame} after optimizer step {steps} of this launch ({what})", flush=True)
+    if channel is not None and channel.rank == 0:
+        _publish_saved(channel, steps, fit_step, path, seconds, by)
+
+
+def _publish_saved(channel: JobChannel, steps: int, fit_step: int, path: str, seconds: float, by: str = "fit") -> None:
+    from ddprun.protocol.preempt import Saved
+
+    try:
+        channel.store.set(channel.keys.preempt_saved, Saved(steps, fit_step, path, seconds, by).to_json())
+    except Exception:  # noqa: BLE001 - the store is gone: the agents say the stop without the details
+        pass
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     die_with_agent()
@@ -161,13 +191,15 @@ def main(argv: list[str] | None = None) -> None:
     progress.install()
     wenv = _worker_env()
     channel = _open_channel(argv, wenv)
-    monitor = Monitor(channel).start() if channel is not None else None
+    monitor = Monitor(channel).start(_preemption_signals(wenv)) if channel is not None else None
     # Each attempt's process group in its own part of the agent's store, which outlives attempts:
     # without it a restarted group reads the dead group's gloo/NCCL keys (agent/attempt.py).
     namespace_process_groups(os.environ)
     code = 0
     try:
         _run_user_code(argv)
+    except Preempted as e:
+        _stopped_for_preemption(e, channel)
     except SystemExit as e:
         code = ddp_exit.exit_code_of(e)
         if code != 0:
@@ -184,6 +216,8 @@ def main(argv: list[str] | None = None) -> None:
             if channel is not None:
                 channel.record_failure(channel.me(fr.ERROR, text))
             os.write(2, f"ddprun: {text} (and then {type(again).__name__}: {again})\n".encode(errors="replace"))
+    if code == 0 and PREEMPT.requested and PREEMPT.saved is None and channel is not None and channel.rank == 0:
+        _publish_saved(channel, -1, -1, "", 0.0)  # asked to stop, but the script ended by itself first
     if monitor is not None:
         monitor.flush_timing() if code == 0 else monitor.stop()
     ddp_exit.hard_exit(code, wenv.exit_timeout if wenv is not None else defaults.EXIT_TIMEOUT_S)

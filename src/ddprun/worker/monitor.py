@@ -4,7 +4,10 @@ training step's path).
 Every rank: publishes its progress count (telemetry.PROGRESS: optimizer steps, collectives,
 heartbeats) when it changed; ends itself when another rank failed (last attempt only: with restarts
 left torch's agent restarts the group), naming the root cause; answers a stall report's request for
-its stacks; publishes its step timings once per window; ends itself if its agent is gone.
+its stacks; publishes its step timings once per window; ends itself if its agent is gone; acts on
+preemption signals (:mod:`ddprun.preempt`): the first asks the job to stop, and every rank agrees
+on the stop step through the store (protocol/preempt.py); a second one, or one its agent sends while
+stopping its workers, ends the rank at once.
 
 Stall observers (rank 0 and the last rank, so a stopped or GIL-bound rank 0 is covered): when no
 rank's progress changed for the threshold, the first observer to claim the ``stall`` key collects
@@ -16,16 +19,23 @@ console and in the run directory, and the thread goes on.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import select
+import signal
 import sys
 import threading
 import time
 from typing import Any
 
+from ddprun import preempt
+from ddprun.preempt import PREEMPT
 from ddprun.protocol import defaults
 from ddprun.protocol import failure as fr
+from ddprun.protocol import preempt as pp
 from ddprun.protocol.rundir import RunDir
+from ddprun.protocol.store import text
 from ddprun.telemetry import PROGRESS, TIMER, summarize
 from ddprun.worker import stacks
 from ddprun.worker.channel import JobChannel
@@ -33,6 +43,9 @@ from ddprun.worker.exit import record, stopped_message
 
 BUSY_LIMIT_FACTOR = 4
 """A declared busy phase counts as progress for at most this many stall timeouts."""
+
+RATE_SAMPLE_S = 0.4
+"""At least this long between two samples of the step rate (a stop step's horizon, protocol/preempt.py)."""
 
 MAX_FAILED_POLLS = 20
 """Consecutive failing polls (the store gone: the job is ending) before the thread gives up, saying so."""
@@ -95,6 +108,8 @@ class Monitor:
         self._failed_polls = 0
         self._echo_seen: float | None = None
         self._detail = self._summary = ""
+        self._sigfd: int | None = None
+        self._rate_samples: collections.deque[tuple[float, int]] = collections.deque(maxlen=12)
         wenv = ch.wenv
         # rank 0 reports first (its output is on a console); the backup only if rank 0 does not
         grace = 0.0 if ch.rank == 0 else defaults.PLACES_WAIT_S + 2 * defaults.STALL_CHECK_S
@@ -106,7 +121,9 @@ class Monitor:
 
             self.stragglers = StragglerWatch(ch.run_dir, wenv.straggler_margin, wenv.straggler_windows)
 
-    def start(self) -> Monitor:
+    def start(self, signal_fd: int | None = None) -> Monitor:
+        """``signal_fd``: where preemption signals arrive (:func:`ddprun.preempt.install`)."""
+        self._sigfd = signal_fd
         self._thread.start()
         return self
 
@@ -133,15 +150,33 @@ class Monitor:
 
     def _loop(self) -> None:
         store = None
-        while not self._stop.wait(defaults.MONITOR_POLL_S):
+        while (sigs := self._wait()) is not None:
             try:
                 store = store or self.ch.connect()  # its own connection: never queue behind the main thread
+                if sigs:
+                    self._signals(store, sigs)
                 self._tick(store)
                 self._failed_polls = 0
             except Exception as e:  # noqa: BLE001 - say it, keep watching; the store may be briefly away
                 store = None
+                if sigs:  # no store to agree through: the agent or the store's host is going away
+                    preempt.die_by(sigs[0])
                 if self._poll_failed(e):
                     return
+
+    def _wait(self) -> list[int] | None:
+        """One poll interval, or less when a signal arrives: the signals that arrived; None at stop."""
+        if self._sigfd is None:
+            return None if self._stop.wait(defaults.MONITOR_POLL_S) else []
+        ready, _, _ = select.select([self._sigfd], [], [], defaults.MONITOR_POLL_S)
+        if self._stop.is_set():
+            return None
+        if not ready:
+            return []
+        try:
+            return [b for b in os.read(self._sigfd, 64) if b in PREEMPT.signals]
+        except OSError:
+            return []
 
     def _poll_failed(self, e: Exception) -> bool:
         """Say a failing poll once; True when the thread should give up (the store is gone for good)."""
@@ -169,6 +204,7 @@ class Monitor:
         ch = self.ch
         if ch.world_size > 1:
             self._watch_failures(store)
+        self._watch_preemption(store)
         busy = PROGRESS.busy_since
         if busy is not None and time.monotonic() - busy < BUSY_LIMIT_FACTOR * max(ch.wenv.stall_timeout, 1.0):
             PROGRESS.beats += 1  # a declared phase (telemetry.busy): a checkpoint write, a validation pass
@@ -211,6 +247,79 @@ class Monitor:
         self.ch.ack_failure(store)
         sys.stdout.flush()
         os._exit(1)
+
+    # -- preemption --------------------------------------------------------------------------
+    def _signals(self, store: Any, sigs: list[int]) -> None:
+        """Preemption signals that reached this rank (module docstring)."""
+        for sig in sigs:
+            if self._agent_stopping(store):
+                preempt.die_by(sig)  # torch's agent stops its workers: as it always did
+            if PREEMPT.signum is None:
+                PREEMPT.signum = sig
+                name = signal.Signals(sig).name
+                req = pp.Request(name, f"rank {self.ch.rank}", self.ch.node_rank, self.ch.host, time.time())
+                store.compare_set(self.ch.keys.preempt, "", req.to_json())
+                self._note(f"rank {self.ch.rank} got {name}: asking every rank to stop at one step "
+                           f"(a second signal stops this rank at once)")
+            else:
+                self._forced(sig)
+
+    def _agent_stopping(self, store: Any) -> bool:
+        try:
+            return bool(store.check([self.ch.keys.stopping(self.ch.node_rank)]))
+        except Exception:  # noqa: BLE001 - no store: the job is ending anyway
+            return True
+
+    def _forced(self, sig: int) -> None:
+        """A second preemption signal: end this rank now, with one line and a record."""
+        name = signal.Signals(sig).name
+        where = f"at step {PROGRESS.steps}" + (f", before the agreed stop step {PREEMPT.stop_step}"
+                                                if PREEMPT.stop_step is not None else "")
+        rec = self.ch.me(fr.SIGNAL, f"stopped by a second {name} {where}", exit_code=128 + sig)
+        print(f"ddprun: rank {self.ch.rank} stopped by a second {name} {where}", file=sys.stderr, flush=True)
+        record(rec, self.ch)
+        sys.stdout.flush()
+        os._exit(128 + sig)
+
+    def _watch_preemption(self, store: Any) -> None:
+        """Once the job is asked to stop: propose a stop step (``none`` where nothing in this process
+        stops at one: neither ddprun.fit nor an on_preempt callback), keep what the job agreed on."""
+        now, steps = time.monotonic(), PROGRESS.steps
+        if not self._rate_samples or now - self._rate_samples[-1][0] >= RATE_SAMPLE_S:
+            self._rate_samples.append((now, steps))  # a signal wakes the thread early: no rate over a millisecond
+        keys = self.ch.keys
+        if PREEMPT.requested or not (PREEMPT.signum is not None or store.check([keys.preempt])):
+            return
+        req = pp.Request.parse(store.get(keys.preempt)) if store.check([keys.preempt]) else None
+        PREEMPT.requested, PREEMPT.signame = True, req.signal if req else signal.Signals(PREEMPT.signum or 15).name
+        consumer = PREEMPT.fit_active or bool(PREEMPT.callbacks)
+        mine = str(pp.propose(steps, self._rate())) if consumer else pp.NO_STEP
+        agreed = text(store.compare_set(keys.preempt_stop, "", mine))
+        if agreed == pp.NO_STEP:
+            if PREEMPT.signum is not None:  # nothing stops at a step: this signal does what it always did
+                preempt.die_by(PREEMPT.signum)
+            return  # the signalled processes end now; this rank then ends as a peer of theirs
+        stop = parse_int(agreed)
+        if stop is None:
+            return  # a malformed value: not ours to repair; the agent's grace bounds the stop
+        PREEMPT.stop_step = stop
+        asked = req.where() if req else "this rank"
+        self._note(f"rank {self.ch.rank}: stopping after optimizer step {stop} of this launch for {PREEMPT.signame} "
+                   f"(asked by {asked}; now at step {steps})")
+        if steps > stop:
+            self._note(f"rank {self.ch.rank} is past the agreed stop step ({steps} > {stop}): it stops at its "
+                       f"next step, or its agent stops it at the end of the grace")
+
+    def _rate(self) -> float | None:
+        """This rank's fastest optimizer steps per second: between two polls of the last few seconds,
+        or its latest step's own time (the fastest, not the mean: a mean over start-up or a validation
+        pass is far too slow, and a stop step proposed too close is one a rank may pass before it learns
+        it). None before any of them."""
+        samples = list(self._rate_samples)
+        rates = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in zip(samples, samples[1:]) if b[0] > a[0]]
+        if PROGRESS.step_s > 0:  # the latest step's own time: right from the second step on
+            rates.append(1.0 / PROGRESS.step_s)
+        return max(rates) if rates else None
 
     # -- stalls ------------------------------------------------------------------------------
     def _answer_stall(self, store: Any) -> None:

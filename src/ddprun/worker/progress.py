@@ -10,9 +10,11 @@ gradient all-reduce (which runs in C++ and is counted by the optimizer steps tha
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from typing import Any
 
+from ddprun.preempt import PREEMPT, at_optimizer_step
 from ddprun.telemetry import PROGRESS, TIMER
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
@@ -22,8 +24,10 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
 
 
 def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:  # noqa: ARG001 - torch's hook signature
-    PROGRESS.steps += 1
+    PROGRESS.stepped(time.monotonic())
     TIMER.on_optimizer_step()
+    if PREEMPT.stop_step is not None:  # the job's agreed stop step (ddprun.preempt): outside fit, stop here
+        at_optimizer_step(PROGRESS.steps)
 
 
 def _counting(fn: Callable[..., Any]) -> Callable[..., Any]:

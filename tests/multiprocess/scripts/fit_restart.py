@@ -8,6 +8,10 @@
         [--marker PATH]                 the failure happens only while PATH does not exist (first attempt)
         [--wipe-before-kill]            the killed rank deletes its node's run dir/checkpoints first
         [--timeline PATH]               rank 0 logs each training_step call and optimizer step (benchmarks)
+        [--signal-rank R --signal-step S --signal NAME --signal-to self|agent|node]
+                                        rank R sends SIGNAME during step S+1 to itself, its agent, or its
+                                        agent and every worker of its node (a preemption)
+        [--slow-checkpoint SECONDS]     the checkpoint hook sleeps this long after a non-final checkpoint
 
 Every rank writes DIR/params-<RANK>.pt (final parameters) and DIR/facts-<RANK>.json (world size,
 steps, attempt). The model has dropout and every rank its own RNG seed after the model is built, so
@@ -39,18 +43,24 @@ def model():
     return nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.1), nn.ReLU(), nn.Linear(32, 1))
 
 
-def kill_node() -> None:
-    """SIGKILL this node's agent (our parent), then its other workers, then this process."""
-    agent = os.getppid()
-    siblings = []
+def workers_of(agent: int) -> list[int]:
+    """pids of the agent's children (this node's workers, this process included)."""
+    out = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as f:
                 ppid = int(f.read().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == agent and int(pid) != os.getpid():
-            siblings.append(int(pid))
+        if ppid == agent:
+            out.append(int(pid))
+    return out
+
+
+def kill_node() -> None:
+    """SIGKILL this node's agent (our parent), then its other workers, then this process."""
+    agent = os.getppid()
+    siblings = [pid for pid in workers_of(agent) if pid != os.getpid()]
     for pid in [agent, *siblings]:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -74,6 +84,11 @@ def main():
     p.add_argument("--marker")
     p.add_argument("--wipe-before-kill", action="store_true",
                    help="the killed rank first deletes its node's checkpoints (a node back with an empty disk)")
+    p.add_argument("--signal-rank", type=int)
+    p.add_argument("--signal-step", type=int)
+    p.add_argument("--signal", default="TERM")
+    p.add_argument("--signal-to", choices=["self", "agent", "node"], default="self")
+    p.add_argument("--slow-checkpoint", type=float, default=0.0)
     p.add_argument("--timeline", help="rank 0 appends '<event> <pid> <unix time>' per training_step call and step")
     args = p.parse_args()
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
@@ -96,6 +111,16 @@ def main():
 
     calls = {"n": 0}
 
+    def send_signal() -> None:
+        if args.marker:
+            with open(args.marker, "w") as f:
+                f.write(f"SIG{args.signal} from rank {rank} at {time.time()}\n")
+        sig = getattr(signal, f"SIG{args.signal}")
+        agent = os.getppid()
+        targets = {"self": [os.getpid()], "agent": [agent], "node": [agent, *workers_of(agent)]}[args.signal_to]
+        for pid in targets:
+            os.kill(pid, sig)
+
     def mark(event: str) -> None:
         if args.timeline and rank == 0:
             with open(args.timeline, "a") as f:
@@ -112,6 +137,8 @@ def main():
             fail_now("kill")
         if first and rank == args.raise_rank and step == args.raise_step:
             fail_now("raise")
+        if first and rank == args.signal_rank and step == args.signal_step:
+            send_signal()
         several_nodes = int(os.environ.get("WORLD_SIZE", "1")) > int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         if first and local_rank == 0 and several_nodes and step == args.kill_node_step:
             fail_now("node")
@@ -122,7 +149,12 @@ def main():
 
     net = model()
     torch.manual_seed(100 + rank)  # dropout masks differ by rank: the per-rank RNG states matter
+    def on_checkpoint(saved):
+        if args.slow_checkpoint and not saved.final:
+            time.sleep(args.slow_checkpoint)
+
     res = ddprun.fit(net, data(), training_step=training_step, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                     on_checkpoint=on_checkpoint,
                      scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 5, 0.5), batch_size=args.batch_size,
                      max_steps=args.steps, checkpoint_every=args.checkpoint_every, seed=0, log_every=100)
     torch.save({k: v.detach().cpu() for k, v in res.model.state_dict().items()},

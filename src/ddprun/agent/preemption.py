@@ -1,0 +1,115 @@
+"""One agent's part in a preemption (protocol/preempt.py): its own signal as a flag, the request in
+the store, the grace, and how the node's launch ends.
+
+The agent's handler (agent/torch_agent.py, in place of torch's once the workers run) only records
+the first signal; a second one stops the workers at once, as torch does. :meth:`Preemption.check`
+runs in the agent's monitor loop: it publishes this node's request, notices one from another node
+(agent/failures.py reads the store), and says when the grace is over. Then torch's agent stops the
+workers that have not stopped (SIGTERM, and SIGKILL after ``--stop-grace``).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any, TextIO
+
+from ddprun.protocol import preempt as pp
+
+SAVED_WAIT_S = 3.0
+"""How long an agent waits for rank 0's Saved record before its exit barrier (rank 0 writes it
+milliseconds after fit's last barrier, which every rank passed)."""
+
+
+class Preemption:
+    """See the module docstring. ``failures``: this agent's AgentFailures (the store's reader)."""
+
+    def __init__(self, signals: tuple[int, ...], grace_s: float, grace_src: str, failures: Any, out: TextIO,
+                 host: str):
+        self.signals, self.grace_s, self.grace_src = signals, grace_s, grace_src
+        self.failures, self.out, self.host = failures, out, host
+        self.sig: int | None = None
+        """This agent's own first preemption signal (set by its handler: nothing else happens there)."""
+        self._published = self._said_stop = False
+        self._since: float | None = None
+        """When this agent learned of the job's request (monotonic)."""
+        self.saved: pp.Saved | None = None
+        """Where rank 0 stopped, read before the exit barrier."""
+
+    def on_signal(self, sig: int) -> None:
+        """The agent's handler, main thread: a flag only."""
+        if self.sig is None:
+            self.sig = sig
+
+    @property
+    def request(self) -> pp.Request | None:
+        return self.failures.preempt_request
+
+    def preempting(self) -> bool:
+        """The job stops at an agreed step (a request, and no NO_STEP answer)."""
+        return (self.sig is not None or self.request is not None) and self.failures.preempt_stop != pp.NO_STEP
+
+    def check(self) -> int | None:
+        """From the agent's monitor loop: publish this node's request, start the grace when the job's
+        request is known; the signal to stop the workers with once the grace is over, else None."""
+        if self.sig is not None and not self._published:
+            self._published = True
+            name = signal.Signals(self.sig).name
+            self.failures.publish_preempt(pp.Request(name, "agent", self.failures.node_rank, self.host, time.time()))
+            self._say(f"got {name}: asking every rank to stop after one agreed optimizer step (ddprun.fit saves "
+                      f"its checkpoint there; a script with nothing to save stops now); workers still running in "
+                      f"{self.grace_s:g} s ({self.grace_src}) are stopped; a second signal stops them now")
+        if self._since is None and self.preempting():
+            self._since = time.monotonic()
+        stop, req = self.failures.preempt_stop, self.request
+        if not self._said_stop and stop not in (None, pp.NO_STEP) and req is not None:
+            self._said_stop = True
+            self._say(f"{req.signal} on {req.where()}: every rank stops after optimizer step {stop} of this launch")
+        if self.sig is not None and self.failures.preempt_stop == pp.NO_STEP:
+            return self.sig  # nothing in the job stops at a step: this signal stops the workers now, as torch's would
+        if self.grace_over():
+            return self.sig or int(getattr(signal, self.request.signal if self.request else "SIGTERM", signal.SIGTERM))
+        return None
+
+    def before_exit(self) -> None:
+        """The workers ended: read where rank 0 stopped while the store's host still waits for us."""
+        if self.preempting():
+            self.saved = self.failures.read_preempt_saved(wait_s=SAVED_WAIT_S)
+
+    def grace_over(self) -> bool:
+        return self._since is not None and time.monotonic() - self._since >= self.grace_s
+
+    def _say(self, text: str) -> None:
+        print(f"ddprun: {text}", file=self.out, flush=True)
+
+    def signame(self) -> str:
+        req = self.request
+        if req is not None:
+            return req.signal
+        return signal.Signals(self.sig).name if self.sig is not None else "SIGTERM"
+
+    def finished_line(self) -> tuple[int, str]:
+        """The workers all ended 0 after the request: (exit code, the node's line)."""
+        saved = self.saved  # read before the exit barrier: the store's host may be gone now
+        req, name = self.request, self.signame()
+        who = "" if req is None else f" to {'the agent' if req.by == 'agent' else req.by} of node {req.node} ({req.host})"
+        if saved is None:
+            return pp.EXIT_CODE, (f"ddprun: preempted by {name}{who}: the workers stopped (rank 0 did not say at "
+                                  "which step); resume with the same command")
+        if saved.step < 0:  # the script ended by itself before the stop step (protocol/preempt.py Saved)
+            return 0, f"ddprun: {name} came as the run was ending: it finished; nothing to resume"
+        where = f"every rank stopped after optimizer step {saved.step} of this launch"
+        if saved.path:
+            what = (f"checkpoint at step {saved.fit_step} saved in {saved.seconds:.1f} s ({saved.path}); "
+                    "resume with the same command")
+        elif saved.by == "on_preempt":
+            what = f"the script's on_preempt callbacks ran there ({saved.seconds:.1f} s)"
+        else:
+            what = "no checkpoint was saved"
+        return pp.EXIT_CODE, f"ddprun: preempted by {name}{who}: {where}; {what}"
+
+    def forced_line(self) -> str:
+        """The grace ended before every local worker stopped at the agreed step."""
+        return (f"ddprun: the preemption grace of {self.grace_s:g} s ({self.grace_src}) ended before every rank "
+                f"of this node stopped at the agreed step; workers stopped (the last checkpoint is the one "
+                "before). HINT: a longer --preempt-grace, if the cluster gives that long.")

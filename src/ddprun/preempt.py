@@ -1,0 +1,159 @@
+"""Preemption inside a worker: the signal flag, the agreed stop step, and what stops there.
+
+Shared by the worker bootstrap and monitor (which catch the signals and agree on the stop step
+through the store: protocol/preempt.py) and by ``ddprun.fit`` (which checkpoints at that step). Like
+:mod:`ddprun.telemetry`, state lives in one process-wide object, :data:`PREEMPT`; outside a
+``ddprun run`` worker no handler is installed and nothing here ever fires.
+
+* A signal only reaches the monitor thread (worker/monitor.py, through the wakeup fd): the first
+  is a request; a second, or the first while ``ddprun run``'s agent is the one stopping its
+  workers, ends the worker at once. Nothing runs in the handler but the script's own handler.
+* At the agreed step, right after the optimizer step: ``ddprun.fit`` saves its checkpoint and
+  raises :class:`Preempted`; any other script runs its :func:`on_preempt` callbacks and gets
+  :class:`Preempted` out of ``optimizer.step()``. Either way the worker ends with one line, no
+  traceback; its agent says on the console where the job stopped.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Preempted(SystemExit):
+    """The job stopped for a preemption signal at the agreed step: raised on every rank right after
+    that optimizer step. A SystemExit (code 0: the worker's work is done; its agent ends with
+    protocol/preempt.py EXIT_CODE), so a script's own ``except Exception`` does not swallow it."""
+
+    def __init__(self, signame: str, step: int, saved: str = "", seconds: float = 0.0):
+        super().__init__(0)
+        self.signame, self.step, self.saved, self.seconds = signame, step, saved, seconds
+
+
+@dataclass
+class PreemptState:
+    """This worker's view (module docstring). Steps are optimizer steps of this process (PROGRESS.steps)."""
+
+    signum: int | None = None
+    """The first preemption signal this process got, None before (set by the monitor)."""
+    signals: tuple[int, ...] = ()
+    """The signals handled here (``ddprun run --preempt-signals``)."""
+    requested: bool = False
+    """The job was asked to stop (this process's signal, or another's request read from the store)."""
+    signame: str = ""
+    stop_step: int | None = None
+    fit_active: bool = False
+    """ddprun.fit's loop runs: it checkpoints and stops at the stop step itself."""
+    callbacks: list[Callable[[int], Any]] = field(default_factory=list)
+    saved: tuple[int, int, str, float, str] | None = None
+    """(steps, fit's step, checkpoint path, seconds, by) once this process stopped at the agreed step
+    (protocol/preempt.py Saved)."""
+    _previous: dict[int, Any] = field(default_factory=dict)
+
+    def due(self, steps: int) -> bool:
+        """Whether a process that completed ``steps`` optimizer steps must stop now."""
+        return self.stop_step is not None and steps >= self.stop_step
+
+
+PREEMPT = PreemptState()
+
+
+_inside = threading.local()
+
+
+def _handler(signum: int, frame: Any) -> None:
+    """The Python-level handler: only the script's own handler, if it set one. The signal itself
+    reaches the monitor thread through the wakeup fd (:func:`install`), also while the main thread
+    is blocked in C (a collective), where no Python handler runs."""
+    if getattr(_inside, "yes", False):
+        return  # the script's handler calls the one it replaced (ours) again: once is enough
+    chained = PREEMPT._previous.get(signum)
+    if callable(chained) and chained is not signal.default_int_handler:  # KeyboardInterrupt is what we replace
+        _inside.yes = True
+        try:
+            chained(signum, frame)
+        finally:
+            _inside.yes = False
+
+
+_signal_signal = signal.signal
+
+
+def _chaining_signal(signum: Any, handler: Any) -> Any:
+    """``signal.signal`` while ours are installed: a script's handler for one of our signals runs
+    beside ours (chained) instead of replacing it; the value returned is what the script set before."""
+    if signum in PREEMPT.signals and threading.current_thread() is threading.main_thread():
+        before = PREEMPT._previous.get(signum, signal.SIG_DFL)
+        if handler is signal.SIG_IGN:  # the script ignores this signal: so does ddprun, preemption included
+            PREEMPT.signals = tuple(s for s in PREEMPT.signals if s != signum)
+            _signal_signal(signum, signal.SIG_IGN)
+            return before
+        PREEMPT._previous[signum] = handler
+        return before
+    return _signal_signal(signum, handler)
+
+
+def install(signals: tuple[int, ...]) -> int | None:
+    """Catch ``signals`` (main thread only); returns the read end of the wakeup pipe on which each
+    signal's number arrives (for the monitor thread), None when nothing was installed."""
+    import os
+
+    if threading.current_thread() is not threading.main_thread() or not signals:
+        return None
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    try:
+        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except ValueError:
+        os.close(r)
+        os.close(w)
+        return None
+    PREEMPT.signals = signals
+    for sig in signals:
+        PREEMPT._previous[sig] = _signal_signal(sig, _handler)
+    signal.signal = _chaining_signal  # type: ignore[assignment]
+    return r
+
+
+def die_by(signum: int) -> None:
+    """End this process by ``signum`` as if no handler were installed (its agent is stopping it).
+    Any thread: the disposition is reset through libc, which Python allows only on the main thread."""
+    import ctypes
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal(signum, ctypes.c_void_p(0))  # SIG_DFL
+        os.kill(os.getpid(), signum)
+        time.sleep(5)  # delivered before kill returns; not reached
+    except (OSError, AttributeError):
+        pass
+    os._exit(128 + signum)
+
+
+def on_preempt(fn: Callable[[int], Any]) -> Callable[[int], Any]:
+    """Call ``fn(step)`` on every rank at the job's agreed stop step, after that optimizer step, then
+    end the script (``ddprun run`` only; ``ddprun.fit`` checkpoints there by itself). ``step``:
+    optimizer steps this process made. Usable as a decorator; returns ``fn``."""
+    PREEMPT.callbacks.append(fn)
+    return fn
+
+
+def at_optimizer_step(steps: int) -> None:
+    """From the optimizer step hook (worker/progress.py): at the stop step, outside fit, run the
+    callbacks and end the script with :class:`Preempted`."""
+    if PREEMPT.fit_active or not PREEMPT.due(steps):
+        return
+    t0 = time.monotonic()
+    for fn in list(PREEMPT.callbacks):
+        fn(steps)
+    PREEMPT.saved = (steps, steps, "", time.monotonic() - t0, "on_preempt")
+    raise Preempted(PREEMPT.signame, steps, seconds=time.monotonic() - t0)

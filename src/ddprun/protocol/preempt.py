@@ -1,0 +1,148 @@
+"""What agents and workers agree on for a preemption (a polite kill): the signals, the stop step, the
+records in the store, and the grace before the agent forces the stop. Pure.
+
+The flow (docs/preemption.md): a signal only sets a flag where it lands (an agent or a worker). The
+first observer publishes a :class:`Request` (store key ``preempt``, first writer wins). Every rank's
+monitor then proposes a stop step, :func:`propose`, with ``compare_set`` on ``preempt/stop``: the
+first proposal is the job's stop step, a step every rank can still reach (ranks of a DDP job are
+within one optimizer step of each other, and each learns the stop step within one monitor poll).
+Every rank ends after that optimizer step; ``ddprun.fit`` saves its checkpoint there first and
+rank 0 publishes a :class:`Saved` (``preempt/saved``). Each agent then ends with :data:`EXIT_CODE`.
+An agent whose workers have not ended ``grace`` seconds after the request stops them as torch would.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+from ddprun.errors import ConfigError
+from ddprun.protocol import defaults
+
+NO_STEP = "none"
+"""``preempt/stop`` when the first proposer has nothing that stops at a step (neither ddprun.fit nor
+an ``on_preempt`` callback): the signalled processes then end at once, as without ddprun."""
+
+EXIT_CODE = 75
+"""``ddprun run``'s exit code after every rank stopped at the agreed step (EX_TEMPFAIL: run it again)."""
+
+HORIZON_S = 3.0
+"""A proposed stop step lies at least this many seconds of steps ahead (six monitor polls)."""
+
+MIN_AHEAD = 2
+"""...and at least this many steps: the step in flight, and one more."""
+
+
+def parse_signals(raw: str, where: str = "--preempt-signals") -> tuple[int, ...]:
+    """``TERM,USR1`` (or ``SIGTERM``, or numbers) -> signal numbers; ``none`` or "" -> ()."""
+    text = raw.strip()
+    if text.lower() in ("", "none", "off"):
+        return ()
+    out: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        name = part.upper().removeprefix("SIG")
+        try:
+            num = int(part) if part.isdigit() else int(getattr(signal.Signals, f"SIG{name}"))
+            signal.Signals(num)
+        except (AttributeError, ValueError):
+            raise ConfigError("A preemption signal is not a signal name.", seen=f"{where} {raw!r} ({part!r})",
+                              hint="Give names such as TERM,INT,USR1,USR2,HUP, or none.") from None
+        if num in (signal.SIGKILL, signal.SIGSTOP):
+            raise ConfigError("SIGKILL and SIGSTOP cannot be caught.", seen=f"{where} {raw!r}",
+                              hint="Leave them out: give e.g. TERM,USR1.")
+        if num not in out:
+            out.append(num)
+    return tuple(out)
+
+
+def signal_names(signals: tuple[int, ...]) -> str:
+    """The ``--preempt-signals`` spelling of ``signals`` (``TERM,INT``; ``none``)."""
+    return ",".join(signal.Signals(s).name.removeprefix("SIG") for s in signals) or "none"
+
+
+def propose(step: int, steps_per_s: float | None) -> int:
+    """The stop step a rank at optimizer step ``step``, stepping ``steps_per_s``, proposes: far enough
+    ahead that every rank learns it before reaching it (:data:`HORIZON_S`, :data:`MIN_AHEAD`)."""
+    ahead = MIN_AHEAD
+    if steps_per_s is not None and math.isfinite(steps_per_s) and steps_per_s > 0:
+        ahead = max(ahead, math.ceil(steps_per_s * HORIZON_S) + 1)
+    return step + ahead
+
+
+@dataclass(frozen=True)
+class Request:
+    """Who asked the job to stop: ``by`` is ``agent`` or ``rank <N>``."""
+
+    signal: str
+    by: str
+    node: int
+    host: str
+    t: float
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def parse(cls, raw: bytes | str | None) -> Request | None:
+        try:
+            d = json.loads(raw) if raw is not None else {}
+            return cls(str(d["signal"]), str(d["by"]), int(d["node"]), str(d["host"]), float(d["t"]))
+        except (ValueError, TypeError, KeyError):
+            return None
+
+    def where(self) -> str:
+        return f"{self.by} (node {self.node}, {self.host})"
+
+
+@dataclass(frozen=True)
+class Saved:
+    """How the job stopped: at optimizer ``step`` of this launch (``fit_step``: fit's global step,
+    counting resumed ones), the checkpoint ``path`` written in ``seconds`` ("" when nothing saved).
+    ``step`` -1: the script ended by itself before the stop step (nothing to resume)."""
+
+    step: int
+    fit_step: int
+    path: str
+    seconds: float
+    by: str = "fit"
+    """``fit`` (ddprun.fit saved ``path``) or ``on_preempt`` (the script's callbacks ran)."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def parse(cls, raw: bytes | str | None) -> Saved | None:
+        try:
+            d = json.loads(raw) if raw is not None else {}
+            return cls(int(d["step"]), int(d["fit_step"]), str(d["path"]), float(d["seconds"]), str(d.get("by", "fit")))
+        except (ValueError, TypeError, KeyError):
+            return None
+
+
+def grace(environ: Mapping[str, str], flag: float | None) -> tuple[float, str]:
+    """Seconds an agent waits after a preemption request before it stops its workers, and why.
+
+    The flag wins; else DDPRUN_PREEMPT_GRACE (e.g. a Kubernetes pod's terminationGracePeriodSeconds
+    passed in); else what the environment is known to give between its signal and its SIGKILL."""
+    if flag is not None:
+        return flag, "--preempt-grace"
+    raw = environ.get("DDPRUN_PREEMPT_GRACE")
+    if raw:
+        try:
+            value = float(raw)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(raw)
+        except ValueError:
+            raise ConfigError("DDPRUN_PREEMPT_GRACE is not a positive number of seconds.",
+                              seen=f"DDPRUN_PREEMPT_GRACE={raw!r}", hint="e.g. DDPRUN_PREEMPT_GRACE=90, or unset it.") from None
+        return value, "DDPRUN_PREEMPT_GRACE"
+    if environ.get("SM_TRAINING_ENV") or environ.get("SM_HOSTS"):
+        return 120.0, "SageMaker (StopTrainingJob: SIGTERM, then SIGKILL after 120 s)"
+    if environ.get("SLURM_JOB_ID"):
+        return defaults.PREEMPT_GRACE_S, "SLURM (KillWait, 30 s by default: scontrol show config | grep KillWait)"
+    if environ.get("KUBERNETES_SERVICE_HOST"):
+        return defaults.PREEMPT_GRACE_S, "Kubernetes (terminationGracePeriodSeconds, 30 s by default)"
+    return defaults.PREEMPT_GRACE_S, "default"

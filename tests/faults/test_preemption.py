@@ -1,0 +1,150 @@
+"""Preemption: a polite kill (SIGTERM, SIGUSR1, to one worker, one agent, or every process of a node)
+stops every rank after one agreed optimizer step; ddprun.fit saves its checkpoint there, every node
+exits 75 and says where, and the same command resumes bit for bit. A checkpoint longer than torch's
+fixed 30 s completes within --preempt-grace; a stop that outlasts the grace is forced; an unmodified
+loop gets its on_preempt callback at the same step on every rank.
+
+2 simulated nodes x 1 process on 127.0.0.1 (tests/faults/conftest.py). fit_restart.py's model has
+dropout with a per-rank RNG seed, so a resume that restored the wrong state would not be bitwise.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.faults.conftest import Nodes, assert_nothing_left, describe
+from tests.helpers import DDPRUN, run_agents
+from tests.helpers import describe as describe_runs
+
+pytestmark = pytest.mark.faults
+
+FIT = str(Path(__file__).parents[1] / "multiprocess" / "scripts" / "fit_restart.py")
+LOOP = str(Path(__file__).parent / "scripts" / "preempt_loop.py")
+STEPS = 60  # 96 samples, batch 4 on 2 ranks: 12 steps an epoch; the stop comes mid-epoch
+SLOW = ["--steps", str(STEPS), "--step-sleep", "0.1", "--checkpoint-every", "1000"]  # <= 10 steps/s: a stop <= 31 ahead
+STOPPED = re.compile(r"^ddprun: preempted by (SIG\w+) to [^:]+: every rank stopped after optimizer step (\d+) "
+                     r"of this launch; checkpoint at step (\d+) saved in [\d.]+ s \((\S+)\); resume with the same "
+                     r"command$", re.M)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The uninterrupted run's parameters (one node x 2 ranks: the same two gloo ranks)."""
+    tmp = tmp_path_factory.mktemp("ref")
+    r = run_agents([[DDPRUN, "run", "--nproc-per-node", "2", "--log-dir", str(tmp / "runs"), FIT, "--out",
+                     str(tmp / "out"), "--steps", str(STEPS)]], timeout=120, cwd=tmp)
+    assert r[0].returncode == 0, describe_runs(r)
+    return torch.load(tmp / "out" / "params-0.pt", weights_only=True)
+
+
+def preempted(tmp_path: Path, how: list[str], extra: list[str] | None = None, timeout: float = 90):
+    """Run 2 x 1 with a signal sent from inside the job at step 5 (fit_restart.py --signal-*)."""
+    job = Nodes(tmp_path, 2, 1, [*SLOW, "--out", str(tmp_path / "out"), "--signal-step", "5", *how,
+                                 "--marker", str(tmp_path / "signalled")],
+                extra=["--log-dir", str(tmp_path / "runs"), *(extra or [])], script=FIT)
+    return job, job.finish(timeout=timeout)
+
+
+def assert_one_stop(ended, tmp_path: Path, signame: str) -> int:
+    """Every node exits 75 naming the same stop step and its checkpoint, which exists."""
+    assert [e.returncode for e in ended] == [75, 75], describe(ended)
+    stops = {STOPPED.search(e.output).groups() if STOPPED.search(e.output) else None for e in ended}
+    assert len(stops) == 1 and None not in stops, describe(ended)
+    (sig, step, fit_step, path), = stops
+    assert sig == signame and step == fit_step and int(step) > 5, describe(ended)
+    assert Path(path) == tmp_path / "runs" / "fault" / "checkpoints" / f"step-{int(step):08d}.pt" and Path(path).exists()
+    assert "Traceback" not in "".join(e.output for e in ended), describe(ended)
+    for rank in (0, 1):  # each rank's own log: it stopped after that very step
+        log = (tmp_path / "runs" / "fault" / "logs" / f"rank-{rank}.log").read_text()
+        assert f"ddprun: stopped for {signame} after optimizer step {step} of this launch (checkpoint" in log, log
+    return int(step)
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_to_one_worker_stops_every_rank_at_one_step_and_the_same_command_resumes_bitwise(tmp_path,
+                                                                                             reference):
+    job, ended = preempted(tmp_path, ["--signal-rank", "1", "--signal", "TERM", "--signal-to", "self"])
+    sent = float((tmp_path / "signalled").read_text().split(" at ")[1])
+    step = assert_one_stop(ended, tmp_path, "SIGTERM")
+    print(f"SIGTERM to one worker -> stop after step {step}; last node exited "
+          f"{max(e.ended_at for e in ended) - job_time(job, sent):.1f} s after the signal")
+    assert_nothing_left(tmp_path)
+    again = Nodes(tmp_path, 2, 1, [*SLOW, "--out", str(tmp_path / "out")],
+                  extra=["--log-dir", str(tmp_path / "runs")], script=FIT, name="again").finish(timeout=90)
+    assert [e.returncode for e in again] == [0, 0], describe(again)
+    ckpt = tmp_path / "runs" / "fault" / "checkpoints" / f"step-{step:08d}.pt"
+    assert f"ddprun: resuming from {ckpt}: step {step}" in "".join(e.output for e in again), describe(again)
+    for rank in (0, 1):  # not one step redone or lost: the uninterrupted run's parameters, bit for bit
+        got = torch.load(tmp_path / "out" / f"params-{rank}.pt", weights_only=True)
+        assert all(torch.equal(reference[k], got[k]) for k in reference), f"rank {rank} differs from the reference"
+    assert_nothing_left(tmp_path)
+
+
+def job_time(job: Nodes, wall: float) -> float:
+    """time.time() ``wall`` on the harness's monotonic clock."""
+    return time.monotonic() - (time.time() - wall)
+
+
+@pytest.mark.timeout(120)
+def test_sigusr1_to_one_agent_stops_every_rank_at_one_step(tmp_path):
+    job, ended = preempted(tmp_path, ["--signal-rank", "0", "--signal", "USR1", "--signal-to", "agent"])
+    assert_one_stop(ended, tmp_path, "SIGUSR1")
+    asked = next(e for e in ended if "ddprun: got SIGUSR1: asking every rank to stop" in e.output)
+    other = ended[1 - asked.node]
+    assert re.search(r"^ddprun: SIGUSR1 on agent \(node \d, \S+\): every rank stops after optimizer step \d+",
+                     other.output, re.M), describe(ended)
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_every_process_of_one_node_stops_every_rank_at_one_step(tmp_path):
+    _, ended = preempted(tmp_path, ["--signal-rank", "1", "--signal", "TERM", "--signal-to", "node"])
+    assert_one_stop(ended, tmp_path, "SIGTERM")
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(150)
+def test_a_checkpoint_longer_than_torchs_30_s_completes_within_the_grace(tmp_path):
+    _, ended = preempted(tmp_path, ["--signal-rank", "1", "--signal", "TERM", "--slow-checkpoint", "33"],
+                         extra=["--preempt-grace", "60"], timeout=120)
+    assert_one_stop(ended, tmp_path, "SIGTERM")
+    assert all("preemption grace" not in e.output for e in ended), describe(ended)
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(90)
+def test_a_stop_that_outlasts_the_grace_is_forced_on_every_node(tmp_path):
+    job, ended = preempted(tmp_path, ["--signal-rank", "1", "--signal", "TERM", "--slow-checkpoint", "60"],
+                           extra=["--preempt-grace", "3", "--stop-grace", "3"], timeout=60)
+    sent = job_time(job, float((tmp_path / "signalled").read_text().split(" at ")[1]))
+    assert [e.returncode for e in ended] == [128 + signal.SIGTERM] * 2, describe(ended)
+    for e in ended:
+        assert "ddprun: the preemption grace of 3 s (--preempt-grace) ended before every rank of this node stopped " \
+               "at the agreed step; workers stopped" in e.output, describe(ended)
+    last = max(e.ended_at for e in ended) - sent
+    print(f"preemption outlasting a 3 s grace -> last node exited {last:.1f} s after the signal")
+    assert last < 15, describe(ended)
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_an_unmodified_loop_gets_its_on_preempt_callback_at_one_step_on_every_rank(tmp_path):
+    out = tmp_path / "out"
+    job = Nodes(tmp_path, 2, 1, ["--out", str(out), "--signal-rank", "1", "--signal-step", "5"], script=LOOP,
+                extra=["--log-dir", str(tmp_path / "runs")])
+    ended = job.finish(timeout=90)
+    assert [e.returncode for e in ended] == [75, 75], describe(ended)
+    called = {r: (out / f"callback-{r}.txt").read_text() for r in (0, 1)}
+    assert called[0] == called[1] and int(called[0]) > 5, called  # the same step on both ranks
+    for e in ended:
+        assert f"every rank stopped after optimizer step {called[0]} of this launch; the script's on_preempt " \
+               "callbacks ran there" in e.output, describe(ended)
+        assert "Traceback" not in e.output, describe(ended)
+    assert not (out / "after-loop-0.txt").exists(), "the script went on past its stop step"
+    assert_nothing_left(tmp_path)

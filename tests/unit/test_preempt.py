@@ -1,0 +1,126 @@
+"""Preemption's pure parts (protocol/preempt.py: signals, stop-step proposals, records, grace) and
+the worker's signal plumbing (ddprun.preempt: chaining the script's handlers, the wakeup fd, the
+stop at the agreed optimizer step)."""
+
+import os
+import select
+import signal
+
+import pytest
+import torch
+
+from ddprun import preempt
+from ddprun.errors import ConfigError
+from ddprun.preempt import Preempted
+from ddprun.protocol import preempt as pp
+
+
+def test_signals_parse_by_name_prefix_or_number_and_none_turns_them_off():
+    assert pp.parse_signals("TERM,sigusr1, 10,HUP") == (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+    assert pp.parse_signals("none") == () and pp.parse_signals("") == ()
+    assert pp.signal_names((signal.SIGTERM, signal.SIGINT)) == "TERM,INT" and pp.signal_names(()) == "none"
+
+
+@pytest.mark.parametrize("raw", ["TERM,NOPE", "KILL", "STOP,TERM", "999"])
+def test_a_bad_signal_list_is_one_message_naming_the_value(raw):
+    with pytest.raises(ConfigError) as e:
+        pp.parse_signals(raw)
+    assert raw in str(e.value) and "HINT" in str(e.value)
+
+
+def test_a_proposal_lies_three_seconds_of_steps_and_at_least_two_steps_ahead():
+    assert pp.propose(10, None) == 12  # no rate yet: the step in flight and one more
+    assert pp.propose(10, 0.1) == 12  # slow steps: still two
+    assert pp.propose(100, 50.0) == 100 + 151  # 50 steps/s: 3 s of them, and one
+    assert pp.propose(5, float("nan")) == 7
+
+
+def test_records_round_trip_and_bad_values_are_no_record():
+    req = pp.Request("SIGTERM", "rank 3", 1, "host-b", 12.5)
+    assert pp.Request.parse(req.to_json()) == req and req.where() == "rank 3 (node 1, host-b)"
+    saved = pp.Saved(40, 140, "/ck/step-00000140.pt", 2.1, "fit")
+    assert pp.Saved.parse(saved.to_json().encode()) == saved
+    for bad in (None, b"", b"{", b'{"step": "x"}', b"[1, 2]", b'"text"'):
+        assert pp.Request.parse(bad) is None and pp.Saved.parse(bad) is None
+
+
+@pytest.mark.parametrize(("environ", "seconds", "source"), [
+    ({}, 30.0, "default"),
+    ({"SLURM_JOB_ID": "7"}, 30.0, "SLURM"),
+    ({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, 30.0, "Kubernetes"),
+    ({"SM_HOSTS": '["algo-1"]'}, 120.0, "SageMaker"),
+    ({"SLURM_JOB_ID": "7", "DDPRUN_PREEMPT_GRACE": "90"}, 90.0, "DDPRUN_PREEMPT_GRACE"),
+])
+def test_the_grace_comes_from_the_environment(environ, seconds, source):
+    got, why = pp.grace(environ, None)
+    assert got == seconds and why.startswith(source)
+
+
+def test_the_grace_flag_wins_and_a_bad_variable_is_named():
+    assert pp.grace({"DDPRUN_PREEMPT_GRACE": "90"}, 45.0) == (45.0, "--preempt-grace")
+    for bad in ("0", "-3", "inf", "soon"):
+        with pytest.raises(ConfigError, match="DDPRUN_PREEMPT_GRACE"):
+            pp.grace({"DDPRUN_PREEMPT_GRACE": bad}, None)
+
+
+@pytest.fixture
+def installed(monkeypatch):
+    """ddprun.preempt's handlers for SIGUSR1/SIGUSR2 in this process, everything put back afterwards."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGUSR2)}
+    wakeup = signal.set_wakeup_fd(-1)
+    monkeypatch.setattr(preempt, "PREEMPT", preempt.PreemptState())
+    fd = preempt.install((signal.SIGUSR1, signal.SIGUSR2))
+    yield fd, preempt.PREEMPT
+    signal.signal = preempt._signal_signal
+    signal.set_wakeup_fd(wakeup)
+    for s, h in saved.items():
+        signal.signal(s, h)
+    os.close(fd)
+
+
+def test_a_signal_reaches_the_wakeup_fd_and_the_scripts_own_handler_still_runs(installed):
+    fd, state = installed
+    seen = []
+    before = signal.signal(signal.SIGUSR1, lambda s, f: seen.append(s))  # the script sets its own: chained
+    assert before == signal.SIG_DFL
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert select.select([fd], [], [], 2)[0] == [fd]
+    assert list(os.read(fd, 64)) == [signal.SIGUSR1]
+    assert seen == [signal.SIGUSR1] and signal.getsignal(signal.SIGUSR1) is preempt._handler
+    assert state.signum is None  # the handler only chains: the monitor decides what the signal means
+
+
+def test_a_script_that_ignores_a_signal_has_it_ignored(installed):
+    _, state = installed
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN and signal.SIGUSR2 not in state.signals
+    os.kill(os.getpid(), signal.SIGUSR2)  # ignored: this test goes on
+
+
+def test_outside_fit_the_callbacks_run_at_the_stop_step_and_the_script_ends_there(monkeypatch):
+    from ddprun.telemetry import PROGRESS
+    from ddprun.worker import progress
+
+    state = preempt.PreemptState(stop_step=PROGRESS.steps + 2, signame="SIGTERM")
+    monkeypatch.setattr(preempt, "PREEMPT", state)
+    monkeypatch.setattr(progress, "PREEMPT", state)
+    progress.install()
+    calls = []
+    preempt.on_preempt(calls.append)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    done = 0
+    with pytest.raises(Preempted) as e:
+        for _ in range(5):
+            model(torch.ones(1, 2)).sum().backward()
+            opt.step()
+            done += 1
+    assert done == 1 and calls == [state.stop_step] and e.value.code == 0 and e.value.step == state.stop_step
+    assert state.saved is not None and state.saved[4] == "on_preempt"
+
+
+def test_inside_fit_the_optimizer_hook_leaves_the_stop_to_fit(monkeypatch):
+    state = preempt.PreemptState(stop_step=1, fit_active=True)
+    monkeypatch.setattr(preempt, "PREEMPT", state)
+    preempt.at_optimizer_step(3)  # no Preempted: fit checkpoints and stops by itself
+    assert state.saved is None
