@@ -69,7 +69,7 @@ def assert_one_stop(ended, tmp_path: Path, signame: str) -> int:
 @pytest.mark.timeout(240)
 def test_sigterm_to_one_worker_stops_every_rank_at_one_step_and_the_same_command_resumes_bitwise(tmp_path,
                                                                                              reference):
-    job, ended = preempted(tmp_path, ["--signal-rank", "1", "--signal", "TERM", "--signal-to", "self"])
+    job, ended = preempted(tmp_path, ["--signal-rank", "1", "--send-signal", "TERM", "--signal-to", "self"])
     sent = float((tmp_path / "signalled").read_text().split(" at ")[1])
     step = assert_one_stop(ended, tmp_path, "SIGTERM")
     print(f"SIGTERM to one worker -> stop after step {step}; last node exited "
@@ -93,7 +93,7 @@ def job_time(job: Nodes, wall: float) -> float:
 
 @pytest.mark.timeout(120)
 def test_sigusr1_to_one_agent_stops_every_rank_at_one_step(tmp_path):
-    job, ended = preempted(tmp_path, ["--signal-rank", "0", "--signal", "USR1", "--signal-to", "agent"])
+    job, ended = preempted(tmp_path, ["--signal-rank", "0", "--send-signal", "USR1", "--signal-to", "agent"])
     assert_one_stop(ended, tmp_path, "SIGUSR1")
     asked = next(e for e in ended if "ddprun: got SIGUSR1: asking every rank to stop" in e.output)
     other = ended[1 - asked.node]
@@ -104,14 +104,14 @@ def test_sigusr1_to_one_agent_stops_every_rank_at_one_step(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_sigterm_to_every_process_of_one_node_stops_every_rank_at_one_step(tmp_path):
-    _, ended = preempted(tmp_path, ["--signal-rank", "1", "--signal", "TERM", "--signal-to", "node"])
+    _, ended = preempted(tmp_path, ["--signal-rank", "1", "--send-signal", "TERM", "--signal-to", "node"])
     assert_one_stop(ended, tmp_path, "SIGTERM")
     assert_nothing_left(tmp_path)
 
 
 @pytest.mark.timeout(150)
 def test_a_checkpoint_longer_than_torchs_30_s_completes_within_the_grace(tmp_path):
-    _, ended = preempted(tmp_path, ["--signal-rank", "1", "--signal", "TERM", "--slow-checkpoint", "33"],
+    _, ended = preempted(tmp_path, ["--signal-rank", "1", "--send-signal", "TERM", "--slow-checkpoint", "33"],
                          extra=["--preempt-grace", "60"], timeout=120)
     assert_one_stop(ended, tmp_path, "SIGTERM")
     assert all("preemption grace" not in e.output for e in ended), describe(ended)
@@ -120,7 +120,7 @@ def test_a_checkpoint_longer_than_torchs_30_s_completes_within_the_grace(tmp_pat
 
 @pytest.mark.timeout(90)
 def test_a_stop_that_outlasts_the_grace_is_forced_on_every_node(tmp_path):
-    job, ended = preempted(tmp_path, ["--signal-rank", "1", "--signal", "TERM", "--slow-checkpoint", "60"],
+    job, ended = preempted(tmp_path, ["--signal-rank", "1", "--send-signal", "TERM", "--slow-checkpoint", "60"],
                            extra=["--preempt-grace", "3", "--stop-grace", "3"], timeout=60)
     sent = job_time(job, float((tmp_path / "signalled").read_text().split(" at ")[1]))
     assert [e.returncode for e in ended] == [128 + signal.SIGTERM] * 2, describe(ended)

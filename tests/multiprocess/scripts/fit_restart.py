@@ -8,7 +8,7 @@
         [--marker PATH]                 the failure happens only while PATH does not exist (first attempt)
         [--wipe-before-kill]            the killed rank deletes its node's run dir/checkpoints first
         [--timeline PATH]               rank 0 logs each training_step call and optimizer step (benchmarks)
-        [--signal-rank R --signal-step S --signal NAME --signal-to self|agent|node]
+        [--signal-rank R --signal-step S --send-signal NAME --signal-to self|agent|node]
                                         rank R sends SIGNAME during step S+1 to itself, its agent, or its
                                         agent and every worker of its node (a preemption)
         [--slow-checkpoint SECONDS]     the checkpoint hook sleeps this long after a non-final checkpoint
@@ -86,7 +86,7 @@ def main():
                    help="the killed rank first deletes its node's checkpoints (a node back with an empty disk)")
     p.add_argument("--signal-rank", type=int)
     p.add_argument("--signal-step", type=int)
-    p.add_argument("--signal", default="TERM")
+    p.add_argument("--send-signal", default="TERM")
     p.add_argument("--signal-to", choices=["self", "agent", "node"], default="self")
     p.add_argument("--slow-checkpoint", type=float, default=0.0)
     p.add_argument("--timeline", help="rank 0 appends '<event> <pid> <unix time>' per training_step call and step")
@@ -114,8 +114,8 @@ def main():
     def send_signal() -> None:
         if args.marker:
             with open(args.marker, "w") as f:
-                f.write(f"SIG{args.signal} from rank {rank} at {time.time()}\n")
-        sig = getattr(signal, f"SIG{args.signal}")
+                f.write(f"SIG{args.send_signal} from rank {rank} at {time.time()}\n")
+        sig = getattr(signal, f"SIG{args.send_signal}")
         agent = os.getppid()
         targets = {"self": [os.getpid()], "agent": [agent], "node": [agent, *workers_of(agent)]}[args.signal_to]
         for pid in targets:
