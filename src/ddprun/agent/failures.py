@@ -453,10 +453,14 @@ class AgentFailures:
 
     def mark_stopping(self) -> None:
         """Torch's agent is about to signal this node's workers: they stop at once, not for a preemption."""
+        from ddprun.agent.endpoint import port_open
+
         keys = self._keys
-        if keys is None:
+        # no store (its host is gone: refused at once): the workers do not find it either, and stop at once
+        # too; never wait for a client's connect timeout here, on the way out
+        if keys is None or (self._store is None and not port_open(self._addr, self._port)):
             return
-        try:  # no store: the workers do not find it either, and stop at once too
+        try:
             self._client().set(keys.stopping(self._node), "1")
         except Exception:  # noqa: BLE001
             self._store = None
