@@ -92,13 +92,35 @@ def job_time(job: Nodes, wall: float) -> float:
 
 
 @pytest.mark.timeout(120)
-def test_sigusr1_to_one_agent_stops_every_rank_at_one_step(tmp_path):
-    job, ended = preempted(tmp_path, ["--signal-rank", "0", "--send-signal", "USR1", "--signal-to", "agent"])
-    assert_one_stop(ended, tmp_path, "SIGUSR1")
-    asked = next(e for e in ended if "ddprun: got SIGUSR1: asking every rank to stop" in e.output)
+@pytest.mark.parametrize("name", ["USR1", "INT"], ids=["sigusr1", "ctrl-c"])
+def test_a_signal_to_one_agent_stops_every_rank_at_one_step(tmp_path, name):
+    job, ended = preempted(tmp_path, ["--signal-rank", "0", "--send-signal", name, "--signal-to", "agent"])
+    assert_one_stop(ended, tmp_path, f"SIG{name}")
+    asked = next(e for e in ended if f"ddprun: got SIG{name}: asking every rank to stop" in e.output)
     other = ended[1 - asked.node]
-    assert re.search(r"^ddprun: SIGUSR1 on agent \(node \d, \S+\): every rank stops after optimizer step \d+",
+    assert re.search(rf"^ddprun: SIG{name} on agent \(node \d, \S+\): every rank stops after optimizer step \d+",
                      other.output, re.M), describe(ended)
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_a_second_signal_to_an_agent_stops_its_workers_at_once(tmp_path):
+    job = Nodes(tmp_path, 2, 1, [*SLOW, "--out", str(tmp_path / "out"), "--signal-step", "5", "--signal-rank", "0",
+                                 "--send-signal", "USR1", "--signal-to", "agent", "--marker", str(tmp_path / "signalled")],
+                extra=["--log-dir", str(tmp_path / "runs")], script=FIT)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "signalled").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # the agent has its first signal (the stop step is seconds ahead)
+    asked = next(i for i, out in enumerate(job.outs) if "ddprun: got SIGUSR1" in out.read_text())
+    sent = job.signal(asked, signal.SIGTERM)
+    ended = job.finish(timeout=60)
+    stopped, other = ended[asked], ended[1 - asked]
+    assert stopped.returncode == 128 + signal.SIGTERM and other.returncode == 1, describe(ended)
+    assert "ddprun: stopped by SIGTERM; workers stopped." in stopped.output, describe(ended)
+    assert not list((tmp_path / "runs" / "fault" / "checkpoints").glob("step-*.pt")), "a checkpoint after all"
+    print(f"a second signal to an agent -> that node exited {stopped.ended_at - sent:.1f} s later")
+    assert stopped.ended_at - sent < 10, describe(ended)
     assert_nothing_left(tmp_path)
 
 
