@@ -16,6 +16,7 @@ through the store: protocol/preempt.py) and by ``ddprun.fit`` (which checkpoints
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -124,7 +125,6 @@ def die_by(signum: int) -> None:
     """End this process by ``signum`` as if no handler were installed (its agent is stopping it).
     Any thread: the disposition is reset through libc, which Python allows only on the main thread."""
     import ctypes
-    import os
 
     sys.stdout.flush()
     sys.stderr.flush()

@@ -65,10 +65,10 @@ class Preemption:
         if not self._said_stop and stop not in (None, pp.NO_STEP) and req is not None:
             self._said_stop = True
             self._say(f"{req.signal} on {req.where()}: every rank stops after optimizer step {stop} of this launch")
-        if self.sig is not None and self.failures.preempt_stop == pp.NO_STEP:
+        if self.sig is not None and stop == pp.NO_STEP:
             return self.sig  # nothing in the job stops at a step: this signal stops the workers now, as torch's would
         if self.grace_over():
-            return self.sig or int(getattr(signal, self.request.signal if self.request else "SIGTERM", signal.SIGTERM))
+            return self.sig or int(getattr(signal, self.signame(), signal.SIGTERM))
         return None
 
     def before_exit(self) -> None:

@@ -691,15 +691,10 @@ class _Loop:
 
     def _preempted(self) -> None:
         """The job's agreed preemption step (every rank is here): checkpoint, then stop (Preempted)."""
-        p, t0 = self.p, time.monotonic()
+        t0 = time.monotonic()
         if self.window.steps:
             self._flush_window()
-        if p.ckpts.last_saved != (self.step, self.epoch):
-            with busy("checkpoint"):
-                path = p.ckpts.save(self.step, self.epoch, self._state, final=True)
-        else:  # checkpoint_every saved this very step
-            path = ckpt.latest(p.ckpts.directory) if p.info.is_main else None
-            runtime.barrier()
+        path, _ = self._checkpoint_here()
         seconds = time.monotonic() - t0
         if self.o.on_checkpoint is not None:
             self.o.on_checkpoint(CheckpointSaved(path, self.step, self.epoch, False,
@@ -741,6 +736,18 @@ class _Loop:
                               batches_done=self.batches_done, samples_done=self.epoch_samples, seed=self.o.seed,
                               world_size=p.info.world_size, batch_size=p.batch_size, rng=rngs, history=self.history)
 
+    def _checkpoint_here(self) -> tuple[str | None, bool]:
+        """A checkpoint of this position, every rank together, no rank past it before it exists:
+        (its path on rank 0, whether it was written now). A position saved already (at this step, or a
+        finished run resumed) keeps that file; one saved before its epoch counted is saved again."""
+        p = self.p
+        if p.ckpts.last_saved != (self.step, self.epoch):
+            with busy("checkpoint"):
+                return p.ckpts.save(self.step, self.epoch, self._state, final=True), True
+        path = ckpt.latest(p.ckpts.directory) if p.info.is_main else None
+        runtime.barrier()
+        return path, False
+
     def _finish(self) -> FitResult:
         """The last log row, validation and checkpoint; the results, the same on every rank."""
         p, o, info = self.p, self.o, self.p.info
@@ -749,14 +756,9 @@ class _Loop:
         if p.val_loader is not None and self.val_step != self.step:
             self._validation(self.epoch if self.batches_done else self.epoch - 1)
         train_loss = _mean_over_ranks(self.window.last, info)
-        if p.ckpts.last_saved != (self.step, self.epoch):  # saved at the last step, before its epoch counted: again
-            with busy("checkpoint"):
-                path = p.ckpts.save(self.step, self.epoch, self._state, final=True)
-            if path:
-                self.progress.message(f"checkpoint: {path}")
-        else:  # saved at this step already (or resumed a finished run): that file is the final one
-            path = ckpt.latest(p.ckpts.directory) if info.is_main else None
-            runtime.barrier()
+        path, written = self._checkpoint_here()
+        if written and path:
+            self.progress.message(f"checkpoint: {path}")
         if o.on_checkpoint is not None:
             results = {"train_loss": train_loss, **self.val_result} if train_loss is not None else dict(self.val_result)
             o.on_checkpoint(CheckpointSaved(path, self.step, self.epoch, True, results))

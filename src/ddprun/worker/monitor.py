@@ -288,9 +288,12 @@ class Monitor:
         if not self._rate_samples or now - self._rate_samples[-1][0] >= RATE_SAMPLE_S:
             self._rate_samples.append((now, steps))  # a signal wakes the thread early: no rate over a millisecond
         keys = self.ch.keys
-        if PREEMPT.requested or not (PREEMPT.signum is not None or store.check([keys.preempt])):
+        if PREEMPT.requested:
             return
-        req = pp.Request.parse(store.get(keys.preempt)) if store.check([keys.preempt]) else None
+        present = bool(store.check([keys.preempt]))  # one check a poll until the job is asked to stop
+        if not present and PREEMPT.signum is None:
+            return
+        req = pp.Request.parse(store.get(keys.preempt)) if present else None
         PREEMPT.requested, PREEMPT.signame = True, req.signal if req else signal.Signals(PREEMPT.signum or 15).name
         consumer = PREEMPT.fit_active or bool(PREEMPT.callbacks)
         mine = str(pp.propose(steps, self._rate())) if consumer else pp.NO_STEP
