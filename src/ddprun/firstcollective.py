@@ -6,13 +6,16 @@ Two phases, so that a slow rank is not mistaken for a broken network:
 1. arrival, through the process group's store (TCP, already working): every rank counts itself in
    and waits, bounded by the generous init timeout, until all have (ranks may still be importing);
 2. one 1-element all_reduce over the new backend, bounded by the short probe timeout and run in a
-   daemon thread (a blocked collective cannot be interrupted; the worker then ends with the error).
+   daemon thread (a blocked NCCL collective cannot be interrupted). gloo runs it under that timeout
+   too, so its op ends by itself; after a failure the group is destroyed (gloo) or aborted (NCCL):
+   a gloo op left blocked at interpreter exit aborts the process (SIGABRT) after the clear error.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Mapping
 from datetime import timedelta
 
@@ -22,6 +25,10 @@ DEFAULT_TIMEOUT_S = 30.0
 """Seconds the first all_reduce may take once every rank has arrived (NCCL connects here)."""
 TIMEOUT_ENV = "DDPRUN_FIRST_COLLECTIVE_TIMEOUT"
 ARRIVAL_KEY = "ddprun/first_collective"
+GLOO_END_S = 2.0
+"""Seconds past the probe timeout to wait for gloo's own timeout to end the probe's op."""
+LEAVE_S = 5.0
+"""At most this long to destroy (gloo) or abort (NCCL) the group after a failed probe."""
 
 
 def probe_timeout(environ: Mapping[str, str]) -> float:
@@ -98,23 +105,63 @@ def first_collective(device, backend: str, world_size: int, environ: Mapping[str
         raise ClusterError(f"Only {seen_n} of {world_size} ranks joined the process group within "
                            f"{arrival_timeout_s:g} s.", seen=f"{type(e).__name__}: {e}",
                            hint="a rank is slow before ddprun.init() or has died; see its log.") from e
+    if backend == "gloo":
+        # gloo itself then ends the wait: a gloo op still blocked at interpreter exit aborts the process
+        _set_timeout(timeout_s)
+    box = _bounded_all_reduce(device, timeout_s, timeout_s + (GLOO_END_S if backend == "gloo" else 0.0))
+    if "sum" in box and box["sum"] == world_size:
+        if backend == "gloo":
+            _set_timeout(arrival_timeout_s)
+        return
+    _leave_group(backend)
+    if "sum" in box:
+        raise _failure(f"The first collective summed to {box['sum']:g} instead of {world_size}: ranks of "
+                       "different jobs or groups are mixed.", backend, environ)
+    if "error" in box and box["seconds"] < timeout_s:
+        raise _failure(f"The first collective ({backend} all_reduce of one element) failed: "
+                       f"{type(box['error']).__name__}: {box['error']}", backend, environ) from box["error"]
+    raise _failure(f"The first collective ({backend} all_reduce of one element) did not complete within "
+                   f"{timeout_s:g} s, although all {world_size} ranks joined the process group.", backend, environ)
+
+
+def _bounded_all_reduce(device, timeout_s: float, end_s: float) -> dict:
+    """Run the all_reduce in a daemon thread (a blocked collective cannot be interrupted); return
+    {"sum"} or {"error", "seconds"} (seconds after the start), or {} if it is still running after
+    ``timeout_s``. Then wait until ``end_s`` for it to end by itself (gloo's own timeout)."""
     box: dict = {}
+    start = time.monotonic()
 
     def run() -> None:
         try:
             box["sum"] = _all_reduce(device)
-        except Exception as e:  # noqa: BLE001 - reported below with the transport in use
-            box["error"] = e
+        except Exception as e:  # noqa: BLE001 - reported by the caller with the transport in use
+            box["error"], box["seconds"] = e, time.monotonic() - start
 
     t = threading.Thread(target=run, name="ddprun-first-collective", daemon=True)
     t.start()
     t.join(timeout_s)
-    if "error" in box:
-        raise _failure(f"The first collective ({backend} all_reduce of one element) failed: "
-                       f"{type(box['error']).__name__}: {box['error']}", backend, environ) from box["error"]
-    if "sum" not in box:
-        raise _failure(f"The first collective ({backend} all_reduce of one element) did not complete within "
-                       f"{timeout_s:g} s, although all {world_size} ranks joined the process group.", backend, environ)
-    if box["sum"] != world_size:
-        raise _failure(f"The first collective summed to {box['sum']:g} instead of {world_size}: ranks of "
-                       "different jobs or groups are mixed.", backend, environ)
+    result = dict(box)
+    if "sum" not in result and "error" not in result:
+        t.join(max(0.0, end_s - (time.monotonic() - start)))
+        if "error" in box:
+            result = {"error": box["error"], "seconds": box["seconds"]}
+    return result
+
+
+def _set_timeout(seconds: float) -> None:
+    """The default group's collective timeout (gloo reads it when an op starts)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d._set_pg_timeout(timedelta(seconds=seconds))
+
+
+def _leave_group(backend: str) -> None:
+    """After a failed probe: end the group, bounded (LEAVE_S), so that init() leaves none behind.
+    gloo: destroy (its probe op has ended); NCCL: abort, which also ends a blocked NCCL kernel."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    end = dist.destroy_process_group if backend == "gloo" else c10d._abort_process_group
+    t = threading.Thread(target=end, name="ddprun-leave-group", daemon=True)
+    t.start()
+    t.join(LEAVE_S)

@@ -59,3 +59,6 @@ def test_a_rank_whose_collective_never_arrives_is_named_within_the_probe_timeout
     assert f"Seen: backend gloo; GLOO_SOCKET_IFNAME='lo', NCCL_SOCKET_IFNAME unset (the library picks); " \
            f"MASTER_ADDR:MASTER_PORT=127.0.0.1:{port}; this rank 0 on " in out0, out0
     assert "HINT: the ranks reach each other's store but not each other's transport: set GLOO_SOCKET_IFNAME" in out0
+    # neither rank leaves its group (nor rank 0 its timed-out gloo op) to the interpreter's teardown,
+    # where a blocked gloo op aborts the process (SIGABRT) after the clear error
+    assert "group alive at exit: False" in out0 and "group alive at exit: False" in out1, (out0, out1)

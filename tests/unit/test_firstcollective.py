@@ -32,10 +32,20 @@ def join_group_of_one(**env):
     os.environ.update(torchrun_env(port=free_port()), **env)
 
 
+def gloo_timeout_s() -> float:
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    return backend.options._timeout.total_seconds()
+
+
 def test_init_runs_the_first_collective(monkeypatch):
-    join_group_of_one()
+    join_group_of_one(DDPRUN_FIRST_COLLECTIVE_TIMEOUT="4")
+    seen = []
+    real = firstcollective._all_reduce
+    monkeypatch.setattr(firstcollective, "_all_reduce", lambda device: seen.append(gloo_timeout_s()) or real(device))
     runtime.init(timeout=30)
     assert dist.distributed_c10d._get_default_store().add(firstcollective.ARRIVAL_KEY, 0) == 1
+    # gloo runs the probe under the probe's timeout (so its op ends by itself), then init's again
+    assert seen == [4.0] and gloo_timeout_s() == 30.0
 
 
 def test_a_first_collective_that_never_completes_is_an_error_within_its_timeout(monkeypatch):
@@ -46,6 +56,7 @@ def test_a_first_collective_that_never_completes_is_an_error_within_its_timeout(
         runtime.init(timeout=30)
     assert time.monotonic() - t0 < 5
     assert "backend gloo; GLOO_SOCKET_IFNAME='lo'" in str(e.value) and "HINT: " in str(e.value)
+    assert not dist.is_initialized()  # init leaves no broken group behind
 
 
 def test_a_first_collective_that_fails_is_one_error_naming_the_transport(monkeypatch):
@@ -58,6 +69,7 @@ def test_a_first_collective_that_fails_is_one_error_naming_the_transport(monkeyp
     with pytest.raises(ClusterError, match=r"\(gloo all_reduce of one element\) failed: RuntimeError: Connection "
                                            r"refused\nSeen: backend gloo; "):
         runtime.init(timeout=30)
+    assert not dist.is_initialized()
 
 
 def test_the_probe_can_be_turned_off(monkeypatch):
