@@ -25,9 +25,11 @@ import this module.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from importlib import import_module
 from typing import TYPE_CHECKING, Any, cast
@@ -191,6 +193,49 @@ class _TrainingTimeout(Callback):
             runtime.use_training_timeout()
 
 
+class _PreemptAtStep(Callback):
+    """``ddprun run``'s preemption (:mod:`ddprun.preempt`) in fit_lightning: right after the job's
+    agreed optimizer step every rank saves ``last.ckpt`` (``trainer.save_checkpoint``: rank 0
+    writes, every rank waits) and raises :class:`~ddprun.preempt.Preempted`, which ends
+    ``trainer.fit`` without the validation a ``should_stop`` would run first. Lightning's own
+    signal handlers are not installed meanwhile (:func:`_preemption_by_ddprun`): they would stop
+    each rank at its own batch (lightning#21406)."""
+
+    def __init__(self, ckpt_dir: str) -> None:
+        self.ckpt_dir = ckpt_dir
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        from ddprun.preempt import PREEMPT, Preempted
+        from ddprun.telemetry import PROGRESS
+
+        if not PREEMPT.due(PROGRESS.steps):
+            return
+        t0 = time.monotonic()
+        path = os.path.join(self.ckpt_dir, "last.ckpt")
+        trainer.save_checkpoint(path)
+        seconds = time.monotonic() - t0
+        PREEMPT.saved = (PROGRESS.steps, trainer.global_step, path, seconds, "fit")
+        raise Preempted(PREEMPT.signame, trainer.global_step, path, seconds)
+
+
+@contextlib.contextmanager
+def _preemption_by_ddprun(trainer: pl.Trainer) -> Iterator[None]:
+    """Inside a ``ddprun run`` worker that catches preemption signals: the agreed step is fit's (the
+    monitor proposes one) and Lightning installs no signal handler of its own."""
+    from ddprun.preempt import PREEMPT
+
+    connector = getattr(trainer, "_signal_connector", None)
+    if not PREEMPT.signals or connector is None:
+        yield
+        return
+    connector.register_signal_handlers = lambda: None  # private in Lightning; absent: its handlers run
+    PREEMPT.fit_active = True
+    try:
+        yield
+    finally:
+        PREEMPT.fit_active = False
+
+
 # -- fit ----------------------------------------------------------------------------------------
 
 @dataclass
@@ -311,6 +356,7 @@ def fit_lightning(model: pl.LightningModule, train_data: Any = None, *, val_data
     # the user's callbacks are added to ddprun's, not given to the Trainer in place of them
     callbacks = _callbacks(user.pop("callbacks", None), user.get("enable_checkpointing", True), ckpt_dir,
                            checkpoint_every)
+    callbacks.append(_PreemptAtStep(ckpt_dir))
     if epochs is None:
         epochs = 1 if max_steps is None else -1  # -1: Lightning's "unbounded"
     settings.update(
@@ -323,8 +369,9 @@ def fit_lightning(model: pl.LightningModule, train_data: Any = None, *, val_data
     settings["callbacks"] = callbacks
     trainer = pl.Trainer(**settings)
     safe = {"weights_only": True} if "weights_only" in inspect.signature(trainer.fit).parameters else {}
-    trainer.fit(model, train_dataloaders=train_loader, val_dataloaders=val_loader, datamodule=datamodule,
-                ckpt_path=_agreed(_resume_path(resume, ckpt_dir), info), **safe)  # no code runs on resume
+    with _preemption_by_ddprun(trainer):
+        trainer.fit(model, train_dataloaders=train_loader, val_dataloaders=val_loader, datamodule=datamodule,
+                    ckpt_path=_agreed(_resume_path(resume, ckpt_dir), info), **safe)  # no code runs on resume
     return _result(trainer, model, run_dir, info)
 
 

@@ -170,3 +170,37 @@ def test_an_unmodified_loop_gets_its_on_preempt_callback_at_one_step_on_every_ra
         assert "Traceback" not in e.output, describe(ended)
     assert not (out / "after-loop-0.txt").exists(), "the script went on past its stop step"
     assert_nothing_left(tmp_path)
+
+
+LIGHTNING_FIT = str(Path(__file__).parents[1] / "integrations" / "scripts" / "lightning_fit.py")
+
+
+@pytest.mark.timeout(240)
+def test_a_lightning_module_under_fit_stops_at_one_step_with_last_ckpt_and_resumes_there(tmp_path):
+    """ddprun.fit(lit_module): SIGTERM to one rank; Lightning's own handler (which would stop each rank
+    at its own batch) is not installed, both ranks save last.ckpt at the agreed step and stop there,
+    and the same command continues from that step: no step is trained twice or lost."""
+    pytest.importorskip("lightning.pytorch")
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    args = ["--out", str(out), "--steps", "60", "--step-sleep", "0.1", "--signal-rank", "1", "--signal-step", "5",
+            "--marker", str(tmp_path / "signalled")]
+    ended = Nodes(tmp_path, 2, 1, args, extra=["--log-dir", str(runs)], script=LIGHTNING_FIT).finish(timeout=120)
+    assert [e.returncode for e in ended] == [75, 75], describe(ended)
+    stops = {STOPPED.search(e.output).groups() if STOPPED.search(e.output) else None for e in ended}
+    assert len(stops) == 1 and None not in stops, describe(ended)
+    (sig, step, fit_step, path), = stops
+    ckpt = runs / "fault" / "checkpoints" / "last.ckpt"
+    assert sig == "SIGTERM" and step == fit_step and int(step) > 5 and Path(path) == ckpt, describe(ended)
+    assert torch.load(ckpt, weights_only=True)["global_step"] == int(step)
+    assert "SIGTERMException" not in "".join(e.output for e in ended), describe(ended)
+    assert not list(out.glob("rank-*.json")), "fit returned instead of stopping"
+    assert_nothing_left(tmp_path)
+    again = Nodes(tmp_path, 2, 1, args, extra=["--log-dir", str(runs)], script=LIGHTNING_FIT,
+                  name="again").finish(timeout=120)
+    assert [e.returncode for e in again] == [0, 0], describe(again)
+    import json
+
+    for rank in (0, 1):  # the second launch trained the remaining steps only
+        facts = json.loads((out / f"rank-{rank}.json").read_text())
+        assert (facts["steps"], facts["train_steps"]) == (60, 60 - int(step)), facts
+    assert_nothing_left(tmp_path)
