@@ -77,6 +77,9 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     _flag(g, "--preempt-grace", type=float, default=None,
           help="seconds after a preemption signal before the agent stops the workers that have not stopped "
                "(default: DDPRUN_PREEMPT_GRACE, else the environment's: SageMaker 120, SLURM/Kubernetes/other 30)")
+    _flag(g, "--requeue", action="store_true",
+          help="SLURM batch jobs: after a preemption stop, node rank 0 requeues the job (scontrol requeue "
+               "$SLURM_JOB_ID) and it resumes from that checkpoint (ddprun slurm-template writes it)")
     _flag(g, "--exit-timeout", type=float, default=EXIT_TIMEOUT_S,
           help=f"seconds a worker's atexit handlers may take after the script returned (default {EXIT_TIMEOUT_S:.0f})")
     _flag(g, "--telemetry-window", type=float, default=TELEMETRY_WINDOW_S,
@@ -152,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     tpl.add_argument("--time", default="01:00:00", help="time limit (default 01:00:00)")
     tpl.add_argument("--partition", help="partition (default: the cluster's default)")
     tpl.add_argument("--job-name", default="ddprun", help="job name (default ddprun)")
+    tpl.add_argument("--preempt-lead", type=int, default=120, metavar="SECONDS",
+                     help="SLURM sends every `ddprun run` SIGUSR1 this long before the time limit: every rank "
+                          "stops at one step with ddprun.fit's checkpoint (default 120; 0 = no signal, no requeue)")
+    tpl.add_argument("--no-requeue", dest="requeue", action="store_false",
+                     help="leave out --requeue: the stopped job ends instead of going back in the queue")
     tpl.add_argument("script", nargs="?", default="train.py", metavar="SCRIPT",
                      help="training script (default train.py)")
     tpl.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS")
@@ -201,7 +209,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         telemetry_window=getattr(args, "telemetry_window", TELEMETRY_WINDOW_S),
         stop_grace=getattr(args, "stop_grace", STOP_GRACE_S),
         preempt_signals=getattr(args, "preempt_signals", defaults.PREEMPT_SIGNALS),
-        preempt_grace=getattr(args, "preempt_grace", None),
+        preempt_grace=getattr(args, "preempt_grace", None), requeue=getattr(args, "requeue", False),
     )
 
 
@@ -297,6 +305,10 @@ def cmd_run(cfg: LaunchConfig, environ: Mapping[str, str]) -> int:
             hint="Run the script directly here (ddprun.init()/ddprun.fit() use this environment), "
                  "or unset RANK/LOCAL_RANK/WORLD_SIZE.",
         )
+    if cfg.requeue:
+        from ddprun.cluster.slurm import requeue_command
+
+        requeue_command(environ)  # no SLURM job or no scontrol: said now, not after the preemption
     node = probe_node(environ)
     spec = resolve(cfg, environ, node, launcher=True)
     check_endpoint(spec)
@@ -341,7 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(sbatch_script(args.script, args.script_args, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                                 cpus_per_task=args.cpus_per_task, time=args.time, partition=args.partition,
-                                job_name=args.job_name), end="")
+                                job_name=args.job_name, preempt_lead=args.preempt_lead,
+                                requeue=args.requeue), end="")
             return 0
         if args.command == "report":
             return cmd_report(args)

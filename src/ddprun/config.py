@@ -73,6 +73,8 @@ class LaunchConfig:
     """Signals that stop every rank at one agreed step, with fit's checkpoint (protocol/preempt.py); ``none``: off."""
     preempt_grace: float | None = None
     """Seconds after a preemption request before the agent stops its workers; None: from the environment."""
+    requeue: bool = False
+    """SLURM: after a preemption stop, node rank 0 runs ``scontrol requeue $SLURM_JOB_ID`` once."""
     exit_timeout: float = defaults.EXIT_TIMEOUT_S
     """Seconds a worker's atexit handlers may take before it exits anyway, naming the one that hangs."""
     straggler_margin: float = defaults.STRAGGLER_MARGIN

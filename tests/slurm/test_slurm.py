@@ -12,13 +12,18 @@ ends in bounded time with ddprun's error naming the values and a HINT.
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import DDPRUN, EXAMPLE, REPO
+from tests.helpers import DDPRUN, EXAMPLE, REPO, run_agents
+from tests.helpers import describe as describe_runs
 
 pytestmark = pytest.mark.slurm
 
@@ -195,3 +200,73 @@ def test_slurm_template_submitted_as_printed(slurm, tmp_path):
     assert "2 node(s) x 2 process(es) on cpu" in job.output, slurm.describe(job)
     assert "SLURM_GPUS_ON_NODE=2, but torch sees no CUDA device on node1" in job.output, slurm.describe(job)
     assert (tmp_path / f"tpl-test-{job.job_id}.out").exists()  # the template's own --output
+
+
+FIT = str(Path(__file__).parents[1] / "multiprocess" / "scripts" / "fit_restart.py")  # shared with tests/faults
+FIT_ARGS = ["--steps", "60", "--step-sleep", "0.1", "--checkpoint-every", "1000"]  # 10 steps/s: stops mid-run
+STOPPED = re.compile(r"^ddprun: preempted by SIGUSR1 to the agent of node \d \(node\d\): every rank stopped after "
+                     r"optimizer step (\d+) of this launch; checkpoint at step \1 saved in [\d.]+ s \((\S+)\); "
+                     r"resume with the same command$", re.M)
+
+
+def until(what, timeout: float, poll: float = 0.2) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, f"not within {timeout:.0f} s"
+        time.sleep(poll)
+
+
+@pytest.mark.timeout(300)
+def test_scancel_usr1_stops_every_rank_at_one_step_and_the_requeued_job_resumes_bitwise(slurm, tmp_path):
+    """SLURM's own preemption path: `scancel --signal=USR1` (what `--signal=USR1@N` sends before the
+    time limit) reaches every `ddprun run`; both stop after one step with a checkpoint, node 0 runs
+    `scontrol requeue`, and SLURM's second start of the same job id resumes there: the parameters are
+    those of an uninterrupted run, bit for bit."""
+    ref = run_agents([[DDPRUN, "run", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "ref"), FIT, "--out",
+                       str(tmp_path / "ref-out"), "--steps", "60"]], timeout=120, cwd=tmp_path)
+    assert ref[0].returncode == 0, describe_runs(ref)
+    out, timeline, name = tmp_path / "out", tmp_path / "timeline", f"preempt-{os.getpid()}"
+    script = batch_script(tmp_path, "\n".join([
+        f"#SBATCH --job-name={name}", "#SBATCH --output=%x-%j.out", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --requeue", "#SBATCH --open-mode=append",
+        f"srun {DDPRUN} run --requeue {FIT} {' '.join(FIT_ARGS)} --out {out} --timeline {timeline}"]))
+    done: dict = {}
+    submit = threading.Thread(target=lambda: done.update(job=slurm.sbatch(script, timeout=240, cwd=tmp_path,
+                                                                          as_written=True)))
+    submit.start()
+    until(lambda: timeline.exists() and timeline.read_text().count("step ") >= 5, timeout=120)
+    job_id = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], env=slurm.env(), capture_output=True,
+                            text=True, timeout=10).stdout.strip()
+    signalled = time.monotonic()
+    subprocess.run(["scancel", "--signal=USR1", job_id], env=slurm.env(), check=True, timeout=10)
+
+    def scontrol(*args: str) -> str:
+        return subprocess.run(["scontrol", *args], env=slurm.env(), capture_output=True, text=True,
+                              timeout=10).stdout
+
+    # requeued, SLURM holds the job back for a while (Reason=BeginTime, ~2 min here): the cluster's
+    # policy, not ddprun's; made eligible at once so that the test does not wait for it
+    until(lambda: "JobState=PENDING" in scontrol("show", "job", job_id), timeout=60)
+    pending = scontrol("show", "job", job_id)
+    print("requeued:", *(f for f in pending.split() if f.startswith(("Reason=", "EligibleTime=", "Restarts="))))
+    scontrol("update", f"JobId={job_id}", "StartTime=now")
+    submit.join(260)
+    job = done["job"]
+    assert job.returncode == 0 and job.job_id == int(job_id), slurm.describe(job)
+    first, _, again = job.output.partition("ddprun: requeued SLURM job")
+    stops = STOPPED.findall(first)
+    assert len(stops) == 2 and len(set(stops)) == 1, slurm.describe(job)  # both nodes: one step, one checkpoint
+    (step, path), = set(stops)
+    assert Path(path) == tmp_path / "runs" / f"slurm-{job_id}" / "checkpoints" / f"step-{int(step):08d}.pt"
+    assert again.startswith(f" {job_id} (scontrol requeue {job_id}): ") and again.count("requeued SLURM job") == 0
+    assert f"ddprun: resuming from {path}: step {step}" in again, slurm.describe(job)
+    assert "Traceback" not in job.output, slurm.describe(job)
+    show = subprocess.run(["scontrol", "show", "job", job_id], env=slurm.env(), capture_output=True, text=True,
+                          timeout=10).stdout
+    assert "Restarts=1" in show and "JobState=COMPLETED" in show, show
+    reference = torch.load(tmp_path / "ref-out" / "params-0.pt", weights_only=True)
+    for rank in (0, 1):  # not one step redone or lost
+        got = torch.load(out / f"params-{rank}.pt", weights_only=True)
+        assert all(torch.equal(reference[k], got[k]) for k in reference), f"rank {rank} differs from the reference"
+    print(f"scancel --signal=USR1 -> stop after step {step}, requeued and resumed; "
+          f"job done {time.monotonic() - signalled:.1f} s after the signal")

@@ -186,12 +186,15 @@ def test_sbatch_template_is_the_five_by_four_job():
     assert lines[0] == "#!/bin/bash"
     directives = [line.removeprefix("#SBATCH ") for line in lines if line.startswith("#SBATCH ")]
     assert directives == ["--job-name=ddprun", "--nodes=5", "--ntasks-per-node=1", "--gpus-per-node=4",
-                          "--cpus-per-task=32", "--time=01:00:00", "--output=%x-%j.out"]
+                          "--cpus-per-task=32", "--time=01:00:00", "--output=%x-%j.out",
+                          # SIGUSR1 to the steps (no B:), 120 s ahead; a requeued job appends to its output
+                          "--signal=USR1@120", "--requeue", "--open-mode=append"]
     # every directive comes before the first command, or sbatch ignores it
     first_command = next(i for i, line in enumerate(lines) if line and not line.startswith("#"))
     assert all(i < first_command for i, line in enumerate(lines) if line.startswith("#SBATCH"))
     assert 'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"' in lines
-    assert lines[-1] == "srun ddprun run train.py --lr 1e-3 --name 'a b'"
+    assert lines[-1] == "srun ddprun run --requeue --preempt-grace 90 train.py --lr 1e-3 --name 'a b'"
+    assert all(len(line) <= 100 for line in lines), [line for line in lines if len(line) > 100]
     assert "5 nodes x 4 GPUs = 20 processes" in text
 
 
@@ -206,10 +209,35 @@ def test_sbatch_template_flags_and_errors(capsys):
     for d in ("--job-name=exp1", "--nodes=2", "--gpus-per-node=2", "--cpus-per-task=6", "--time=0:30:00",
               "--partition=gpu"):
         assert f"#SBATCH {d}\n" in out
-    assert out.endswith("srun ddprun run fit.py --epochs 3\n")
+    assert out.endswith("srun ddprun run --requeue --preempt-grace 90 fit.py --epochs 3\n")
     with pytest.raises(ConfigError, match="--gpus-per-node must be at least 1") as e:
         sbatch_script(gpus_per_node=0)
     assert "HINT" in str(e.value)
+    # the signal's lead sets the grace; no requeue, or neither
+    assert main(["slurm-template", "--preempt-lead", "300", "--no-requeue"]) == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --signal=USR1@300\n" in out and "--requeue" not in out and "--open-mode" not in out
+    assert out.endswith("srun ddprun run --preempt-grace 225 train.py\n")
+    assert main(["slurm-template", "--preempt-lead", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "--signal" not in out and "--requeue" not in out and out.endswith("srun ddprun run train.py\n")
+    assert main(["slurm-template", "--preempt-lead", "10"]) == 2
+    assert "--preempt-lead takes 0 (none) or at least 30 seconds.\nSeen: --preempt-lead 10\nHINT: " in \
+        capsys.readouterr().err
+
+
+def test_requeue_needs_a_slurm_job_and_scontrol(tmp_path):
+    from ddprun.cluster.slurm import requeue_command
+    from ddprun.errors import ConfigError
+
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text("#!/bin/sh\n")
+    scontrol.chmod(0o755)
+    assert requeue_command({"SLURM_JOB_ID": "4711", "PATH": str(tmp_path)}) == [str(scontrol), "requeue", "4711"]
+    with pytest.raises(ConfigError, match=r"not a SLURM job\.\nSeen: SLURM_JOB_ID unset\nHINT: Drop --requeue"):
+        requeue_command({"PATH": str(tmp_path)})
+    with pytest.raises(ConfigError, match=r"scontrol, which is not on PATH\.\nSeen: PATH='/nowhere'"):
+        requeue_command({"SLURM_JOB_ID": "4711", "PATH": "/nowhere"})
 
 
 def test_batch_script_of_a_multi_task_job_is_refused_not_left_waiting():

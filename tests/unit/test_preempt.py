@@ -124,3 +124,32 @@ def test_inside_fit_the_optimizer_hook_leaves_the_stop_to_fit(monkeypatch):
     monkeypatch.setattr(preempt, "PREEMPT", state)
     preempt.at_optimizer_step(3)  # no Preempted: fit checkpoints and stops by itself
     assert state.saved is None
+
+
+def test_requeue_runs_scontrol_once_and_says_what_happened_either_way(tmp_path):
+    import io
+    import subprocess
+
+    from ddprun.agent.preemption import requeue
+
+    log = tmp_path / "calls"
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {log}\n[ "$2" = 7 ] || {{ echo "Invalid job id $2" >&2; exit 1; }}\n')
+    scontrol.chmod(0o755)
+    out = io.StringIO()
+    assert requeue([str(scontrol), "requeue", "7"], out)
+    assert log.read_text() == "requeue 7\n"
+    assert out.getvalue() == ("ddprun: requeued SLURM job 7 (scontrol requeue 7): when SLURM starts it again, "
+                              "the same command resumes from this checkpoint\n")
+    out = io.StringIO()
+    assert not requeue([str(scontrol), "requeue", "8"], out)
+    assert out.getvalue() == ("ddprun: could not requeue SLURM job 8: Invalid job id 8\nHINT: requeue it yourself "
+                              "(scontrol requeue 8) or submit the same script again: it resumes from this "
+                              "checkpoint.\n")
+
+    def hangs(cmd, **kw):
+        raise subprocess.TimeoutExpired(cmd, kw["timeout"])
+
+    out = io.StringIO()
+    assert not requeue(["scontrol", "requeue", "9"], out, run=hangs)
+    assert "could not requeue SLURM job 9: scontrol did not answer within 30 s\nHINT: " in out.getvalue()

@@ -11,11 +11,15 @@ workers that have not stopped (SIGTERM, and SIGKILL after ``--stop-grace``).
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from ddprun.protocol import preempt as pp
 
+REQUEUE_TIMEOUT_S = 30.0
+"""At most this long for ``scontrol requeue`` (it asks slurmctld, which may be busy)."""
 SAVED_WAIT_S = 3.0
 """How long an agent waits for rank 0's Saved record before its exit barrier (rank 0 writes it
 milliseconds after fit's last barrier, which every rank passed)."""
@@ -113,3 +117,23 @@ class Preemption:
         return (f"ddprun: the preemption grace of {self.grace_s:g} s ({self.grace_src}) ended before every rank "
                 f"of this node stopped at the agreed step; workers stopped (the last checkpoint is the one "
                 "before). HINT: a longer --preempt-grace, if the cluster gives that long.")
+
+
+def requeue(command: list[str], out: TextIO, run: Callable[..., Any] = subprocess.run) -> bool:
+    """``scontrol requeue <job>`` (cluster/slurm.py requeue_command) once, bounded by
+    REQUEUE_TIMEOUT_S; one line either way. True if SLURM took the job back."""
+    job = command[-1]
+    try:
+        done = run(command, capture_output=True, text=True, timeout=REQUEUE_TIMEOUT_S)
+        ok, why = done.returncode == 0, (done.stderr or done.stdout or "").strip() or f"exit code {done.returncode}"
+    except subprocess.TimeoutExpired:
+        ok, why = False, f"scontrol did not answer within {REQUEUE_TIMEOUT_S:g} s"
+    except OSError as e:
+        ok, why = False, f"{type(e).__name__}: {e}"
+    if ok:
+        print(f"ddprun: requeued SLURM job {job} (scontrol requeue {job}): when SLURM starts it again, the same "
+              "command resumes from this checkpoint", file=out, flush=True)
+    else:
+        print(f"ddprun: could not requeue SLURM job {job}: {why}\nHINT: requeue it yourself (scontrol requeue "
+              f"{job}) or submit the same script again: it resumes from this checkpoint.", file=out, flush=True)
+    return ok

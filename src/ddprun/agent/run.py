@@ -24,6 +24,7 @@ from ddprun.agent import console as agent_console
 from ddprun.agent.endpoint import free_port
 from ddprun.agent.failures import AgentFailures
 from ddprun.cluster.base import ClusterSpec
+from ddprun.cluster.slurm import requeue_command
 from ddprun.config import LaunchConfig
 from ddprun.errors import ConfigError, LaunchError
 from ddprun.protocol import defaults
@@ -119,6 +120,8 @@ class _Run:
     """This agent hosts the endpoint's store (it must outlive the job's other agents)."""
     grace: tuple[float, str] = (defaults.PREEMPT_GRACE_S, "default")
     """Seconds after a preemption request before the workers are stopped, and where that came from."""
+    requeue: tuple[str, ...] = ()
+    """``--requeue``: the command that requeues the SLURM job after a preemption stop (cluster/slurm.py)."""
 
     @property
     def endpoint(self) -> str:
@@ -153,7 +156,8 @@ def prepare(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], ho
         extra["OMP_NUM_THREADS"] = threads
     off = environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1"
     return _Run(cfg, spec, run_id, rundir, hostname, spec.master_addr, port, token, wenv, extra, off, rdzv_id,
-                bool(spec.run_id), dial=spec.master_addr, grace=pp.grace(environ, cfg.preempt_grace))
+                bool(spec.run_id), dial=spec.master_addr, grace=pp.grace(environ, cfg.preempt_grace),
+                requeue=tuple(requeue_command(environ)) if cfg.requeue else ())
 
 
 def admit_run(run: _Run, console: TextIO) -> _Run:
@@ -363,8 +367,18 @@ class _AgentRun:
         if self.preemption.preempting():
             code, line = self.preemption.finished_line()
             print(line, file=err, flush=True)
+            if code == pp.EXIT_CODE:
+                self.requeue(err)
             return Outcome(code, self.run_.rundir.path, 0.0)
         return Outcome(0, self.run_.rundir.path, 0.0)
+
+    def requeue(self, err: TextIO) -> None:
+        """``--requeue``, after a preemption stop, past the exit barrier: node rank 0 puts the SLURM job
+        back in the queue, once (the other nodes' lines are out by then)."""
+        if self.run_.requeue and self.failures.node_rank == 0:
+            from ddprun.agent.preemption import requeue
+
+            requeue(list(self.run_.requeue), err)
 
 
 def _known(agent: _AgentRun, local: Mapping[int, fr.FailureRecord]) -> list[fr.FailureRecord]:
@@ -439,8 +453,11 @@ def ending(e: BaseException, agent: _AgentRun, err: TextIO) -> Outcome:
         if agent.watcher is not None and agent.watcher.refused:
             return Outcome(1, run.rundir.path, 0.0)  # the refusal is printed already
         sig = int(getattr(e, "sigval", 15))
-        print(agent.preemption.forced_line() if agent.preemption.preempting() and agent.preemption.grace_over() else
-              f"ddprun: stopped by {fr.signal_name(-sig)}; workers stopped.", file=err, flush=True)
+        forced = agent.preemption.preempting() and agent.preemption.grace_over()
+        print(agent.preemption.forced_line() if forced else f"ddprun: stopped by {fr.signal_name(-sig)}; workers "
+              "stopped.", file=err, flush=True)
+        if forced:
+            agent.requeue(err)  # the work since the last checkpoint is lost, the job is not done
         return Outcome(128 + sig, run.rundir.path, 0.0)
     return _from_records(agent, err, f"ddprun: the launcher failed: {name}: {e}\n"
                                      f"See {run.rundir.agent_log(run.host)}")

@@ -224,6 +224,39 @@ class SlurmEnvironment(ClusterEnvironment):
         }
 
 
+def requeue_command(environ: Mapping[str, str]) -> list[str]:
+    """``scontrol requeue <SLURM_JOB_ID>`` for ``ddprun run --requeue``; ConfigError, at the start of
+    the launch, when this is no SLURM job or scontrol is not on PATH (found only at the end otherwise)."""
+    import shutil
+
+    job = environ.get("SLURM_JOB_ID", "")
+    if not job.isdigit():
+        raise ConfigError("--requeue requeues the SLURM batch job this runs in, but this is not a SLURM job.",
+                          seen=f"SLURM_JOB_ID={job!r}" if job else "SLURM_JOB_ID unset",
+                          hint="Drop --requeue, or run `srun ddprun run --requeue ...` inside an sbatch job "
+                               "(ddprun slurm-template writes one).")
+    scontrol = shutil.which("scontrol", path=environ.get("PATH"))
+    if scontrol is None:
+        raise ConfigError("--requeue needs SLURM's scontrol, which is not on PATH.",
+                          seen=f"PATH={environ.get('PATH', '')!r}",
+                          hint="Add SLURM's bin directory to PATH, or drop --requeue.")
+    return [scontrol, "requeue", job]
+
+
+TEMPLATE_PREEMPT_LEAD_S = 120
+"""Seconds before the time limit at which the template has SLURM send SIGUSR1 to every `ddprun run`."""
+TEMPLATE_MIN_LEAD_S = 30
+
+
+def _preempt_comment(lead: int, requeue: bool) -> list[str]:
+    lines = [f"# {lead} s before the time limit SLURM sends SIGUSR1 to every `ddprun run` (it may come up to",
+             "# 60 s early): every rank stops after one agreed step with ddprun.fit's checkpoint, within",
+             f"# {lead * 3 // 4} s (--preempt-grace)."]
+    if requeue:
+        lines.append("# Then node 0 requeues the job (--requeue): it resumes from that checkpoint, output appended.")
+    return lines
+
+
 TEMPLATE_CPUS_PER_GPU = 8
 """--cpus-per-task in the sbatch template when none is given: per GPU, for its process and its
 DataLoader workers (the one task on a node runs all of the node's processes)."""
@@ -231,7 +264,7 @@ DataLoader workers (the one task on a node runs all of the node's processes)."""
 
 def sbatch_script(script: str = "train.py", args: Sequence[str] = (), *, nodes: int = 5, gpus_per_node: int = 4,
                   cpus_per_task: int | None = None, time: str = "01:00:00", partition: str | None = None,
-                  job_name: str = "ddprun") -> str:
+                  job_name: str = "ddprun", preempt_lead: int = TEMPLATE_PREEMPT_LEAD_S, requeue: bool = True) -> str:
     """A ready-to-submit sbatch script: ``nodes`` x ``gpus_per_node`` processes, one ``ddprun run`` per node.
 
     One task per node (``--ntasks-per-node=1``): each ``ddprun run`` reads the topology from SLURM
@@ -239,7 +272,17 @@ def sbatch_script(script: str = "train.py", args: Sequence[str] = (), *, nodes: 
     the CPUs of that one task, default ``TEMPLATE_CPUS_PER_GPU`` x ``gpus_per_node``; passed on to
     srun through SRUN_CPUS_PER_TASK (srun 22.05+ does not inherit it from sbatch). ``script`` and
     ``args`` are shell-quoted. Pure; ConfigError for counts below 1.
+
+    ``preempt_lead``: seconds before the time limit at which SLURM sends every ``ddprun run`` SIGUSR1
+    (``--signal=USR1@N``, to the steps, not ``B:`` the batch shell); they stop at one step with a
+    checkpoint within a grace of 3/4 of it. ``requeue``: ``--requeue`` on both sides, so the job goes
+    back in the queue and resumes (output appended). ``preempt_lead=0``: neither.
     """
+    if preempt_lead < 0 or 0 < preempt_lead < TEMPLATE_MIN_LEAD_S:
+        raise ConfigError(f"--preempt-lead takes 0 (none) or at least {TEMPLATE_MIN_LEAD_S} seconds.",
+                          seen=f"--preempt-lead {preempt_lead}",
+                          hint="e.g. --preempt-lead 120: SLURM may send it up to 60 s early, and the checkpoint "
+                               "must fit in the rest.")
     for flag, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node), ("--cpus-per-task", cpus_per_task)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1.", seen=f"{flag} {value}",
@@ -251,7 +294,14 @@ def sbatch_script(script: str = "train.py", args: Sequence[str] = (), *, nodes: 
     if partition:
         directives.append(f"--partition={partition}")
     directives.append("--output=%x-%j.out")
-    command = shlex.join(["srun", "ddprun", "run", script, *args])
+    run_flags: list[str] = []
+    if preempt_lead:
+        directives.append(f"--signal=USR1@{preempt_lead}")
+        run_flags += ["--preempt-grace", str(preempt_lead * 3 // 4)]
+        if requeue:
+            directives += ["--requeue", "--open-mode=append"]
+            run_flags.insert(0, "--requeue")
+    command = shlex.join(["srun", "ddprun", "run", *run_flags, script, *args])
     return "\n".join([
         "#!/bin/bash",
         f"# ddprun under SLURM: {count(nodes, 'node')} x {count(gpus_per_node, 'GPU')} = {world} processes. "
@@ -262,6 +312,7 @@ def sbatch_script(script: str = "train.py", args: Sequence[str] = (), *, nodes: 
         "# (the first host of the nodelist) and port (20000 + SLURM_JOB_ID % 20000), and the processes",
         "# per node (SLURM_GPUS_ON_NODE: one per GPU). The run directory is runs/slurm-<job id>.",
         "# SLURM older than 19.05 has no --gpus-per-node: use --gres=gpu:N instead.",
+        *(_preempt_comment(preempt_lead, requeue) if preempt_lead else []),
         *(f"#SBATCH {d}" for d in directives),
         "",
         "# sbatch passes on the environment it was submitted from: activate the one with ddprun and",
