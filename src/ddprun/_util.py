@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 
 def cpu_count() -> int:
@@ -23,3 +24,19 @@ def parse_bool(value: str | None, default: bool = False) -> bool:
     if v in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"not a boolean: {value!r} (use 1/0, true/false, yes/no, on/off)")
+
+
+def ranks_text(ranks: Iterable[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out: list[str] = []
+    run: list[int] = []
+    for r in sorted(ranks):
+        if run and r == run[-1] + 1:
+            run.append(r)
+        else:
+            if run:
+                out.append(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)))
+            run = [r]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)))
+    return ", ".join(out)

@@ -143,3 +143,37 @@ def test_a_stopped_rank_is_reported_by_another_observer_and_the_job_ends_later(n
     print(f"SIGSTOP of rank {victim}: report then end; last node exited {last:.1f} s after the stop")
     assert last < 4 + 7 + 4 + 5 + 10, describe(ended)  # threshold, backup grace, end, enforce, slack
     assert_nothing_left(tmp_path)  # the stopped rank too: its agent killed it once the job had ended
+
+
+COLLECTIVE_HANG = str(Path(__file__).parent / "scripts" / "collective_hang.py")
+NEVER_ENTERED = (r"rank 1 never entered ALLREDUCE #(\d+) of the default group; rank 0 waits in it "
+                 r"\(rank 1 is at #(\d+)\)")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode, expected", [
+    ("sleep", NEVER_ENTERED),  # rank 1 sleeps before an all_reduce
+    ("extra", NEVER_ENTERED),  # rank 0 issued one all_reduce more; rank 1 is done with its steps
+    ("mismatch", r"ranks call different collectives as #(\d+) of the default group: ALLGATHER on rank 0; "
+                 r"ALLREDUCE on rank 1"),
+])
+def test_the_hang_report_names_the_collective_a_rank_is_missing_or_calls_instead(nodes, tmp_path, mode, expected):
+    """From each rank's Flight Recorder (on by default in every worker): which collective of which
+    group, by sequence number, each rank is in or never entered."""
+    job = nodes(2, 1, ["--mode", mode], extra=["--stall-timeout", "3", "--stall-end-after", "0"],
+                script=COLLECTIVE_HANG)
+    ended = job.finish(timeout=60)
+    assert [e.returncode for e in ended] == [1, 1], describe(ended)
+    stacks = tmp_path / "runs" / "fault" / "stacks"
+    report = (stacks / "hang-report.txt").read_text()
+    m = re.search(rf"^Collectives \(torch's Flight Recorder\):\n  {expected}$", report, re.M)
+    assert m, report
+    if mode != "mismatch":
+        assert int(m.group(2)) == int(m.group(1)) - 1, report  # rank 1 is one collective behind
+    assert m.group(0).split("\n")[1].strip() in ended[0].output, describe(ended)  # on rank 0's console too
+    assert re.search(r"^ddprun: the job failed: rank \d \(node \d, \S+\) found the job stalled", ended[1].output,
+                     re.M), describe(ended)
+    for rank in (0, 1):  # every rank's whole trace beside its stacks
+        trace = json.loads((stacks / f"fr-rank-{rank}.json").read_text())
+        assert trace["entries"] and all(e["profiling_name"].startswith("gloo:") for e in trace["entries"])
+    assert_nothing_left(tmp_path)

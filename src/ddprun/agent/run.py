@@ -30,7 +30,7 @@ from ddprun.errors import ConfigError, LaunchError
 from ddprun.protocol import defaults
 from ddprun.protocol import failure as fr
 from ddprun.protocol import preempt as pp
-from ddprun.protocol.env import JOB_TOKEN, WorkerEnv
+from ddprun.protocol.env import JOB_TOKEN, WorkerEnv, flight_recorder_env
 from ddprun.protocol.rundir import RunDir, new_run_id
 from ddprun.protocol.store import JobRecord
 
@@ -154,6 +154,7 @@ def prepare(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], ho
     threads = omp_threads(environ, spec.nproc_per_node, cpu_count())
     if threads is not None:
         extra["OMP_NUM_THREADS"] = threads
+    extra.update(flight_recorder_env(environ, rundir.logs))  # which collective each rank is in, at a stall
     off = environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1"
     return _Run(cfg, spec, run_id, rundir, hostname, spec.master_addr, port, token, wenv, extra, off, rdzv_id,
                 bool(spec.run_id), dial=spec.master_addr, grace=pp.grace(environ, cfg.preempt_grace),

@@ -8,6 +8,7 @@ names the variable. Nothing else in ddprun reads or writes these names.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
@@ -159,3 +160,20 @@ def _nnodes(raw: str) -> tuple[int, int]:
         raise ConfigError(f"{NNODES} must be MIN:MAX nodes.", seen=f"{NNODES}={raw!r}",
                           hint=f"unset {NNODES}; ddprun run sets it (e.g. 2:2).") from None
     return a, b
+
+
+FR_BUFFER_DEFAULT = "2000"
+"""Collectives kept per process (torch's ring buffer; a few hundred bytes each)."""
+_FR_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+
+
+def flight_recorder_env(environ: Mapping[str, str], logs_dir: str) -> dict[str, str]:
+    """The workers' Flight Recorder settings: on, and NCCL's dump on timeout into ``logs_dir``
+    (``nccl-trace-rank-N``), unless the user set them. Pure."""
+    out: dict[str, str] = {}
+    if not any(environ.get(v) for v in _FR_VARS):
+        out["TORCH_FR_BUFFER_SIZE"] = FR_BUFFER_DEFAULT
+    if "TORCH_NCCL_DUMP_ON_TIMEOUT" not in environ and "TORCH_FR_DUMP_TEMP_FILE" not in environ:
+        out["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+        out["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(logs_dir, "nccl-trace-rank-")
+    return out

@@ -9,6 +9,8 @@ report write there. Pure paths; nothing here creates or reads a file.
     logs/agent-HOST.log  torch's agent chatter and C++ warnings of the node HOST
     failures/rank-N.json the failure record of rank N (protocol/failure.py), by the worker or its agent
     stacks/rank-N.txt    every thread's stack of rank N at a stall; stacks/hang-report.txt the report
+    stacks/fr-rank-N.json rank N's Flight Recorder trace at a stall (its collectives, worker/collectives.py)
+    logs/nccl-trace-rank-N NCCL's own Flight Recorder dump when a collective times out
     metrics.csv · timings.csv · events.jsonl · checkpoints/ · report.html
 """
 
@@ -66,6 +68,9 @@ class RunDir:
 
     def stack_file(self, rank: int | str) -> str:
         return self.join("stacks", f"rank-{rank}.txt")
+
+    def flight_recorder_file(self, rank: int | str) -> str:
+        return self.join("stacks", f"fr-rank-{rank}.json")
 
     @property
     def hang_report(self) -> str:

@@ -37,7 +37,7 @@ from ddprun.protocol import preempt as pp
 from ddprun.protocol.rundir import RunDir
 from ddprun.protocol.store import text
 from ddprun.telemetry import PROGRESS, TIMER, summarize
-from ddprun.worker import stacks
+from ddprun.worker import collectives, stacks
 from ddprun.worker.channel import JobChannel
 from ddprun.worker.exit import record, stopped_message
 
@@ -340,7 +340,8 @@ class Monitor:
         except OSError:
             pass
         place = stacks.main_thread_place()
-        place.update(host=self.ch.host, phase=PROGRESS.phase, steps=PROGRESS.steps)
+        place.update(host=self.ch.host, phase=PROGRESS.phase, steps=PROGRESS.steps,
+                     collectives=collectives.last_collectives(self.rundir.flight_recorder_file(self.ch.rank)))
         store.set(keys.place(self.ch.rank), json.dumps(place))
 
     def _progress(self, store: Any) -> dict[int, int]:
@@ -389,7 +390,7 @@ class Monitor:
         places = {r: got[k] for r, k in enumerate(places_keys) if isinstance(got.get(k), dict)
                   and isinstance(got[k].get("where"), str)}
         steps = {r: int(p.get("steps", 0)) for r, p in places.items() if isinstance(p.get("steps", 0), int)}
-        summary, report = stacks.hang_report(places, ch.world_size, stalled_s, steps)
+        summary, report = stacks.hang_report(places, ch.world_size, stalled_s, steps, collectives.attribution(places))
         self._detail = summary.split(": ", 1)[1] if ": " in summary else ""
         self._summary = summary
         end_s = ch.wenv.stall_end

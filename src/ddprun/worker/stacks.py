@@ -13,6 +13,8 @@ import threading
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
+from ddprun._util import ranks_text
+
 
 def _frame_kind(filename: str, func: str) -> str:
     f = filename.replace("\\", "/")
@@ -57,30 +59,16 @@ def dump_stacks(path: str) -> None:
         faulthandler.dump_traceback(file=fp, all_threads=True)
 
 
-def _ranks(ranks: Sequence[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2, 5'."""
-    out: list[str] = []
-    run: list[int] = []
-    for r in sorted(ranks):
-        if run and r == run[-1] + 1:
-            run.append(r)
-        else:
-            if run:
-                out.append(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)))
-            run = [r]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)))
-    return ", ".join(out)
-
-
 def _where_at(place: dict) -> str:
     """``in backward (...) (train.py:63 in main)``; the user frame once when it is the place itself."""
     where, user = place["where"], place["user_frame"]
     return where if where == f"at {user}" else f"{where} ({user})"
 
 
-def hang_report(places: Mapping[int, dict], world_size: int, stalled_s: float, steps: Mapping[int, int]) -> tuple[str, str]:
-    """(one-line summary, full report) from each rank's place; the odd ranks are the minority."""
+def hang_report(places: Mapping[int, dict], world_size: int, stalled_s: float, steps: Mapping[int, int],
+                collectives: Sequence[str] = ()) -> tuple[str, str]:
+    """(one-line summary, full report) from each rank's place; the odd ranks are the minority.
+    ``collectives``: worker/collectives.py attribution lines, a section of the report."""
     groups: dict[str, list[int]] = defaultdict(list)
     for rank, place in places.items():
         groups[place["where"]].append(rank)
@@ -92,17 +80,19 @@ def hang_report(places: Mapping[int, dict], world_size: int, stalled_s: float, s
         majority_where, majority_ranks = ordered[-1]
         for _, ranks in odd:
             r0 = places[ranks[0]]
-            parts.append(f"rank {_ranks(ranks)} ({r0.get('host', '?')}) {_where_at(r0)}")
+            parts.append(f"rank {ranks_text(ranks)} ({r0.get('host', '?')}) {_where_at(r0)}")
         if silent:
-            parts.append(f"rank {_ranks(silent)} did not answer (frozen, or holding the GIL)")
+            parts.append(f"rank {ranks_text(silent)} did not answer (frozen, or holding the GIL)")
         many = len(majority_ranks) > 1
         summary = (f"no rank advanced for {stalled_s:.0f} s: " + "; ".join(parts)
-                   + f" while rank{'s' if many else ''} {_ranks(majority_ranks)} {'are' if many else 'is'} "
+                   + f" while rank{'s' if many else ''} {ranks_text(majority_ranks)} {'are' if many else 'is'} "
                    + majority_where)
     else:
         where, ranks = ordered[0]
         summary = f"no rank advanced for {stalled_s:.0f} s: every rank is {_where_at(places[ranks[0]])}"
     lines = [f"ddprun hang report: {summary}", ""]
+    if collectives:
+        lines += ["Collectives (torch's Flight Recorder):", *(f"  {line}" for line in collectives), ""]
     for rank in sorted(places):
         p = places[rank]
         lines.append(f"rank {rank} ({p.get('host', '?')}), step {steps.get(rank, 0)}: {_where_at(p)}")

@@ -1,0 +1,68 @@
+"""Which collective each rank is in at a stall (worker/collectives.py): the attribution from each
+rank's last Flight Recorder entries, the workers' recorder settings, and a real recorder read."""
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from ddprun.protocol.env import flight_recorder_env
+from ddprun.worker.collectives import attribution, last_collectives, op_name
+from tests.helpers import free_port
+
+
+def at(seq: int, op: str = "gloo:all_reduce", pg: str = "default_pg") -> dict:
+    return {"collectives": [{"pg": pg, "seq": seq, "op": op, "state": "scheduled"}]}
+
+
+def test_a_rank_that_never_entered_the_collective_the_others_wait_in_is_named():
+    places = {0: at(7), 1: at(6), 2: at(7), 3: at(7)}
+    assert attribution(places) == ["rank 1 never entered ALLREDUCE #7 of the default group; ranks 0, 2, 3 wait "
+                                   "in it (rank 1 is at #6)"]
+
+
+def test_different_collectives_at_one_number_are_named_with_their_ranks():
+    places = {0: at(7, "nccl:all_gather"), 1: at(7), 2: at(7)}
+    assert attribution(places) == ["ranks call different collectives as #7 of the default group: ALLGATHER on "
+                                   "rank 0; ALLREDUCE on ranks 1, 2"]
+
+
+def test_every_rank_in_the_same_collective_or_no_recorder_says_nothing():
+    assert attribution({0: at(7), 1: at(7)}) == []
+    # a rank without a recorder (or that did not answer) is left out, not taken for one behind
+    assert attribution({0: at(7), 1: {"where": "?"}, 2: {"collectives": None}}) == []
+
+
+def test_each_group_is_judged_on_its_own_and_a_rank_that_never_used_one_is_behind_in_it():
+    places = {0: {"collectives": [at(9)["collectives"][0], at(3, pg="5")["collectives"][0]]},
+              1: {"collectives": [at(9)["collectives"][0]]}}
+    assert attribution(places) == ["rank 1 never entered ALLREDUCE #3 of group 5; rank 0 waits in it (rank 1 "
+                                   "never used it)"]
+    assert op_name("nccl:reduce_scatter_tensor_coalesced") == "REDUCESCATTERTENSORCOALESCED"
+
+
+def test_the_workers_get_the_recorder_unless_the_user_set_it(tmp_path):
+    env = flight_recorder_env({}, str(tmp_path))
+    assert env == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                   "TORCH_FR_DUMP_TEMP_FILE": os.path.join(str(tmp_path), "nccl-trace-rank-")}
+    assert flight_recorder_env({"TORCH_NCCL_TRACE_BUFFER_SIZE": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"},
+                               str(tmp_path)) == {}
+
+
+def test_a_real_gloo_group_records_its_collectives_and_the_trace_is_written(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "50")  # read when the group is created
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        t = torch.ones(1)
+        for _ in range(3):
+            dist.all_reduce(t)
+        dist.all_gather([torch.zeros(1)], t)
+        got = last_collectives(str(tmp_path / "stacks" / "fr-rank-0.json"))
+    finally:
+        dist.destroy_process_group()
+    assert got is not None and len(got) == 1, got
+    (last,) = got
+    assert last["op"] == "gloo:all_gather" and last["seq"] >= 4, last
+    trace = json.loads((tmp_path / "stacks" / "fr-rank-0.json").read_text())
+    assert [e["profiling_name"] for e in trace["entries"]][-4:] == ["gloo:all_reduce"] * 3 + ["gloo:all_gather"]
