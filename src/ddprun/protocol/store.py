@@ -186,6 +186,15 @@ class Keys:
         return self._k("preempt/saved")
 
 
+def present(store: Any, keys: list[str]) -> list[str]:
+    """Those of ``keys`` that exist: one call when all do (the usual case), else one per key."""
+    if not keys:
+        return []
+    if store.check(keys):
+        return list(keys)
+    return [k for k in keys if store.check([k])]
+
+
 def text(value: bytes | str) -> str:
     """A store value as text (TCPStore returns bytes; compare_set may return either)."""
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)

@@ -20,7 +20,7 @@ from ddprun.errors import ConfigError
 from ddprun.protocol import defaults
 from ddprun.protocol import failure as fr
 from ddprun.protocol.env import WorkerEnv
-from ddprun.protocol.store import Keys, claim, refusal, store_prefix
+from ddprun.protocol.store import Keys, claim, present, refusal, store_prefix
 
 
 class JobRefused(Exception):
@@ -89,15 +89,27 @@ class JobChannel:
             time.sleep(0.02)
         return True
 
+    def await_key(self, key: str, timeout_s: float) -> bool:
+        """Whether ``key`` is set within ``timeout_s``: one wait that the store answers when the key is
+        set, where :meth:`wait_for` polls (at thousands of ranks those polls are most of the store's load)."""
+        from torch.distributed import DistStoreError
+
+        try:
+            self.store.wait([key], timedelta(seconds=timeout_s))
+        except DistStoreError:  # the timeout; the client stays usable
+            return False
+        return True
+
     def gather(self, keys: Iterable[str], timeout_s: float, store: Any = None) -> dict[str, Any]:
         """JSON values of ``keys`` (one batched read), waiting at most ``timeout_s``; missing or malformed left out."""
         store, keys = store or self.store, list(keys)
         if not keys:
             return {}
-        self.wait_for(keys, timeout_s, store)
-        present = [k for k in keys if store.check([k])]
+        if timeout_s > 0:
+            self.wait_for(keys, timeout_s, store)
+        found = present(store, keys)
         out = {}
-        for key, raw in zip(present, store.multi_get(present) if present else []):
+        for key, raw in zip(found, store.multi_get(found) if found else []):
             try:
                 out[key] = json.loads(raw)
             except ValueError:
@@ -160,9 +172,8 @@ class JobChannel:
         store = store or self.store
         try:
             n = int(store.add(self.keys.failures, 0))
-            keys = [self.keys.failure(k) for k in range(1, n + 1)]
-            present = [k for k in keys if store.check([k])]
-            return fr.parse_many(store.multi_get(present)) if present else []
+            found = present(store, [self.keys.failure(k) for k in range(1, n + 1)])
+            return fr.parse_many(store.multi_get(found)) if found else []
         except Exception:  # noqa: BLE001 - the store is gone: nothing to read
             return []
 

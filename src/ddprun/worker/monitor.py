@@ -35,7 +35,7 @@ from ddprun.protocol import defaults
 from ddprun.protocol import failure as fr
 from ddprun.protocol import preempt as pp
 from ddprun.protocol.rundir import RunDir
-from ddprun.protocol.store import text
+from ddprun.protocol.store import present, text
 from ddprun.telemetry import PROGRESS, TIMER, summarize
 from ddprun.worker import collectives, stacks
 from ddprun.worker.channel import JobChannel
@@ -346,8 +346,8 @@ class Monitor:
 
     def _progress(self, store: Any) -> dict[int, int]:
         keys = [self.ch.keys.progress(r) for r in range(self.ch.world_size)]
-        present = [k for k in keys if store.check([k])]
-        values = dict(zip(present, store.multi_get(present))) if present else {}
+        found = present(store, keys)
+        values = dict(zip(found, store.multi_get(found))) if found else {}
         out = {}
         for r, k in enumerate(keys):
             v = parse_int(values.get(k))

@@ -202,7 +202,7 @@ def await_verdict(ch: Any) -> None:
     from ddprun.worker.exit import record, stopped_message
 
     bound = ch.wenv.join_timeout + 10
-    if not ch.wait_for([ch.keys.preflight], bound):
+    if not ch.await_key(ch.keys.preflight, bound):
         print(f"ddprun: rank 0's preflight verdict did not come within {bound:.0f} s; going on without it",
               file=sys.stderr)
         return
