@@ -132,8 +132,8 @@ def test_sigterm_to_every_process_of_one_node_stops_every_rank_at_one_step(tmp_p
 
 
 @pytest.mark.timeout(150)
-def test_a_checkpoint_longer_than_torchs_30_s_completes_within_the_grace(tmp_path):
-    _, ended = preempted(tmp_path, ["--signal-rank", "1", "--send-signal", "TERM", "--slow-checkpoint", "33"],
+def test_a_45_s_checkpoint_longer_than_torchs_30_s_completes_within_the_grace(tmp_path):
+    _, ended = preempted(tmp_path, ["--signal-rank", "1", "--send-signal", "TERM", "--slow-checkpoint", "45"],
                          extra=["--preempt-grace", "60"], timeout=120)
     assert_one_stop(ended, tmp_path, "SIGTERM")
     assert all("preemption grace" not in e.output for e in ended), describe(ended)
