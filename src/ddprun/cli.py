@@ -77,6 +77,9 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     _flag(g, "--preempt-grace", type=float, default=None,
           help="seconds after a preemption signal before the agent stops the workers that have not stopped "
                "(default: DDPRUN_PREEMPT_GRACE, else the environment's: SageMaker 120, SLURM/Kubernetes/other 30)")
+    _flag(g, "--spot-notice", choices=["off", "aws", "gcp"], default="off",
+          help="poll the instance metadata for a spot/preemption notice (AWS spot instance-action, GCP "
+               "preempted) and stop every rank at one step with fit's checkpoint, as on a signal (default off)")
     _flag(g, "--requeue", action="store_true",
           help="SLURM batch jobs: after a preemption stop, node rank 0 requeues the job (scontrol requeue "
                "$SLURM_JOB_ID) and it resumes from that checkpoint (ddprun slurm-template writes it)")
@@ -210,6 +213,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         stop_grace=getattr(args, "stop_grace", STOP_GRACE_S),
         preempt_signals=getattr(args, "preempt_signals", defaults.PREEMPT_SIGNALS),
         preempt_grace=getattr(args, "preempt_grace", None), requeue=getattr(args, "requeue", False),
+        spot_notice=getattr(args, "spot_notice", "off"),
     )
 
 

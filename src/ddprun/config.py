@@ -73,6 +73,8 @@ class LaunchConfig:
     """Signals that stop every rank at one agreed step, with fit's checkpoint (protocol/preempt.py); ``none``: off."""
     preempt_grace: float | None = None
     """Seconds after a preemption request before the agent stops its workers; None: from the environment."""
+    spot_notice: str = "off"
+    """``aws``/``gcp``: a preemption notice in the instance metadata stops the job like a signal (agent/spot.py)."""
     requeue: bool = False
     """SLURM: after a preemption stop, node rank 0 runs ``scontrol requeue $SLURM_JOB_ID`` once."""
     exit_timeout: float = defaults.EXIT_TIMEOUT_S

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.faults.conftest import Nodes, assert_nothing_left, describe
-from tests.helpers import DDPRUN, run_agents
+from tests.helpers import DDPRUN, job_env, run_agents
 from tests.helpers import describe as describe_runs
 
 pytestmark = pytest.mark.faults
@@ -203,4 +203,34 @@ def test_a_lightning_module_under_fit_stops_at_one_step_with_last_ckpt_and_resum
     for rank in (0, 1):  # the second launch trained the remaining steps only
         facts = json.loads((out / f"rank-{rank}.json").read_text())
         assert (facts["steps"], facts["train_steps"]) == (60, 60 - int(step)), facts
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_a_spot_interruption_notice_in_the_metadata_stops_every_rank_at_one_step(tmp_path):
+    """--spot-notice aws against a local metadata server whose 404 turns into a notice mid-run."""
+    from tests.fakes.metadata import Metadata, serve
+
+    httpd, url = serve()
+    timeline = tmp_path / "timeline"
+    try:
+        env = job_env(DDPRUN_SPOT_NOTICE_URL=url, DDPRUN_SPOT_NOTICE_POLL_S="0.2")
+        job = Nodes(tmp_path, 2, 1, [*SLOW, "--out", str(tmp_path / "out"), "--timeline", str(timeline)],
+                    extra=["--log-dir", str(tmp_path / "runs"), "--spot-notice", "aws"], script=FIT, env=env)
+        deadline = time.monotonic() + 60
+        while not (timeline.exists() and timeline.read_text().count("step ") >= 5) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        Metadata.notice = True
+        ended = job.finish(timeout=60)
+    finally:
+        httpd.shutdown()
+    assert [e.returncode for e in ended] == [75, 75], describe(ended)
+    notice = re.compile(r"^ddprun: preempted by an AWS spot interruption notice \(terminate at 2026-12-01T18:40:00Z\) "
+                        r"on node \d \(\S+\): every rank stopped after optimizer step (\d+) of this launch; checkpoint "
+                        r"at step \1 saved in [\d.]+ s \((\S+)\); resume with the same command$", re.M)
+    stops = {notice.search(e.output).groups() if notice.search(e.output) else None for e in ended}
+    assert len(stops) == 1 and None not in stops, describe(ended)
+    (step, path), = stops
+    assert int(step) > 5 and Path(path).exists(), describe(ended)
+    assert "Traceback" not in "".join(e.output for e in ended), describe(ended)
     assert_nothing_left(tmp_path)

@@ -34,6 +34,8 @@ class Preemption:
         self.failures, self.out, self.host = failures, out, host
         self.sig: int | None = None
         """This agent's own first preemption signal (set by its handler: nothing else happens there)."""
+        self.notice: str | None = None
+        """A cloud's preemption notice this node got (agent/spot.py), e.g. "an AWS spot interruption notice"."""
         self._published = self._said_stop = False
         self._since: float | None = None
         """When this agent learned of the job's request (monotonic)."""
@@ -45,21 +47,28 @@ class Preemption:
         if self.sig is None:
             self.sig = sig
 
+    def on_notice(self, notice: str) -> None:
+        """The spot-notice thread (agent/spot.py): a flag only, handled like a signal by :meth:`check`."""
+        if self.notice is None:
+            self.notice = notice
+
     @property
     def request(self) -> pp.Request | None:
         return self.failures.preempt_request
 
     def preempting(self) -> bool:
         """The job stops at an agreed step (a request, and no NO_STEP answer)."""
-        return (self.sig is not None or self.request is not None) and self.failures.preempt_stop != pp.NO_STEP
+        asked = self.sig is not None or self.notice is not None or self.request is not None
+        return asked and self.failures.preempt_stop != pp.NO_STEP
 
     def check(self) -> int | None:
         """From the agent's monitor loop: publish this node's request, start the grace when the job's
         request is known; the signal to stop the workers with once the grace is over, else None."""
-        if self.sig is not None and not self._published:
+        if (self.sig is not None or self.notice is not None) and not self._published:
             self._published = True
-            name = signal.Signals(self.sig).name
-            self.failures.publish_preempt(pp.Request(name, "agent", self.failures.node_rank, self.host, time.time()))
+            name = signal.Signals(self.sig).name if self.sig is not None else str(self.notice)
+            by = "agent" if self.sig is not None else pp.METADATA
+            self.failures.publish_preempt(pp.Request(name, by, self.failures.node_rank, self.host, time.time()))
             self._say(f"got {name}: asking every rank to stop after one agreed optimizer step (ddprun.fit saves "
                       f"its checkpoint there; a script with nothing to save stops now); workers still running in "
                       f"{self.grace_s:g} s ({self.grace_src}) are stopped; a second signal stops them now")
@@ -69,8 +78,9 @@ class Preemption:
         if not self._said_stop and stop not in (None, pp.NO_STEP) and req is not None:
             self._said_stop = True
             self._say(f"{req.signal} on {req.where()}: every rank stops after optimizer step {stop} of this launch")
-        if self.sig is not None and stop == pp.NO_STEP:
-            return self.sig  # nothing in the job stops at a step: this signal stops the workers now, as torch's would
+        if (self.sig is not None or self.notice is not None) and stop == pp.NO_STEP:
+            # nothing in the job stops at a step: this signal stops the workers now, as torch's would
+            return self.sig or signal.SIGTERM
         if self.grace_over():
             return self.sig or int(getattr(signal, self.signame(), signal.SIGTERM))
         return None
@@ -90,13 +100,15 @@ class Preemption:
         req = self.request
         if req is not None:
             return req.signal
-        return signal.Signals(self.sig).name if self.sig is not None else "SIGTERM"
+        if self.sig is not None:
+            return signal.Signals(self.sig).name
+        return self.notice or "SIGTERM"
 
     def finished_line(self) -> tuple[int, str]:
         """The workers all ended 0 after the request: (exit code, the node's line)."""
         saved = self.saved  # read before the exit barrier: the store's host may be gone now
         req, name = self.request, self.signame()
-        who = "" if req is None else f" to {'the agent' if req.by == 'agent' else req.by} of node {req.node} ({req.host})"
+        who = "" if req is None else pp.to_whom(req)
         if saved is None:
             return pp.EXIT_CODE, (f"ddprun: preempted by {name}{who}: the workers stopped (rank 0 did not say at "
                                   "which step); resume with the same command")

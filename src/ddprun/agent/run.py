@@ -23,6 +23,7 @@ from ddprun.agent import admission
 from ddprun.agent import console as agent_console
 from ddprun.agent.endpoint import free_port
 from ddprun.agent.failures import AgentFailures
+from ddprun.agent.spot import settings as spot_settings
 from ddprun.cluster.base import ClusterSpec
 from ddprun.cluster.slurm import requeue_command
 from ddprun.config import LaunchConfig
@@ -120,6 +121,8 @@ class _Run:
     """This agent hosts the endpoint's store (it must outlive the job's other agents)."""
     grace: tuple[float, str] = (defaults.PREEMPT_GRACE_S, "default")
     """Seconds after a preemption request before the workers are stopped, and where that came from."""
+    spot: tuple[str, float] | None = None
+    """``--spot-notice``: the metadata server's base URL and the poll seconds (agent/spot.py settings)."""
     requeue: tuple[str, ...] = ()
     """``--requeue``: the command that requeues the SLURM job after a preemption stop (cluster/slurm.py)."""
 
@@ -158,7 +161,8 @@ def prepare(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], ho
     off = environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1"
     return _Run(cfg, spec, run_id, rundir, hostname, spec.master_addr, port, token, wenv, extra, off, rdzv_id,
                 bool(spec.run_id), dial=spec.master_addr, grace=pp.grace(environ, cfg.preempt_grace),
-                requeue=tuple(requeue_command(environ)) if cfg.requeue else ())
+                requeue=tuple(requeue_command(environ)) if cfg.requeue else (),
+                spot=spot_settings(cfg.spot_notice, environ) if cfg.spot_notice != "off" else None)
 
 
 def admit_run(run: _Run, console: TextIO) -> _Run:
@@ -361,10 +365,14 @@ class _AgentRun:
                            preempting=self.preemption.preempting, on_stopping=self.failures.mark_stopping,
                            before_exit_barrier=self.preemption.before_exit)
         argv = self.run_.cfg.entry.argv() if self.run_.cfg.entry is not None else []
+        spot = self._spot_watch(err)
         try:
             run_agent(self.torch_config(), sys.executable, ["-m", "ddprun.worker", *argv], hooks)
         except BaseException as e:  # noqa: BLE001 - every way torch's agent ends gets its one message
             return ending(e, self, err)
+        finally:
+            if spot is not None:
+                spot.stop()
         if self.preemption.preempting():
             code, line = self.preemption.finished_line()
             print(line, file=err, flush=True)
@@ -372,6 +380,15 @@ class _AgentRun:
                 self.requeue(err)
             return Outcome(code, self.run_.rundir.path, 0.0)
         return Outcome(0, self.run_.rundir.path, 0.0)
+
+    def _spot_watch(self, err: TextIO) -> Any:
+        """``--spot-notice``: the metadata poller, started (agent/spot.py); None when off."""
+        if self.run_.spot is None:
+            return None
+        from ddprun.agent.spot import SpotWatch
+
+        base, poll_s = self.run_.spot
+        return SpotWatch(self.run_.cfg.spot_notice, base, poll_s, self.preemption.on_notice, err).start()
 
     def requeue(self, err: TextIO) -> None:
         """``--requeue``, after a preemption stop, past the exit barrier: node rank 0 puts the SLURM job

@@ -74,7 +74,8 @@ def propose(step: int, steps_per_s: float | None) -> int:
 
 @dataclass(frozen=True)
 class Request:
-    """Who asked the job to stop: ``by`` is ``agent`` or ``rank <N>``."""
+    """Who asked the job to stop: ``by`` is ``agent``, ``rank <N>`` or :data:`METADATA` (a cloud's
+    notice; ``signal`` then names it)."""
 
     signal: str
     by: str
@@ -94,7 +95,20 @@ class Request:
             return None
 
     def where(self) -> str:
+        if self.by == METADATA:
+            return f"the instance metadata of node {self.node} ({self.host})"
         return f"{self.by} (node {self.node}, {self.host})"
+
+
+METADATA = "metadata"
+"""Request.by for a cloud's preemption notice (agent/spot.py), not a signal."""
+
+
+def to_whom(req: Request) -> str:
+    """`` to rank 1 of node 1 (host-b)``, `` to the agent of node 0 (host-a)``, `` on node 0 (host-a)``."""
+    if req.by == METADATA:
+        return f" on node {req.node} ({req.host})"
+    return f" to {'the agent' if req.by == 'agent' else req.by} of node {req.node} ({req.host})"
 
 
 @dataclass(frozen=True)
