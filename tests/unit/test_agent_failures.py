@@ -74,3 +74,18 @@ def test_a_restart_with_nothing_known_says_so_within_its_bound(agent, store):
     a.on_restarting(2, 3)
     assert out.getvalue() == "ddprun: a worker failed; restarting the workers (restart 1 of 3)\n"
     assert time.monotonic() - t0 < 5
+
+
+def test_node_0_waits_until_every_node_said_its_line_and_no_longer_than_its_bound(agent, store, tmp_path):
+    """Before a requeue (SLURM then kills every step at once): node 1 marks, node 0 sees both marks."""
+    a, _ = agent
+    other = AgentFailures(RunDir(str(tmp_path)), "host-b", "127.0.0.1", store.port, "job", io.StringIO())
+    other.on_workers_started("r1", 1, 2, {2: (0, 0, ""), 3: (1, 0, "")}, world_size=4,
+                             store=("127.0.0.1", store.port))
+    a.mark_said()
+    t0 = time.monotonic()
+    assert not a.wait_all_said(0.3)  # node 1 has not said its line
+    assert 0.25 < time.monotonic() - t0 < 3
+    threading.Timer(0.2, other.mark_said).start()
+    assert a.wait_all_said(5)
+    other.stop()

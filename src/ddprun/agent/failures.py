@@ -465,6 +465,37 @@ class AgentFailures:
         except Exception:  # noqa: BLE001
             self._store = None
 
+    def mark_said(self) -> None:
+        """This node printed how its launch ended (a preemption stop); best effort."""
+        keys = self._keys
+        if keys is None or (self._store is None and not self._reachable()):
+            return
+        try:
+            self._client().set(keys.said(self._node), "1")
+        except Exception:  # noqa: BLE001 - the store's host is gone: nobody waits for us
+            self._store = None
+
+    def wait_all_said(self, timeout_s: float) -> bool:
+        """Node 0: whether every node printed its last line within ``timeout_s`` (:meth:`mark_said`)."""
+        keys, deadline = self._keys, time.monotonic() + timeout_s
+        if keys is None:
+            return False
+        wanted = [keys.said(n) for n in range(self._nnodes)]
+        while time.monotonic() < deadline:
+            try:
+                if self._client().check(wanted):
+                    return True
+            except Exception:  # noqa: BLE001
+                self._store = None
+                return False
+            time.sleep(0.05)
+        return False
+
+    def _reachable(self) -> bool:
+        from ddprun.agent.endpoint import port_open
+
+        return port_open(self._addr, self._port)
+
     def exit_barrier_done(self) -> bool:
         """Leave the agents' exit barrier early: a node is lost, it will never arrive."""
         return self.lost is not None

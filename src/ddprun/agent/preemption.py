@@ -18,6 +18,8 @@ from typing import Any, TextIO
 
 from ddprun.protocol import preempt as pp
 
+REQUEUE_WAIT_S = 10.0
+"""At most this long node 0 waits for every node's last line before it requeues the job."""
 REQUEUE_TIMEOUT_S = 30.0
 """At most this long for ``scontrol requeue`` (it asks slurmctld, which may be busy)."""
 SAVED_WAIT_S = 3.0

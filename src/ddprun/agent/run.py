@@ -391,11 +391,16 @@ class _AgentRun:
         return SpotWatch(self.run_.cfg.spot_notice, base, poll_s, self.preemption.on_notice, err).start()
 
     def requeue(self, err: TextIO) -> None:
-        """``--requeue``, after a preemption stop, past the exit barrier: node rank 0 puts the SLURM job
-        back in the queue, once (the other nodes' lines are out by then)."""
-        if self.run_.requeue and self.failures.node_rank == 0:
-            from ddprun.agent.preemption import requeue
+        """``--requeue``, after a preemption stop and its line: node rank 0 puts the SLURM job back in
+        the queue, once, when every node has printed its own line (SLURM's requeue kills the job's
+        steps at once), at most REQUEUE_WAIT_S after its own."""
+        if not self.run_.requeue:
+            return
+        self.failures.mark_said()
+        if self.failures.node_rank == 0:
+            from ddprun.agent.preemption import REQUEUE_WAIT_S, requeue
 
+            self.failures.wait_all_said(REQUEUE_WAIT_S)
             requeue(list(self.run_.requeue), err)
 
 

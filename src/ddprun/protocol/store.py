@@ -173,6 +173,10 @@ class Keys:
     def stopping(self, node: int) -> str:
         return self._k(f"stopping/{node}")
 
+    def said(self, node: int) -> str:
+        """Node ``node``'s agent has printed its last line of a preemption stop (node 0 requeues after)."""
+        return self._k(f"said/{node}")
+
     @property
     def preempt(self) -> str:
         return self._k("preempt")
