@@ -204,7 +204,8 @@ def test_slurm_template_submitted_as_printed(slurm, tmp_path):
 
 FIT = str(Path(__file__).parents[1] / "multiprocess" / "scripts" / "fit_restart.py")  # shared with tests/faults
 FIT_ARGS = ["--steps", "60", "--step-sleep", "0.1", "--checkpoint-every", "1000"]  # 10 steps/s: stops mid-run
-STOPPED = re.compile(r"^ddprun: preempted by SIGUSR1 to the agent of node \d \(node\d\): every rank stopped after "
+# scancel --signal signals every process of the step's tasks: an agent or a worker may be the first to ask
+STOPPED = re.compile(r"^ddprun: preempted by SIGUSR1 to (?:the agent|rank \d) of node \d \(node\d\): every rank stopped after "
                      r"optimizer step (\d+) of this launch; checkpoint at step \1 saved in [\d.]+ s \((\S+)\); "
                      r"resume with the same command$", re.M)
 
