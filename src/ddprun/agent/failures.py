@@ -453,12 +453,10 @@ class AgentFailures:
 
     def mark_stopping(self) -> None:
         """Torch's agent is about to signal this node's workers: they stop at once, not for a preemption."""
-        from ddprun.agent.endpoint import port_open
-
         keys = self._keys
         # no store (its host is gone: refused at once): the workers do not find it either, and stop at once
         # too; never wait for a client's connect timeout here, on the way out
-        if keys is None or (self._store is None and not port_open(self._addr, self._port)):
+        if keys is None or (self._store is None and not self._reachable()):
             return
         try:
             self._client().set(keys.stopping(self._node), "1")
@@ -492,6 +490,7 @@ class AgentFailures:
         return False
 
     def _reachable(self) -> bool:
+        """The store's port answers (a refused connect is immediate; a client's connect waits seconds)."""
         from ddprun.agent.endpoint import port_open
 
         return port_open(self._addr, self._port)
