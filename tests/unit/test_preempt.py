@@ -153,3 +153,51 @@ def test_requeue_runs_scontrol_once_and_says_what_happened_either_way(tmp_path):
     out = io.StringIO()
     assert not requeue(["scontrol", "requeue", "9"], out, run=hangs)
     assert "could not requeue SLURM job 9: scontrol did not answer within 30 s\nHINT: " in out.getvalue()
+
+
+class _Failures:
+    """The part of AgentFailures that Preemption reads: the job's request and stop step."""
+
+    def __init__(self, node_rank, request=None, stop=None):
+        self.node_rank, self.preempt_request, self.preempt_stop = node_rank, request, stop
+
+
+def _agent_preemption(failures, grace_s=3.0):
+    import io
+
+    from ddprun.agent.preemption import Preemption
+
+    return Preemption((signal.SIGTERM,), grace_s, "--preempt-grace", failures, io.StringIO(), "h")
+
+
+@pytest.mark.parametrize(("age", "over"), [(3.5, True), (2.0, False), (-30.0, False), (3600.0, False)])
+def test_a_request_read_late_ends_the_grace_when_the_requesters_does_unless_the_clocks_disagree(age, over):
+    import time
+
+    req = pp.Request("SIGTERM", "rank 1", 1, "b", time.time() - age)
+    pre = _agent_preemption(_Failures(0, req, stop=35))
+    assert pre.check() == (signal.SIGTERM if over else None)
+    assert pre.grace_over() is over
+
+
+def test_a_peer_stopped_by_its_grace_is_this_nodes_forced_stop_and_any_other_failure_is_not():
+    import time
+
+    from ddprun.protocol import failure as fr
+
+    peer = fr.FailureRecord(fr.SIGNAL, -1, "its preemption grace ended", 1, "b", signal="SIGTERM", by="agent")
+    crashed = fr.FailureRecord(fr.ERROR, 3, "ValueError: x", 1, "b")
+    idle = _agent_preemption(_Failures(0))
+    assert not idle.forced_by_peer(peer)  # no preemption: a peer's signal is the job's failure
+    pre = _agent_preemption(_Failures(0, pp.Request("SIGTERM", "rank 1", 1, "b", time.time()), stop=35))
+    pre.check()
+    assert pre.forced_by_peer(peer) and not pre.forced_by_peer(crashed) and not pre.forced_by_peer(None)
+    assert not _agent_preemption(_Failures(1, pre.request, stop=35)).forced_by_peer(peer)  # its own record
+    assert pre.forced_line(peer) == (
+        "ddprun: the preemption stop did not complete on every node: node 1 (b) was stopped by SIGTERM: its preemption "
+        "grace ended; this node's workers stopped before the agreed step (the last checkpoint is the one before).")
+    assert pre.forced_why() is None
+    pre._since -= 3.0
+    assert pre.forced_line(peer).startswith("ddprun: the preemption grace of 3 s (--preempt-grace) ended before")
+    assert pre.forced_why() == ("its preemption grace of 3 s (--preempt-grace) ended before its ranks stopped at "
+                                "the agreed step, and it stopped its workers")

@@ -343,11 +343,12 @@ class AgentFailures:
             except OSError:
                 pass
 
-    def on_signal(self, sig: int) -> None:
-        """This agent got ``sig``: say so in the store before its workers are stopped (their peers then
-        name this node, not the stopped workers' connection errors)."""
+    def on_signal(self, sig: int, why: str | None = None) -> None:
+        """This agent got ``sig`` (or, ``why``, stops its workers with it for a reason of its own): say
+        so in the store before its workers are stopped (their peers then name this node, not the
+        stopped workers' connection errors)."""
         name = fr.signal_name(-sig)
-        cause = fr.FailureRecord(fr.SIGNAL, -1, f"its agent got {name} and stopped its workers",
+        cause = fr.FailureRecord(fr.SIGNAL, -1, why or f"its agent got {name} and stopped its workers",
                                  self._node, self.host, signal=name, by="agent", t=time.time())
         self.stopping_for = cause
         self._publish(cause)

@@ -22,6 +22,9 @@ REQUEUE_WAIT_S = 10.0
 """At most this long node 0 waits for every node's last line before it requeues the job."""
 REQUEUE_TIMEOUT_S = 30.0
 """At most this long for ``scontrol requeue`` (it asks slurmctld, which may be busy)."""
+CLOCK_TRUST_S = 10.0
+"""A request read later than this after its time says (or before it) is taken as the hosts' clocks
+disagreeing: the grace then counts from when this agent read it (agents read it within a second)."""
 SAVED_WAIT_S = 3.0
 """How long an agent waits for rank 0's Saved record before its exit barrier (rank 0 writes it
 milliseconds after fit's last barrier, which every rank passed)."""
@@ -75,7 +78,7 @@ class Preemption:
                       f"its checkpoint there; a script with nothing to save stops now); workers still running in "
                       f"{self.grace_s:g} s ({self.grace_src}) are stopped; a second signal stops them now")
         if self._since is None and self.preempting():
-            self._since = time.monotonic()
+            self._since = time.monotonic() - self._lag()
         stop, req = self.failures.preempt_stop, self.request
         if not self._said_stop and stop not in (None, pp.NO_STEP) and req is not None:
             self._said_stop = True
@@ -86,6 +89,14 @@ class Preemption:
         if self.grace_over():
             return self.sig or int(getattr(signal, self.signame(), signal.SIGTERM))
         return None
+
+    def _lag(self) -> float:
+        """How long ago (s) the job's request was made: every node's grace then ends at one moment, so
+        no node's workers outlive their peers' (whose stop would fail them). 0 for this node's own
+        signal, or when the hosts' clocks disagree (the request's time is ahead, or implausibly old)."""
+        req = self.request
+        lag = time.time() - req.t if req is not None else 0.0
+        return lag if 0.0 <= lag <= CLOCK_TRUST_S else 0.0
 
     def before_exit(self) -> None:
         """The workers ended: read where rank 0 stopped while the store's host still waits for us."""
@@ -126,8 +137,27 @@ class Preemption:
             what = "no checkpoint was saved"
         return pp.EXIT_CODE, f"ddprun: preempted by {name}{who}: {where}; {what}"
 
-    def forced_line(self) -> str:
-        """The grace ended before every local worker stopped at the agreed step."""
+    def forced_by_peer(self, cause: Any) -> bool:
+        """Whether ``cause`` (the job's root failure record) is another node going while the job stops
+        at a step: its agent stopped its workers (its grace ended, or a second signal came, first) or
+        it was lost (the node hosting the store stopped so: its record went with the store), and this
+        node's workers failed of it. The preemption's forced stop, not a failure of the job's own."""
+        return (cause is not None and self.preempting() and cause.kind in ("signal", "lost") and cause.rank < 0
+                and cause.node_rank != self.failures.node_rank)
+
+    def forced_why(self) -> str | None:
+        """What this agent's record says when its grace ends (None: not a preemption's forced stop)."""
+        if not (self.preempting() and self.grace_over()):
+            return None
+        return (f"its preemption grace of {self.grace_s:g} s ({self.grace_src}) ended before its ranks stopped "
+                "at the agreed step, and it stopped its workers")
+
+    def forced_line(self, cause: Any = None) -> str:
+        """The grace ended before every local worker stopped at the agreed step; ``cause``: the record of
+        the node that stopped first, when this node's own grace is not over yet."""
+        if cause is not None and not self.grace_over():
+            return (f"ddprun: the preemption stop did not complete on every node: {cause.headline()}; this node's "
+                    "workers stopped before the agreed step (the last checkpoint is the one before).")
         return (f"ddprun: the preemption grace of {self.grace_s:g} s ({self.grace_src}) ended before every rank "
                 f"of this node stopped at the agreed step; workers stopped (the last checkpoint is the one "
                 "before). HINT: a longer --preempt-grace, if the cluster gives that long.")

@@ -11,6 +11,7 @@ per way it can end (:func:`ending`).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import uuid
@@ -338,6 +339,9 @@ class _AgentRun:
         self._reforming()  # before the restart line, which may wait for a first-hand record
         self.failures.on_restarting(left, most)
 
+    def _on_signal(self, sig: int) -> None:
+        self.failures.on_signal(sig, self.preemption.forced_why())
+
     def torch_config(self) -> Any:
         from torch.distributed.launcher.api import LaunchConfig as TorchLaunchConfig
 
@@ -359,7 +363,7 @@ class _AgentRun:
         hooks = AgentHooks(on_worker_exit=self.failures.on_worker_exit, on_workers_started=self._started,
                            on_restarting=self._restarting, on_membership_change=self._membership_change,
                            on_rendezvous=self.attempts.set_round,
-                           on_signal=self.failures.on_signal, exit_barrier_done=self.failures.exit_barrier_done,
+                           on_signal=self._on_signal, exit_barrier_done=self.failures.exit_barrier_done,
                            stop_grace_s=self.run_.cfg.stop_grace, preempt_signals=self.preemption.signals,
                            on_preempt_signal=self.preemption.on_signal, preempt_check=self.preemption.check,
                            preempting=self.preemption.preempting, on_stopping=self.failures.mark_stopping,
@@ -421,9 +425,22 @@ def _child_failed(e: Any, agent: _AgentRun, err: TextIO) -> Outcome:
     local = agent_console.local_records(e.failures, recorded, run.host, f.node_rank, f.root_cause())
     known = _known(agent, local)
     cause = fr.root_cause([*known, *local.values()])
+    if agent.preemption.forced_by_peer(cause):
+        return _forced(agent, err, cause)
     followed = {0} if agent.logs_specs.has_rank0 else set()
     print(agent_console.summary(local, known, run.rundir, run.host, followed), file=err, flush=True)
     return Outcome(1, run.rundir.path, 0.0, local, cause)
+
+
+def _forced(agent: _AgentRun, err: TextIO, cause: fr.FailureRecord | None = None) -> Outcome:
+    """The preemption's stop was forced (a grace ended, here or on ``cause``'s node, first): every
+    node ends as a signalled one does (128 + the signal), and the job is requeued (its work since the
+    last checkpoint is lost; the job is not done)."""
+    pre = agent.preemption
+    print(pre.forced_line(cause), file=err, flush=True)
+    agent.requeue(err)
+    sig = pre.sig or int(getattr(signal, pre.signame(), signal.SIGTERM))
+    return Outcome(128 + sig, agent.run_.rundir.path, 0.0)
 
 
 def _from_records(agent: _AgentRun, err: TextIO, fallback: str) -> Outcome:
@@ -434,6 +451,8 @@ def _from_records(agent: _AgentRun, err: TextIO, fallback: str) -> Outcome:
     local = {rank: rec for rank in agent.logs_specs.local_workers if (rec := f.local_record(rank)) is not None}
     known = _known(agent, local) if agent.logs_specs.local_workers else f.records()
     cause = fr.root_cause([*known, *local.values()])
+    if agent.preemption.forced_by_peer(cause):
+        return _forced(agent, err, cause)
     if cause is not None:  # this node's workers without a record were stopped by torch's agent on its way out
         for rank, (local_rank, _) in agent.logs_specs.local_workers.items():
             local.setdefault(rank, fr.stopped_by(cause, rank=rank, node_rank=f.node_rank, host=run.host,
@@ -476,11 +495,11 @@ def ending(e: BaseException, agent: _AgentRun, err: TextIO) -> Outcome:
         if agent.watcher is not None and agent.watcher.refused:
             return Outcome(1, run.rundir.path, 0.0)  # the refusal is printed already
         sig = int(getattr(e, "sigval", 15))
-        forced = agent.preemption.preempting() and agent.preemption.grace_over()
-        print(agent.preemption.forced_line() if forced else f"ddprun: stopped by {fr.signal_name(-sig)}; workers "
-              "stopped.", file=err, flush=True)
-        if forced:
+        if agent.preemption.preempting() and agent.preemption.grace_over():
+            print(agent.preemption.forced_line(), file=err, flush=True)
             agent.requeue(err)  # the work since the last checkpoint is lost, the job is not done
+        else:
+            print(f"ddprun: stopped by {fr.signal_name(-sig)}; workers stopped.", file=err, flush=True)
         return Outcome(128 + sig, run.rundir.path, 0.0)
     return _from_records(agent, err, f"ddprun: the launcher failed: {name}: {e}\n"
                                      f"See {run.rundir.agent_log(run.host)}")
