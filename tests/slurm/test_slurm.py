@@ -245,13 +245,21 @@ def test_scancel_usr1_stops_every_rank_at_one_step_and_the_requeued_job_resumes_
         return subprocess.run(["scontrol", *args], env=slurm.env(), capture_output=True, text=True,
                               timeout=10).stdout
 
-    # requeued, SLURM holds the job back for a while (Reason=BeginTime, ~2 min here): the cluster's
-    # policy, not ddprun's; made eligible at once so that the test does not wait for it
+    # requeued, SLURM holds the job back (Reason=BeginTime) until the old credential expires: the test
+    # bed's cred_expire, 5 s (testbed/setup.sh; 120 s by default). An earlier start, forced with
+    # `scontrol update StartTime=now`, is killed by slurmd: "Job credential revoked". After it, the
+    # builtin scheduler would wait for its next periodic pass (up to a minute): the update asks for one
     until(lambda: "JobState=PENDING" in scontrol("show", "job", job_id), timeout=60)
     pending = scontrol("show", "job", job_id)
     print("requeued:", *(f for f in pending.split() if f.startswith(("Reason=", "EligibleTime=", "Restarts="))))
+    eligible = re.search(r"EligibleTime=(\S+)", pending).group(1)
+    wait_s = time.mktime(time.strptime(eligible, "%Y-%m-%dT%H:%M:%S")) + 1 - time.time()
+    assert wait_s < 20, f"the requeued job is held until {eligible}: is cred_expire=5 in the test bed?"
+    time.sleep(max(0.0, wait_s))
     scontrol("update", f"JobId={job_id}", "StartTime=now")
+    print(f"held {wait_s:.1f} s after the requeue; {time.monotonic() - signalled:.1f} s since the signal")
     submit.join(260)
+    print(f"the requeued job ended {time.monotonic() - signalled:.1f} s after the signal")
     job = done["job"]
     assert job.returncode == 0 and job.job_id == int(job_id), slurm.describe(job)
     _, _, again = job.output.partition("ddprun: requeued SLURM job")

@@ -105,7 +105,10 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$MUNGE_SOCK
+# cred_expire: how long a job credential lives, and so how long a requeued job waits before it may
+# start again (slurmd still holds the revoked credential: a start before that is "Job credential
+# revoked"). 120 s by default; 5 s here so that the requeue test does not wait two minutes
+AuthInfo=socket=$MUNGE_SOCK,cred_expire=5
 SlurmctldPort=6817
 SlurmdPort=6818
 StateSaveLocation=$BASE/state/ctld
