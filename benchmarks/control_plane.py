@@ -9,7 +9,9 @@ as in a worker. They run as threads of this process; the store is a TCPStore ser
 process. What is replaced, and why:
 - the timing a rank publishes: telemetry is per process, so every simulated rank publishes the same
   fixed window summary (the write and rank 0's read are the real ones);
-- stack dumps (a faulthandler dump of this process would hold every simulated rank's thread);
+- stack dumps and a rank's place at a stall (a faulthandler dump, or sys._current_frames(), of this
+  process would hold every simulated rank's thread: 1,024 of them at once starve the GIL for
+  seconds); every rank answers the same place, in an all-reduce;
 - a node's facts for preflight: computed once and the same for every node (real nodes compute
   theirs in parallel; here they would be serialized on one CPU);
 - store clients are all connected before the ranks start (see one_size);
@@ -234,6 +236,8 @@ def main() -> int:
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 4 * max(sizes) + 1024)), hard))
     monitor_mod.summarize = lambda records: dict(WINDOW)  # every simulated rank has a window to publish
     stacks.dump_stacks = lambda path: None
+    stacks.main_thread_place = lambda: {"where": "in all_reduce", "user_frame": "train.py:40 in step",
+                                        "frames": ["train.py:40 in step"]}
     # a node's facts (package hash, addresses, ...) are computed once per node, in parallel on real
     # nodes; serialized here they would be most of preflight's time: computed once, the same on every node
     facts = preflight.node_facts({}, None)

@@ -31,6 +31,13 @@ def test_present_costs_one_call_when_every_key_exists_and_one_per_key_otherwise(
     store.calls.clear()
     assert present(store, ["a", "x", "c"]) == ["a", "c"] and store.calls == ["check"] * 4
     assert present(store, []) == []
+    keys = [f"k{i}" for i in range(1024)]
+    for k in keys:
+        server.set(k, "1")
+    server.delete_key("k700")
+    store.calls.clear()
+    assert present(store, keys) == keys[:700] + keys[701:]
+    assert len(store.calls) <= 2 * 7 + 8 + 1  # halves down to 8 keys, then those 8 one by one
 
 
 def test_await_key_returns_when_the_key_is_set_and_false_at_its_timeout(tmp_path):
@@ -46,3 +53,54 @@ def test_await_key_returns_when_the_key_is_set_and_false_at_its_timeout(tmp_path
     server.set("verdict", "ok")
     assert ch.await_key("verdict", 5) and client.calls == ["wait", "wait"]  # no poll
     assert ch.store.get("verdict") == b"ok"  # the client is usable after the timed-out wait
+
+
+def _channel(tmp_path, server, rank=1, world=4096):
+    environ = {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(server.port), "TORCHELASTIC_RUN_ID": "a", "DDPRUN_ATTEMPT": "0"}
+    client = Counting(TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
+                               timeout=timedelta(seconds=10)))
+    return JobChannel(environ, WorkerEnv(run_dir=str(tmp_path)), connect=lambda: client), client
+
+
+def test_reading_the_cause_costs_the_same_with_thousands_of_echoes_in_the_store(tmp_path):
+    from ddprun.protocol import failure as fr
+    from ddprun.protocol.store import ECHOES_READ, publish_failure
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ch, client = _channel(tmp_path, server)
+    echo = fr.FailureRecord(fr.ERROR, 7, "RuntimeError: Connection reset by peer", 0, "a")
+    for r in range(2000):  # every peer of a dead rank saw the connection go, and said so first
+        publish_failure(server, ch.keys, echo.__class__(**{**echo.__dict__, "rank": r}))
+    client.calls.clear()
+    got = ch.failures()
+    assert len(got) == ECHOES_READ and all(r.is_echo for r in got)
+    assert client.calls == ["add", "add", "check", "multi_get"]
+    killed = fr.FailureRecord(fr.SIGNAL, 2001, "", 1, "b", signal="SIGKILL", by="agent")
+    assert publish_failure(server, ch.keys, killed) == 1  # the first cause: its rank waits for acks
+    client.calls.clear()
+    assert ch.cause() == killed and client.calls == ["add", "check", "multi_get"]
+    assert int(server.add(ch.keys.failures, 0)) == 2001 and int(server.add(ch.keys.alarm, 0)) == 2001
+
+
+def test_a_quiet_poll_reads_one_key_and_a_raised_alarm_brings_the_failure(tmp_path, monkeypatch):
+    from ddprun.protocol import failure as fr
+    from ddprun.protocol.store import publish_failure
+    from ddprun.telemetry import PROGRESS
+    from ddprun.worker import monitor as monitor_mod
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ch, client = _channel(tmp_path, server, rank=1, world=4)
+    m = monitor_mod.Monitor(ch)
+    seen = []
+    monkeypatch.setattr(m, "_stopped_by", lambda cause, store: seen.append(cause))
+    m._tick(client)  # the first poll reads everything once, and publishes the progress
+    client.calls.clear()
+    PROGRESS.steps += 1  # trained on, within PROGRESS_PUBLISH_S of the last publish: no write yet
+    m._tick(client)
+    assert client.calls == ["add"] and not seen
+    rec = fr.FailureRecord(fr.ERROR, 3, "ValueError: bad batch", 0, "a")
+    publish_failure(server, ch.keys, rec)
+    client.calls.clear()
+    m._tick(client)
+    assert seen == [rec] and client.calls[0] == "add"

@@ -28,7 +28,7 @@ from ddprun.protocol import failure as fr
 from ddprun.protocol import preempt as pp
 from ddprun.protocol.atomic import write_text_atomic
 from ddprun.protocol.rundir import RunDir
-from ddprun.protocol.store import Keys
+from ddprun.protocol.store import Keys, publish_failure, raise_alarm, read_causes, read_records
 
 BEAT_S = 1.0
 LOST_AFTER_S = 10.0
@@ -173,21 +173,17 @@ class AgentFailures:
         try:
             store, keys = self._client(), self._keys
             if keys is not None:
-                k = store.add(keys.failures, 1)
-                store.set(keys.failure(k), rec.to_json())
+                publish_failure(store, keys, rec)
         except Exception:  # noqa: BLE001
             pass
 
     # -- what is known ---------------------------------------------------------------------
     def records(self) -> list[fr.FailureRecord]:
-        """Every record seen: this node's, and every one read from the store while it answered."""
+        """Every record seen, once: this node's, and those read from the store while it answered (a
+        cause is in the store twice: among the causes and in the job's list)."""
         with self._lock:
-            out = dict(self._cache)
-            for rank, rec in self._local.items():
-                out.setdefault(f"local/{rank}", rec)
-            if self.lost is not None:
-                out.setdefault("lost", self.lost)
-        return list(out.values())
+            out = list(self._cache.values()) + list(self._local.values()) + ([self.lost] if self.lost else [])
+        return list({rec.to_json(): rec for rec in out}.values())
 
     def local_record(self, rank: int) -> fr.FailureRecord | None:
         with self._lock:
@@ -216,7 +212,7 @@ class AgentFailures:
             if self._store is None and not port_open(self._addr, self._port):
                 return  # the store's host is gone: what was read is all there is
             try:
-                self._read_records(self._client(), keys)
+                self._read_records(self._client(), keys, every=True)
             except Exception:  # noqa: BLE001 - the store is gone: what was read is all there is
                 self._store = None
                 return
@@ -284,18 +280,21 @@ class AgentFailures:
             except OSError:
                 pass
 
-    def _read_records(self, store: Any, keys: Keys) -> None:
-        """Copy the store's records not seen yet (one batched read); a malformed one is skipped."""
-        n = int(store.add(keys.failures, 0))
+    def _read_records(self, store: Any, keys: Keys, every: bool = False) -> None:
+        """Copy the store's records not seen yet (batched reads); a malformed one is skipped. Every
+        beat: the causes (protocol/store.py read_causes, bounded); ``every``: every rank's record too."""
         with self._lock:
-            missing = [keys.failure(k) for k in range(1, n + 1) if keys.failure(k) not in self._cache]
-        present = [k for k in missing if store.check([k])]
-        for key, raw in zip(present, store.multi_get(present) if present else []):
-            parsed = fr.parse_many([raw])
-            with self._lock:
+            known = set(self._cache)
+        if every:
+            n = int(store.add(keys.failures, 0))
+            got = read_records(store, [k for k in map(keys.failure, range(1, n + 1)) if k not in known])
+        else:
+            got = read_causes(store, keys, known)
+        with self._lock:
+            for key, rec in got.items():
                 # a read that began before a new attempt started must not bring the old attempt's records back
-                if parsed and self._keys is not None and key.startswith(self._keys.prefix):
-                    self._cache[key] = parsed[0]
+                if self._keys is not None and key.startswith(self._keys.prefix):
+                    self._cache[key] = rec
 
     def _say_hang_report(self, store: Any, keys: Keys) -> None:
         """A stall report appeared: one line on this node's console (the report is in the run dir)."""
@@ -429,7 +428,9 @@ class AgentFailures:
         keys = self._keys
         try:
             if keys is not None:
-                self._client().compare_set(keys.preempt, "", req.to_json())
+                store = self._client()
+                store.compare_set(keys.preempt, "", req.to_json())
+                raise_alarm(store, keys)
         except Exception:  # noqa: BLE001 - no store: the grace still bounds the stop
             self._store = None
         self.preempt_request = self.preempt_request or req

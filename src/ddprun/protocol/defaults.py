@@ -42,7 +42,12 @@ FINAL_TIMING_WAIT_S = 2.0
 """At a clean exit rank 0 waits at most this long for the other ranks' last timing window."""
 
 MONITOR_POLL_S = 0.5
-"""The worker's monitor thread polls the store this often (failures, progress, stall requests)."""
+"""The worker's monitor thread polls the store this often (one read of the alarm key: failures,
+preemption and stall requests are read only when it moved)."""
+
+PROGRESS_PUBLISH_S = 1.0
+"""A rank publishes its progress count at most this often (the stall observers compare the counts
+every STALL_CHECK_S: a stall is reported at most this much later)."""
 
 STALL_CHECK_S = 1.0
 """The stall observer compares every rank's progress this often."""

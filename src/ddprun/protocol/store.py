@@ -14,6 +14,11 @@ attempts: torch's c10d shares one store server for the whole job, see agent/atte
     timing/<N>         rank N's step-time medians over its latest window (telemetry), every window
     timing-final/<N>   rank N published its last window at a clean exit
     failures           a counter; failure/<k> the k-th failure record (protocol/failure.py)
+    causes             a counter; cause/<k> the k-th first-hand record (not an echo), also in failure/:
+                       what every rank reads to learn the cause (there are few; echoes are one a rank)
+    alarm              a counter every writer of what the ranks act on advances after its write (a
+                       failure record, a preemption request, a stall report and its end): a rank's
+                       monitor reads only this key a poll until it moves
     acks               how many ranks have read the first failure
     pg                 the prefix of this attempt's process-group keys (gloo/NCCL bootstrap)
     agent/<node>       the heartbeat of that node's agent (JSON: host, beat or done)
@@ -45,6 +50,13 @@ import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from ddprun.protocol import failure as fr
+
+ECHOES_READ = 16
+"""While the job has no first-hand record, a reader reads at most this many of its first records
+(echoes: what each peer of a dead rank saw): enough to name what they saw, where reading every
+rank's echo at every rank would be quadratic in the job's size."""
 
 OWNER_KEY = "ddprun/endpoint-owner"
 RUN_ID_KEY = "ddprun/run-id"
@@ -162,6 +174,17 @@ class Keys:
     def failures(self) -> str:
         return self._k("failures")
 
+    def cause(self, k: int) -> str:
+        return self._k(f"cause/{k}")
+
+    @property
+    def causes(self) -> str:
+        return self._k("causes")
+
+    @property
+    def alarm(self) -> str:
+        return self._k("alarm")
+
     @property
     def acks(self) -> str:
         return self._k("acks")
@@ -190,13 +213,60 @@ class Keys:
         return self._k("preempt/saved")
 
 
+PRESENT_SPLIT = 8
+""":func:`present` splits a list longer than this in halves, else checks key by key."""
+
+
 def present(store: Any, keys: list[str]) -> list[str]:
-    """Those of ``keys`` that exist: one call when all do (the usual case), else one per key."""
+    """Those of ``keys`` that exist: one call when all do (the usual case); else the halves in
+    turn, key by key below PRESENT_SPLIT: about 2·log2(N/8) + 8 calls a missing key, where one call a
+    key at thousands of ranks (a few ranks late to answer a stall) costs seconds."""
     if not keys:
         return []
     if store.check(keys):
         return list(keys)
-    return [k for k in keys if store.check([k])]
+    if len(keys) <= PRESENT_SPLIT:
+        return [k for k in keys if store.check([k])]
+    mid = len(keys) // 2
+    return present(store, keys[:mid]) + present(store, keys[mid:])
+
+
+def raise_alarm(store: Any, keys: Keys) -> None:
+    """After a write the ranks act on (the module docstring's ``alarm``)."""
+    store.add(keys.alarm, 1)
+
+
+def publish_failure(store: Any, keys: Keys, rec: fr.FailureRecord) -> int:
+    """Record ``rec`` (and, when first-hand, among the causes), then raise the alarm; 5 store calls
+    for a cause, 3 for an echo. Returns its place among the causes (0: an echo)."""
+    store.set(keys.failure(int(store.add(keys.failures, 1))), rec.to_json())
+    c = 0
+    if not rec.is_echo:
+        c = int(store.add(keys.causes, 1))
+        store.set(keys.cause(c), rec.to_json())
+    raise_alarm(store, keys)
+    return c
+
+
+def read_records(store: Any, names: list[str]) -> dict[str, fr.FailureRecord]:
+    """The well-formed records among the keys ``names`` that are set (one batched read)."""
+    found = present(store, names)
+    out = {}
+    for key, raw in zip(found, store.multi_get(found) if found else []):
+        parsed = fr.parse_many([raw])
+        if parsed:
+            out[key] = parsed[0]
+    return out
+
+
+def read_causes(store: Any, keys: Keys, known: Any = ()) -> dict[str, fr.FailureRecord]:
+    """Every first-hand record, or while there is none the job's first ECHOES_READ records; the
+    keys in ``known`` are not read again. A bounded read whatever the job's size."""
+    n = int(store.add(keys.causes, 0))
+    names = [keys.cause(c) for c in range(1, n + 1)]
+    if n == 0:
+        names = [keys.failure(k) for k in range(1, min(int(store.add(keys.failures, 0)), ECHOES_READ) + 1)]
+    return read_records(store, [k for k in names if k not in known])
 
 
 def text(value: bytes | str) -> str:

@@ -20,7 +20,7 @@ from ddprun.errors import ConfigError
 from ddprun.protocol import defaults
 from ddprun.protocol import failure as fr
 from ddprun.protocol.env import WorkerEnv
-from ddprun.protocol.store import Keys, claim, present, refusal, store_prefix
+from ddprun.protocol.store import Keys, claim, present, publish_failure, read_causes, refusal, store_prefix
 
 
 class JobRefused(Exception):
@@ -146,9 +146,7 @@ class JobChannel:
     def record_failure(self, rec: fr.FailureRecord) -> None:
         """Publish ``rec``; the first cause waits (bounded) until the others have read it."""
         try:
-            k = self.store.add(self.keys.failures, 1)
-            self.store.set(self.keys.failure(k), rec.to_json())
-            if k == 1 and not rec.is_echo:
+            if publish_failure(self.store, self.keys, rec) == 1:
                 self._await_acks()
         except Exception:  # noqa: BLE001 - the store may be gone already; the error file still holds it
             pass
@@ -168,12 +166,10 @@ class JobChannel:
             pass
 
     def failures(self, store: Any = None) -> list[fr.FailureRecord]:
-        """Every well-formed record in the store (one batched read); [] when it cannot be read."""
-        store = store or self.store
+        """The job's first-hand records, or while there is none its first echoes (protocol/store.py
+        read_causes: 3 store calls whatever the job's size); [] when the store cannot be read."""
         try:
-            n = int(store.add(self.keys.failures, 0))
-            found = present(store, [self.keys.failure(k) for k in range(1, n + 1)])
-            return fr.parse_many(store.multi_get(found)) if found else []
+            return list(read_causes(store or self.store, self.keys).values())
         except Exception:  # noqa: BLE001 - the store is gone: nothing to read
             return []
 

@@ -1,4 +1,4 @@
-"""The monitor thread beside the user's code in every worker (a few store calls per poll, never on the
+"""The monitor thread beside the user's code in every worker (one store call a poll, never on the
 training step's path).
 
 Every rank: publishes its progress count (telemetry.PROGRESS: optimizer steps, collectives,
@@ -35,7 +35,7 @@ from ddprun.protocol import defaults
 from ddprun.protocol import failure as fr
 from ddprun.protocol import preempt as pp
 from ddprun.protocol.rundir import RunDir
-from ddprun.protocol.store import present, text
+from ddprun.protocol.store import present, raise_alarm, text
 from ddprun.telemetry import PROGRESS, TIMER, summarize
 from ddprun.worker import collectives, stacks
 from ddprun.worker.channel import JobChannel
@@ -101,7 +101,9 @@ class Monitor:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ddprun-monitor", daemon=True)
         self._ppid = os.getppid()
-        self._published = -1
+        self._published, self._published_at = -1, float("-inf")
+        self._alarm: int | None = -1
+        """The alarm counter as last read (protocol/store.py): -1 reads everything at the first poll."""
         self._answered = ""
         self._last_window = self._last_check = time.monotonic()
         self._window = 0
@@ -202,18 +204,14 @@ class Monitor:
         if os.getppid() != self._ppid:  # the agent is gone (PR_SET_PDEATHSIG does this on Linux first)
             os._exit(1)
         ch = self.ch
-        if ch.world_size > 1:
-            self._watch_failures(store)
-        self._watch_preemption(store)
+        self._watch_events(store)
         busy = PROGRESS.busy_since
         if busy is not None and time.monotonic() - busy < BUSY_LIMIT_FACTOR * max(ch.wenv.stall_timeout, 1.0):
             PROGRESS.beats += 1  # a declared phase (telemetry.busy): a checkpoint write, a validation pass
-        total = PROGRESS.total
-        if total != self._published:
+        total, now = PROGRESS.total, time.monotonic()
+        if total != self._published and now - self._published_at >= defaults.PROGRESS_PUBLISH_S:
             store.set(ch.keys.progress(ch.rank), str(total))
-            self._published = total
-        self._answer_stall(store)
-        now = time.monotonic()
+            self._published, self._published_at = total, now
         if now - self._last_window >= ch.wenv.telemetry_window:
             self._last_window = now
             self._publish_timing(store)
@@ -223,9 +221,25 @@ class Monitor:
             self._last_check = now
             self._observe(store, now)
 
+    def _watch_events(self, store: Any) -> None:
+        """One read of the alarm a poll; what it announces is read only when it moved (or while this
+        rank still waits on it: a first-hand record after an echo, its own preemption signal)."""
+        now, keys = time.monotonic(), self.ch.keys
+        if not self._rate_samples or now - self._rate_samples[-1][0] >= RATE_SAMPLE_S:
+            self._rate_samples.append((now, PROGRESS.steps))  # a signal wakes the thread early: no rate over a ms
+        alarm = parse_int(store.add(keys.alarm, 0))
+        moved = alarm != self._alarm
+        if self.ch.world_size > 1 and (moved or self._echo_seen is not None):
+            self._watch_failures(store)
+        if moved or (PREEMPT.signum is not None and not PREEMPT.requested):
+            self._watch_preemption(store)
+        if moved:
+            self._answer_stall(store)
+        self._alarm = alarm  # only once all of it was read: a failing read reads it again next poll
+
     # -- failures ----------------------------------------------------------------------------
     def _watch_failures(self, store: Any) -> None:
-        if not self.ch.last_attempt or parse_int(store.add(self.ch.keys.failures, 0)) in (0, None):
+        if not self.ch.last_attempt:
             return
         cause = self.ch.cause(store)
         if cause is None or self._stop.is_set():
@@ -259,6 +273,7 @@ class Monitor:
                 name = signal.Signals(sig).name
                 req = pp.Request(name, f"rank {self.ch.rank}", self.ch.node_rank, self.ch.host, time.time())
                 store.compare_set(self.ch.keys.preempt, "", req.to_json())
+                raise_alarm(store, self.ch.keys)
                 self._note(f"rank {self.ch.rank} got {name}: asking every rank to stop at one step "
                            f"(a second signal stops this rank at once)")
             else:
@@ -284,10 +299,7 @@ class Monitor:
     def _watch_preemption(self, store: Any) -> None:
         """Once the job is asked to stop: propose a stop step (``none`` where nothing in this process
         stops at one: neither ddprun.fit nor an on_preempt callback), keep what the job agreed on."""
-        now, steps = time.monotonic(), PROGRESS.steps
-        if not self._rate_samples or now - self._rate_samples[-1][0] >= RATE_SAMPLE_S:
-            self._rate_samples.append((now, steps))  # a signal wakes the thread early: no rate over a millisecond
-        keys = self.ch.keys
+        steps, keys = PROGRESS.steps, self.ch.keys
         if PREEMPT.requested:
             return
         present = bool(store.check([keys.preempt]))  # one check a poll until the job is asked to stop
@@ -367,6 +379,7 @@ class Monitor:
                 store.delete_key(self.ch.keys.place(r))
             store.delete_key(self.ch.keys.stall_summary)
             store.delete_key(self.ch.keys.stall)
+            raise_alarm(store, self.ch.keys)  # the others answer the next report again
             self._note("progress resumed after the hang report; the job goes on")
         elif decision == "end":
             self._end_stalled(now - obs.since)
@@ -383,6 +396,7 @@ class Monitor:
         mine = json.dumps({"by": ch.rank, "t": time.time()})
         if store.compare_set(keys.stall, "", mine).decode(errors="replace") != mine:
             return  # another observer reports this stall
+        raise_alarm(store, keys)
         self._answer_stall(store)
         places_keys = [keys.place(r) for r in range(ch.world_size)]
         ch.wait_for(places_keys, defaults.PLACES_WAIT_S, store)
