@@ -176,3 +176,19 @@ def test_torchs_is_host_spellings():
     for value, want in (("t", True), ("y", True), ("1", True), ("f", False), ("n", False), ("false", False)):
         assert admission.should_host("192.0.2.77", {"is_host": value}, "c10d", 3) is want
     assert admission.should_host("x", {}, "static", 0) and not admission.should_host("x", {}, "static", 1)
+
+
+def test_the_endpoint_beat_never_waits_on_a_gone_endpoint():
+    """torch's client retries a refused connect for its whole timeout; the beat checks the port first."""
+    import time as _time
+
+    from ddprun.agent.admission import EndpointBeat
+    from tests.helpers import free_port
+
+    beat = EndpointBeat("127.0.0.1", free_port())
+    t0 = _time.monotonic()
+    beat(0, 1)
+    assert _time.monotonic() - t0 < 1.0
+    t0 = _time.monotonic()
+    beat(0, 2)  # within 5 s of the failure: not tried again
+    assert _time.monotonic() - t0 < 0.1 and beat._store is None

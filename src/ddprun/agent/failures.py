@@ -252,8 +252,6 @@ class AgentFailures:
         if keys is None:
             return seen_at
         store.set(keys.agent(self._node), json.dumps({"host": self.host, "beat": beat}))
-        if self._on_beat is not None:
-            self._on_beat(self._node, beat)
         self._read_records(store, keys)
         if self.preempt_request is None and store.check([keys.preempt]):
             self.preempt_request = pp.Request.parse(store.get(keys.preempt))
@@ -261,6 +259,8 @@ class AgentFailures:
             self.preempt_stop = store.get(keys.preempt_stop).decode(errors="replace")
         self._enforce_end()
         self._say_hang_report(store, keys)
+        if self._on_beat is not None:  # another store (the endpoint's): last, so it never delays the above
+            self._on_beat(self._node, beat)
         return self._watch_neighbour(store, keys, seen_at)
 
     def _enforce_end(self) -> None:
