@@ -110,9 +110,11 @@ def test_a_second_signal_to_an_agent_stops_its_workers_at_once(tmp_path):
                                  "--send-signal", "USR1", "--signal-to", "agent", "--marker", str(tmp_path / "signalled")],
                 extra=["--log-dir", str(tmp_path / "runs")], script=FIT)
     deadline = time.monotonic() + 60
-    while not (tmp_path / "signalled").exists() and time.monotonic() < deadline:
+    # every agent knows the agreed stop step (seconds ahead), so the other node knows its workers end
+    # of the preemption; before that it could only say that its peer was lost
+    while sum("every rank stops after optimizer step" in out.read_text() for out in job.outs) < 2 \
+            and time.monotonic() < deadline:
         time.sleep(0.05)
-    time.sleep(0.3)  # the agent has its first signal (the stop step is seconds ahead)
     asked = next(i for i, out in enumerate(job.outs) if "ddprun: got SIGUSR1" in out.read_text())
     sent = job.signal(asked, signal.SIGTERM)
     ended = job.finish(timeout=60)
