@@ -250,12 +250,13 @@ class EndpointBeat:
         now = time.monotonic()
         if self._store is None and now < self._retry_at:
             return
+        # torch's client retries a refused connect for its whole timeout: when the endpoint's host has
+        # ended, that would hold this thread (and the failure watch after it) seconds
+        if self._store is None and not port_open(self._addr, self._port):
+            self._retry_at = now + 5.0
+            return
         try:
             if self._store is None:
-                # torch's client retries a refused connect for its whole timeout: when the endpoint's
-                # host has ended, that would hold this thread (and the failure watch after it) seconds
-                if not port_open(self._addr, self._port):
-                    raise ConnectionRefusedError(f"nothing listens at {self._addr}:{self._port}")
                 self._store = client(self._addr, self._port, timeout_s=2.0)
             self._store.set(keys.job_beat_key(node), str(beat))
         except Exception:  # noqa: BLE001 - the endpoint's host is gone or slow: the job's own watch says

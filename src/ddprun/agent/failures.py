@@ -455,24 +455,21 @@ class AgentFailures:
 
     def mark_stopping(self) -> None:
         """Torch's agent is about to signal this node's workers: they stop at once, not for a preemption."""
-        keys = self._keys
-        # no store (its host is gone: refused at once): the workers do not find it either, and stop at once
-        # too; never wait for a client's connect timeout here, on the way out
-        if keys is None or (self._store is None and not self._reachable()):
-            return
-        try:
-            self._client().set(keys.stopping(self._node), "1")
-        except Exception:  # noqa: BLE001
-            self._store = None
+        self._mark(lambda keys: keys.stopping(self._node))
 
     def mark_said(self) -> None:
         """This node printed how its launch ended (a preemption stop); best effort."""
+        self._mark(lambda keys: keys.said(self._node))
+
+    def _mark(self, key: Callable[[Keys], str]) -> None:
+        """Set this node's mark ``key(keys)``, best effort, on the way out. No store (its host is gone:
+        refused at once): nobody reads the mark, and a client's connect timeout is never waited for."""
         keys = self._keys
         if keys is None or (self._store is None and not self._reachable()):
             return
         try:
-            self._client().set(keys.said(self._node), "1")
-        except Exception:  # noqa: BLE001 - the store's host is gone: nobody waits for us
+            self._client().set(key(keys), "1")
+        except Exception:  # noqa: BLE001 - the store's host is gone
             self._store = None
 
     def wait_all_said(self, timeout_s: float) -> bool:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from ddprun.protocol import failure as fr
 from ddprun.protocol import preempt as pp
 
 REQUEUE_WAIT_S = 10.0
@@ -87,8 +88,13 @@ class Preemption:
             # nothing in the job stops at a step: this signal stops the workers now, as torch's would
             return self.sig or signal.SIGTERM
         if self.grace_over():
-            return self.sig or int(getattr(signal, self.signame(), signal.SIGTERM))
+            return self.stop_signal()
         return None
+
+    def stop_signal(self) -> int:
+        """The signal a forced stop stops the workers with and exits by: this agent's own, else the
+        request's (SIGTERM for a cloud's notice)."""
+        return self.sig or int(getattr(signal, self.signame(), signal.SIGTERM))
 
     def _lag(self) -> float:
         """How long ago (s) the job's request was made: every node's grace then ends at one moment, so
@@ -142,7 +148,7 @@ class Preemption:
         at a step: its agent stopped its workers (its grace ended, or a second signal came, first) or
         it was lost (the node hosting the store stopped so: its record went with the store), and this
         node's workers failed of it. The preemption's forced stop, not a failure of the job's own."""
-        return (cause is not None and self.preempting() and cause.kind in ("signal", "lost") and cause.rank < 0
+        return (cause is not None and self.preempting() and cause.kind in (fr.SIGNAL, fr.LOST) and cause.rank < 0
                 and cause.node_rank != self.failures.node_rank)
 
     def forced_why(self) -> str | None:

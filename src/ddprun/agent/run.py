@@ -11,7 +11,6 @@ per way it can end (:func:`ending`).
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import time
 import uuid
@@ -439,8 +438,7 @@ def _forced(agent: _AgentRun, err: TextIO, cause: fr.FailureRecord | None = None
     pre = agent.preemption
     print(pre.forced_line(cause), file=err, flush=True)
     agent.requeue(err)
-    sig = pre.sig or int(getattr(signal, pre.signame(), signal.SIGTERM))
-    return Outcome(128 + sig, agent.run_.rundir.path, 0.0)
+    return Outcome(128 + pre.stop_signal(), agent.run_.rundir.path, 0.0)
 
 
 def _from_records(agent: _AgentRun, err: TextIO, fallback: str) -> Outcome:

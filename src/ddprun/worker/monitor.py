@@ -204,6 +204,7 @@ class Monitor:
         if os.getppid() != self._ppid:  # the agent is gone (PR_SET_PDEATHSIG does this on Linux first)
             os._exit(1)
         ch = self.ch
+        self._sample_rate()
         self._watch_events(store)
         busy = PROGRESS.busy_since
         if busy is not None and time.monotonic() - busy < BUSY_LIMIT_FACTOR * max(ch.wenv.stall_timeout, 1.0):
@@ -224,10 +225,7 @@ class Monitor:
     def _watch_events(self, store: Any) -> None:
         """One read of the alarm a poll; what it announces is read only when it moved (or while this
         rank still waits on it: a first-hand record after an echo, its own preemption signal)."""
-        now, keys = time.monotonic(), self.ch.keys
-        if not self._rate_samples or now - self._rate_samples[-1][0] >= RATE_SAMPLE_S:
-            self._rate_samples.append((now, PROGRESS.steps))  # a signal wakes the thread early: no rate over a ms
-        alarm = parse_int(store.add(keys.alarm, 0))
+        alarm = parse_int(store.add(self.ch.keys.alarm, 0))
         moved = alarm != self._alarm
         if self.ch.world_size > 1 and (moved or self._echo_seen is not None):
             self._watch_failures(store)
@@ -324,6 +322,13 @@ class Monitor:
         if steps > stop:
             self._note(f"rank {self.ch.rank} is past the agreed stop step ({steps} > {stop}): it stops at its "
                        f"next step, or its agent stops it at the end of the grace")
+
+    def _sample_rate(self) -> None:
+        """This rank's step count over time, for :meth:`_rate` (a signal wakes the thread early: no
+        rate over a millisecond)."""
+        now = time.monotonic()
+        if not self._rate_samples or now - self._rate_samples[-1][0] >= RATE_SAMPLE_S:
+            self._rate_samples.append((now, PROGRESS.steps))
 
     def _rate(self) -> float | None:
         """This rank's fastest optimizer steps per second: between two polls of the last few seconds,
