@@ -204,10 +204,10 @@ class RankLogsSpecs(LogsSpecs):
 
 
 def route_torch_logging(path: str) -> logging.Handler:
-    """Send torch.distributed's Python logging to ``path`` instead of the console."""
+    """Send torch.distributed's Python logging (and ddprun's agent's) to ``path`` instead of the console."""
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    for name in ("torch.distributed", "torch.distributed.elastic"):
+    for name in ("torch.distributed", "torch.distributed.elastic", "ddprun.agent"):
         lg = logging.getLogger(name)
         lg.handlers[:] = [handler]
         lg.setLevel(logging.INFO)

@@ -117,6 +117,8 @@ class _Run:
     ``addr`` unless admit_run says otherwise."""
     bind: str | None = None
     """Where the endpoint's store listens if this node hosts it (agent/endpoint.py store_bind)."""
+    standby: Any = None
+    """This node's started agent/standby.py StandbyPool (the first attempt's workers), or None."""
     hosted: bool = False
     """This agent hosts the endpoint's store (it must outlive the job's other agents)."""
     grace: tuple[float, str] = (defaults.PREEMPT_GRACE_S, "default")
@@ -236,14 +238,32 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
         print(net.summary(), file=console, flush=True)
     t0 = time.monotonic()
     bind = store_bind(spec.master_addr, local, named) if spec.master_addr else None
-    run = admit_run(replace(prepare(cfg, spec, environ, hostname, net.worker_env), bind=bind), console)
-    os.makedirs(run.rundir.logs, exist_ok=True)
-    with AgentLog(run.rundir.agent_log(hostname)) as log:
-        outcome = supervise(run, tee, console, log.console)
+    prepared = replace(prepare(cfg, spec, environ, hostname, net.worker_env), bind=bind)
+    pool = _standby(prepared)
+    try:
+        run = admit_run(replace(prepared, standby=pool), console)
+        os.makedirs(run.rundir.logs, exist_ok=True)
+        with AgentLog(run.rundir.agent_log(hostname)) as log:
+            outcome = supervise(run, tee, console, log.console)
+    finally:
+        if pool is not None:
+            pool.close()
     outcome.wall_s = time.monotonic() - t0
     if outcome.exit_code == 0:
         print(f"ddprun: run {run.run_id} finished on this node in {outcome.wall_s:.1f} s", file=console, flush=True)
     return outcome
+
+
+def _standby(run: _Run) -> Any:
+    """The first workers' interpreters, started now to import torch while the agent starts and waits for
+    its peers (agent/standby.py); None with --no-warm-start."""
+    if not run.cfg.warm_start:
+        return None
+    from ddprun.agent.standby import StandbyPool
+
+    # the environment torch's agent will give the workers, but for what the launch sets per worker
+    argv = run.cfg.entry.argv() if run.cfg.entry is not None else []
+    return StandbyPool().start(run.spec.nproc_per_node, {**os.environ, **run.extra_env}, argv)
 
 
 def _announce(run: _Run, console: TextIO) -> None:
@@ -366,7 +386,7 @@ class _AgentRun:
                            stop_grace_s=self.run_.cfg.stop_grace, preempt_signals=self.preemption.signals,
                            on_preempt_signal=self.preemption.on_signal, preempt_check=self.preemption.check,
                            preempting=self.preemption.preempting, on_stopping=self.failures.mark_stopping,
-                           before_exit_barrier=self.preemption.before_exit)
+                           before_exit_barrier=self.preemption.before_exit, standby=self.run_.standby)
         argv = self.run_.cfg.entry.argv() if self.run_.cfg.entry is not None else []
         spot = self._spot_watch(err)
         try:

@@ -72,6 +72,8 @@ class AgentHooks:
     """torch's agent is about to signal its workers (a restart, a failure, the end): not a preemption."""
     seen: set[int] = field(default_factory=set)
     """pids already reported to on_worker_exit."""
+    standby: Any = None
+    """A started agent/standby.py StandbyPool: the first attempt's workers are its processes; closed then."""
 
 
 class DdprunAgent(LocalElasticAgent):
@@ -85,10 +87,28 @@ class DdprunAgent(LocalElasticAgent):
         self._preempt_said: int | None = None
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        pids = super()._start_workers(worker_group)
+        pool, self._hooks.standby = self._hooks.standby, None
+        if pool is None:
+            pids = super()._start_workers(worker_group)
+        else:
+            pids = self._start_from(pool, worker_group)
         self._catch_preemption()  # after torch's own handlers, which its process context installs at start
         self._hooks.on_workers_started(worker_group, pids, self._remaining_restarts)
         return pids
+
+    def _start_from(self, pool: Any, worker_group: WorkerGroup) -> dict[int, Any]:
+        """torch's start with the standby processes in place of new ones (agent/standby.py), once."""
+        from torch.distributed.elastic.multiprocessing import api
+
+        from ddprun.agent.standby import handler_factory
+
+        original = api.get_subprocess_handler
+        api.get_subprocess_handler = handler_factory(pool, original)
+        try:
+            return super()._start_workers(worker_group)
+        finally:
+            api.get_subprocess_handler = original
+            pool.close()
 
     def _catch_preemption(self) -> None:
         if threading.current_thread() is not threading.main_thread():

@@ -32,6 +32,9 @@ ATTEMPT = "DDPRUN_ATTEMPT"
 MERGE_STDERR = "DDPRUN_MERGE_STDERR"
 SOFT_EXIT = "DDPRUN_SOFT_EXIT"
 PREEMPT_SIGNALS = "DDPRUN_PREEMPT_SIGNALS"
+STANDBY_FD = "DDPRUN_STANDBY_FD"
+"""Set in a standby interpreter's own environment only, never a worker's: the file descriptor of its
+go message (agent/standby.py, worker/standby.py)."""
 """Set by the user, not the agent: exit workers through the interpreter (see worker/exit.py)."""
 
 
