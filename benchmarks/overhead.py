@@ -1,9 +1,12 @@
 """Per-step cost of ddprun.fit against the hand-written DDP loop: same model, data and launch.
 
-    python benchmarks/overhead.py [--blocks 20] [--steps 150] [--warmup 20]
+    python benchmarks/overhead.py [--blocks 20] [--steps 150] [--warmup 20] [--shape 1x2]
+    python benchmarks/overhead.py --widths 64,256,256,10 --batch-size 64 --shape 2x1   (#18's MLP)
 
-Everything runs under ``ddprun run --nnodes 1 --nproc-per-node 2`` (gloo, CPU). The model, data and
-batch are examples/torchrun_style.py's (MLP 16-64-1, 2048 samples, batch 16 per rank, SGD).
+Everything runs under ``ddprun run`` (gloo, CPU): ``--shape 1x2`` is one node of two processes,
+``2x1`` two nodes (agents on 127.0.0.1) of one. The default model, data and batch are
+examples/torchrun_style.py's (MLP 16-64-1, 2048 samples, batch 16 per rank, SGD, MSE); ``--widths``
+gives another MLP (a last width over 1: classification with cross-entropy on fixed labels).
 
 Step time: one launch whose two ranks alternate blocks of --steps steps of each loop (fit, raw,
 raw, fit, ...; --blocks of each), so that the noise of a shared 2-core machine falls on both alike.
@@ -45,26 +48,40 @@ def _timed_sgd(params, times: list[tuple[float, float]]):
     return TimedSGD(params, lr=LR)
 
 
+WIDTHS = (16, 64, 1)
+"""The MLP's layer widths (``--widths``; set in the worker before any loop runs)."""
+
+
 def _setup():
     import torch
     from torch import nn
     from torch.utils.data import TensorDataset
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+    layers: list[nn.Module] = []
+    for a, b in zip(WIDTHS, WIDTHS[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    model = nn.Sequential(*layers[:-1])
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(2048, 16, generator=g)
-    y = x[:, :4].sum(dim=1, keepdim=True) + 0.1 * torch.randn(2048, 1, generator=g)
+    x = torch.randn(2048, WIDTHS[0], generator=g)
+    if WIDTHS[-1] == 1:
+        y = x[:, :4].sum(dim=1, keepdim=True) + 0.1 * torch.randn(2048, 1, generator=g)
+    else:
+        y = (x @ torch.randn(WIDTHS[0], WIDTHS[-1], generator=g)).argmax(dim=1)
     return model, TensorDataset(x, y)
 
 
-def run_fit(steps: int, batch: int, times: list, step_timing: bool = True) -> int:
+def _loss_fn():
     from torch import nn
 
+    return nn.functional.mse_loss if WIDTHS[-1] == 1 else nn.functional.cross_entropy
+
+
+def run_fit(steps: int, batch: int, times: list, step_timing: bool = True) -> int:
     import ddprun
 
     model, data = _setup()
-    ddprun.fit(model, data, loss_fn=nn.functional.mse_loss, optimizer=lambda p: _timed_sgd(p, times),
+    ddprun.fit(model, data, loss_fn=_loss_fn(), optimizer=lambda p: _timed_sgd(p, times),
                batch_size=batch, max_steps=steps, seed=0, step_timing=step_timing)
     return ddprun.rank_info().rank
 
@@ -75,7 +92,6 @@ def run_fit_untimed(steps: int, batch: int, times: list) -> int:
 
 def run_raw(steps: int, batch: int, times: list) -> int:
     import torch.distributed as dist
-    from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler
 
@@ -87,11 +103,12 @@ def run_raw(steps: int, batch: int, times: list) -> int:
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=batch, sampler=sampler)
     opt = _timed_sgd(ddp.parameters(), times)
+    loss_fn = _loss_fn()
     step, epoch = 0, 0
     while step < steps:
         sampler.set_epoch(epoch)
         for x, y in loader:
-            loss = nn.functional.mse_loss(ddp(x), y)
+            loss = loss_fn(ddp(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -107,6 +124,8 @@ def run_raw(steps: int, batch: int, times: list) -> int:
 def worker(args: argparse.Namespace) -> None:
     import resource
 
+    global WIDTHS
+    WIDTHS = tuple(int(w) for w in args.widths.split(","))
     loops = {"fit": run_fit, "raw": run_raw, "untimed": run_fit_untimed}
     if args.mode == "interleaved":
         order = [("fit", "raw", "untimed") if i % 2 == 0 else ("untimed", "raw", "fit") for i in range(args.blocks)]
@@ -129,19 +148,21 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launch(args: argparse.Namespace, mode: str, tmp: str, steps: int) -> list[dict]:
-    """One ``ddprun run`` of 1 node x 2 processes; each rank's JSON."""
+    """One ``ddprun run`` job of --shape (one agent per node); each rank's JSON."""
     from tests.helpers import DDPRUN, describe, free_port, run_agents
 
+    nnodes, nproc = (int(v) for v in args.shape.split("x"))
     out = os.path.join(tmp, mode)
     os.makedirs(out)
-    cmd = [DDPRUN, "run", "--nnodes", "1", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "--log-dir", os.path.join(tmp, "runs"), os.path.abspath(__file__), "--worker", "--mode", mode,
-           "--out", out, "--steps", str(steps), "--warmup", str(args.warmup), "--blocks", str(args.blocks),
-           "--batch-size", str(args.batch_size)]
-    results = run_agents([cmd], timeout=300, cwd=tmp)
-    if results[0].returncode != 0:
+    cmd = [DDPRUN, "run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--rdzv-endpoint",
+           f"127.0.0.1:{free_port()}", "--rdzv-id", f"overhead-{mode}", "--log-dir", os.path.join(tmp, "runs"),
+           os.path.abspath(__file__), "--worker", "--mode", mode, "--out", out, "--steps", str(steps),
+           "--warmup", str(args.warmup), "--blocks", str(args.blocks), "--batch-size", str(args.batch_size),
+           "--widths", args.widths]
+    results = run_agents([cmd] * nnodes, timeout=600, cwd=tmp)
+    if any(r.returncode != 0 for r in results):
         raise SystemExit(describe(results))
-    return [json.load(open(os.path.join(out, f"{mode}-{r}.json"))) for r in (0, 1)]
+    return [json.load(open(os.path.join(out, f"{mode}-{r}.json"))) for r in range(nnodes * nproc)]
 
 
 def driver(args: argparse.Namespace) -> int:
@@ -154,8 +175,10 @@ def driver(args: argparse.Namespace) -> int:
     block_median = {m: [statistics.median(b["intervals"]) for b in blocks if b["mode"] == m] for m in ("fit", "raw")}
     pair_ratios = [f / r for f, r in zip(block_median["fit"], block_median["raw"])]
     fit_ms, raw_ms = statistics.median(pooled["fit"]) * 1e3, statistics.median(pooled["raw"]) * 1e3
-    print(f"1 node x 2 processes under `ddprun run` (gloo, CPU); {args.blocks} blocks of {args.steps} steps of "
-          f"each loop, alternating in one launch; first {args.warmup} steps of each block left out")
+    nnodes, nproc = args.shape.split("x")
+    print(f"{nnodes} node(s) x {nproc} process(es) under `ddprun run` (gloo, CPU), MLP {args.widths.replace(',', '-')}"
+          f", batch {args.batch_size} per rank; {args.blocks} blocks of {args.steps} steps of each loop, "
+          f"alternating in one launch; first {args.warmup} steps of each block left out")
     print("  block medians (ms): fit " + " ".join(f"{t * 1e3:.3f}" for t in block_median["fit"]))
     print("                      raw " + " ".join(f"{t * 1e3:.3f}" for t in block_median["raw"]))
     print(f"  median step: ddprun.fit {fit_ms:.3f} ms, hand-written DDP loop {raw_ms:.3f} ms")
@@ -185,6 +208,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=150, help="steps per block")
     p.add_argument("--warmup", type=int, default=20, help="steps left out at the start of each block")
     p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--widths", default="16,64,1", help="the MLP's layer widths, comma-separated")
+    p.add_argument("--shape", default="1x2", help="NNODESxNPROC: 1x2 (default) or 2x1")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=["fit", "raw", "untimed", "interleaved"], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)

@@ -45,10 +45,9 @@ def test_a_validation_pass_longer_than_the_stall_threshold_is_not_a_stall(nodes,
     assert_nothing_left(tmp_path)
 
 
-def store_env(pid: int) -> dict[str, str]:
-    with open(f"/proc/{pid}/environ", "rb") as fp:
-        pairs = (item.split(b"=", 1) for item in fp.read().split(b"\0") if b"=" in item)
-        return {k.decode(): v.decode(errors="replace") for k, v in pairs}
+def store_env(job, rank: int) -> dict[str, str]:
+    """The rank's environment as its script saw it (scripts/job.py writes it with its pid)."""
+    return json.loads((job.pids_dir / f"rank-{rank}.env.json").read_text())
 
 
 @pytest.mark.timeout(90)
@@ -58,8 +57,8 @@ def test_poisoned_store_values_are_skipped_and_the_job_goes_on(nodes, tmp_path):
     from torch.distributed import TCPStore
 
     job = nodes(2, 1, ["--step-s", "0.05", "--steps", "160"], extra=STALL)
-    pids = job.worker_pids(range(2))
-    env = store_env(pids[0])
+    job.worker_pids(range(2))
+    env = store_env(job, 0)
     store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, wait_for_workers=False,
                      timeout=timedelta(seconds=5))
     prefix = f"ddprun/{env['TORCHELASTIC_RUN_ID']}/{env['DDPRUN_ATTEMPT']}/"
@@ -99,8 +98,8 @@ def test_a_malicious_pickle_in_every_key_ddprun_reads_runs_nothing(nodes, tmp_pa
     marker = tmp_path / "pwned"
     bomb = pickle.dumps(Payload(str(marker)))
     job = nodes(2, 1, ["--step-s", "0.05", "--steps", "160"], rdzv_id=None, extra=STALL)
-    pids = job.worker_pids(range(2))
-    env = store_env(pids[0])
+    job.worker_pids(range(2))
+    env = store_env(job, 0)
     workers = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, wait_for_workers=False,
                        timeout=timedelta(seconds=5))
     prefix = f"ddprun/{env['TORCHELASTIC_RUN_ID']}/{env['DDPRUN_ATTEMPT']}/"

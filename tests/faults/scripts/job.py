@@ -1,11 +1,13 @@
 """A small DDP job for the fault tests, torchrun-style (plain torch.distributed, no ddprun import).
 
 Every rank writes ``<pids>/rank-N.pid`` after its first optimizer step, so a test knows when training
-runs and which process is which rank. Options shape one fault each (see the tests).
+runs and which process is which rank, and ``<pids>/rank-N.env.json``, its environment then.
+Options shape one fault each (see the tests).
 """
 
 import argparse
 import atexit
+import json
 import os
 import signal
 import sys
@@ -71,6 +73,8 @@ def main() -> None:
             opt.step()
             opt.zero_grad()
         if step == 1:
+            with open(os.path.join(args.pids, f"rank-{rank}.env.json"), "w") as fp:
+                json.dump(dict(os.environ), fp)  # what /proc/PID/environ shows is the interpreter's start
             with open(os.path.join(args.pids, f"rank-{rank}.pid"), "w") as fp:
                 fp.write(str(os.getpid()))
         if step == 3 and args.raise_rank == rank:
