@@ -4,6 +4,7 @@ and each is, from its first line on, the process a fresh worker would have been.
 import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -44,7 +45,6 @@ def test_the_first_workers_are_the_standbys_each_with_its_workers_command_line_a
         assert f["env"]["RANK"] == str(rank) and f["env"]["LOCAL_RANK"] == str(rank)
         assert "DDPRUN_STANDBY_FD" not in f["env"]
         assert f["env"]["OMP_NUM_THREADS"] == "1" and f["cwd"] == str(tmp_path)
-        assert f["imported_first"] == {"torch": True, "torch._dynamo": True}  # done before the rendezvous
         log = (tmp_path / "runs" / "warm" / "logs" / f"rank-{rank}.log").read_text()
         assert f"probe stdout rank {rank}" in log and f"probe stderr rank {rank}" in log
     agent_pids = {f["ppid"] for f in facts}
@@ -72,6 +72,28 @@ def test_no_warm_start_starts_fresh_workers_after_the_rendezvous(tmp_path):
     for f in facts:
         assert f["cmdline"][:3] == [sys.executable, "-m", "ddprun.worker"]
         assert f["imported_first"]["torch._dynamo"] is False  # nothing imported it before the script
+
+
+PREIMPORT = """
+import os, sys
+from ddprun.worker.standby import preimport
+r, w = os.pipe()
+if sys.argv[1] == "go-there":
+    os.write(w, b"{}")
+preimport(r)
+print(sorted(m for m in ("torch", "torch._dynamo") if m in sys.modules))
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("go, imported", [("waiting", ["torch", "torch._dynamo"]), ("go-there", ["torch"])])
+def test_a_standby_imports_what_ddp_imports_only_while_it_waits(go, imported):
+    # while the rendezvous waits there is time for DDP's 2 s of imports; with the go message there
+    # (an agent with nothing to wait for) they would only delay the user's first line
+    proc = subprocess.run([sys.executable, "-c", PREIMPORT, go], env=job_env(), capture_output=True, text=True,
+                          timeout=50)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == repr(imported)
 
 
 def _pool_env() -> dict[str, str]:

@@ -1,8 +1,9 @@
 """A warm worker: ``python -m ddprun.worker SCRIPT ARGS...`` with ``DDPRUN_STANDBY_FD`` set, started by
 the agent before its rendezvous, with the very command line its worker will have.
 
-It imports what every worker imports anyway (torch, torch.distributed, the modules DDP's first
-construction imports, ddprun's worker side: about 4 s of CPU here), then blocks on ``GO_FD``. Once
+It imports what every worker imports anyway (torch, torch.distributed, ddprun's worker side), and
+while no go message has come the modules DDP's first construction imports (about 4 s of CPU here in
+all), then blocks on ``DDPRUN_STANDBY_FD``. Once
 the agent's rendezvous is done, torch's agent "starts" this rank's worker and ddprun hands it this
 process instead of a fresh interpreter (agent/standby.py): the go message carries the exact command
 line, environment, directory and log files torch would have given a new process, and the process
@@ -20,21 +21,32 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import sys
 
 GO_MAX_BYTES = 64 * 1024 * 1024
 """Upper bound of a go message (an environment of a few hundred kB at most in practice)."""
 
 
-def preimport() -> None:
-    """What every ddprun worker imports before its first step; an import that fails is left for the
-    user's code to meet (Python forgets a failed module, so it fails there the same way)."""
-    for name in ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "ddprun.worker.monitor",
-                 "ddprun.worker.channel", "ddprun.worker.pgstore", "ddprun.worker.preflight", "ddprun.train"):
-        try:
-            __import__(name)
-        except Exception:  # noqa: BLE001 - see the docstring: the real worker meets it again
-            pass
+WORKER_IMPORTS = ("torch", "torch.distributed", "ddprun.worker.monitor", "ddprun.worker.channel",
+                  "ddprun.worker.pgstore", "ddprun.worker.preflight")
+"""What every worker imports before the user's first line (its job channel is a torch TCPStore)."""
+WHILE_WAITING = ("torch.nn.parallel", "torch._dynamo", "ddprun.train")
+"""What DDP's first construction (and ddprun.fit) imports: only while no go message is there, so that
+a standby whose agent has nothing to wait for is not later than a fresh worker by these 2 s of CPU."""
+
+
+def preimport(go_fd: int) -> None:
+    """The imports above; one that fails is left for the worker to meet (Python forgets a failed
+    module, so it fails there the same way, with the traceback where a fresh worker prints it)."""
+    for names in (WORKER_IMPORTS, WHILE_WAITING):
+        if names is WHILE_WAITING and select.select([go_fd], [], [], 0)[0]:
+            return  # the go message (or the agent's end) is there: become the worker now
+        for name in names:
+            try:
+                __import__(name)
+            except Exception:  # noqa: BLE001 - see the docstring: the real worker meets it again
+                pass
 
 
 def read_go(fd: int) -> dict | None:
@@ -78,7 +90,7 @@ def main(go_fd: int) -> None:
     from ddprun.worker.bootstrap import die_with_agent
 
     die_with_agent()
-    preimport()
+    preimport(go_fd)
     go = read_go(go_fd)
     if go is None:
         os._exit(0)
