@@ -83,9 +83,10 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     _flag(g, "--requeue", action="store_true",
           help="SLURM batch jobs: after a preemption stop, node rank 0 requeues the job (scontrol requeue "
                "$SLURM_JOB_ID) and it resumes from that checkpoint (ddprun slurm-template writes it)")
-    _flag(g, "--no-warm-start", dest="warm_start", action="store_false",
-          help="start the first workers only after the rendezvous, as torchrun does (default: each local rank's "
-               "interpreter imports torch while the agent waits for its peers, and becomes the worker)")
+    _flag(g, "--warm-start", choices=["auto", "on", "off"], default="auto",
+          help="on: each local rank's interpreter starts with the agent, imports torch while the agent waits for "
+               "its peers, and becomes the first worker; off: workers start after the rendezvous, as torchrun's; "
+               "auto (default): on when this node has more CPUs than processes (a core left for the agent)")
     _flag(g, "--exit-timeout", type=float, default=EXIT_TIMEOUT_S,
           help=f"seconds a worker's atexit handlers may take after the script returned (default {EXIT_TIMEOUT_S:.0f})")
     _flag(g, "--telemetry-window", type=float, default=TELEMETRY_WINDOW_S,
@@ -216,7 +217,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         stop_grace=getattr(args, "stop_grace", STOP_GRACE_S),
         preempt_signals=getattr(args, "preempt_signals", defaults.PREEMPT_SIGNALS),
         preempt_grace=getattr(args, "preempt_grace", None), requeue=getattr(args, "requeue", False),
-        spot_notice=getattr(args, "spot_notice", "off"), warm_start=getattr(args, "warm_start", True),
+        spot_notice=getattr(args, "spot_notice", "off"), warm_start=getattr(args, "warm_start", "auto"),
     )
 
 

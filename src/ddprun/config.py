@@ -77,8 +77,9 @@ class LaunchConfig:
     """``aws``/``gcp``: a preemption notice in the instance metadata stops the job like a signal (agent/spot.py)."""
     requeue: bool = False
     """SLURM: after a preemption stop, node rank 0 runs ``scontrol requeue $SLURM_JOB_ID`` once."""
-    warm_start: bool = True
-    """The first attempt's workers are standby interpreters started before the rendezvous (agent/standby.py)."""
+    warm_start: str = "auto"
+    """``on``: the first attempt's workers are standby interpreters started before the rendezvous
+    (agent/standby.py); ``off``: torch starts them; ``auto``: on when the node has more CPUs than processes."""
     exit_timeout: float = defaults.EXIT_TIMEOUT_S
     """Seconds a worker's atexit handlers may take before it exits anyway, naming the one that hangs."""
     straggler_margin: float = defaults.STRAGGLER_MARGIN

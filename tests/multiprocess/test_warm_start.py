@@ -22,7 +22,7 @@ def _run(tmp_path: Path, *flags: str, env: dict[str, str] | None = None) -> tupl
     out = tmp_path / "out"
     out.mkdir()
     cmd = [DDPRUN, "run", "--nnodes", "1", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "--rdzv-id", "warm", *flags, PROBE, str(out)]
+           "--rdzv-id", "warm", *(flags or ("--warm-start", "on")), PROBE, str(out)]
     results = run_agents([cmd], timeout=60, cwd=tmp_path, env=env)
     assert results[0].returncode == 0, describe(results)
     assert_nothing_left(tmp_path)
@@ -66,8 +66,8 @@ def test_what_an_interpreter_printed_at_its_start_is_in_its_rank_log_once(tmp_pa
 
 
 @pytest.mark.timeout(90)
-def test_no_warm_start_starts_fresh_workers_after_the_rendezvous(tmp_path):
-    facts, agent_log, _ = _run(tmp_path, "--no-warm-start")
+def test_warm_start_off_starts_fresh_workers_after_the_rendezvous(tmp_path):
+    facts, agent_log, _ = _run(tmp_path, "--warm-start", "off")
     assert "standby" not in agent_log
     for f in facts:
         assert f["cmdline"][:3] == [sys.executable, "-m", "ddprun.worker"]

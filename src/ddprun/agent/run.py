@@ -254,10 +254,16 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
     return outcome
 
 
+def warm_start(mode: str, nproc: int, cpus: int) -> bool:
+    """Whether to start standbys: ``--warm-start on``, or ``auto`` on a node with a core for the agent
+    beside one per standby (with fewer, they and the agent only take turns on the same cores)."""
+    return mode == "on" or (mode == "auto" and cpus > nproc)
+
+
 def _standby(run: _Run) -> Any:
     """The first workers' interpreters, started now to import torch while the agent starts and waits for
-    its peers (agent/standby.py); None with --no-warm-start."""
-    if not run.cfg.warm_start:
+    its peers (agent/standby.py); None when --warm-start says no."""
+    if not warm_start(run.cfg.warm_start, run.spec.nproc_per_node, cpu_count()):
         return None
     from ddprun.agent.standby import StandbyPool
 
