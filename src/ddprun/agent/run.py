@@ -24,6 +24,7 @@ from ddprun.agent import console as agent_console
 from ddprun.agent.endpoint import free_port
 from ddprun.agent.failures import AgentFailures
 from ddprun.agent.spot import settings as spot_settings
+from ddprun.agent.standby import WORKER_MODULE
 from ddprun.cluster.base import ClusterSpec
 from ddprun.cluster.slurm import requeue_command
 from ddprun.config import LaunchConfig
@@ -268,8 +269,12 @@ def _standby(run: _Run) -> Any:
     from ddprun.agent.standby import StandbyPool
 
     # the environment torch's agent will give the workers, but for what the launch sets per worker
-    argv = run.cfg.entry.argv() if run.cfg.entry is not None else []
-    return StandbyPool().start(run.spec.nproc_per_node, {**os.environ, **run.extra_env}, argv)
+    return StandbyPool().start(run.spec.nproc_per_node, {**os.environ, **run.extra_env}, _entry_argv(run.cfg))
+
+
+def _entry_argv(cfg: LaunchConfig) -> list[str]:
+    """What follows ``python -m ddprun.worker`` in every worker's command line."""
+    return cfg.entry.argv() if cfg.entry is not None else []
 
 
 def _announce(run: _Run, console: TextIO) -> None:
@@ -393,10 +398,9 @@ class _AgentRun:
                            on_preempt_signal=self.preemption.on_signal, preempt_check=self.preemption.check,
                            preempting=self.preemption.preempting, on_stopping=self.failures.mark_stopping,
                            before_exit_barrier=self.preemption.before_exit, standby=self.run_.standby)
-        argv = self.run_.cfg.entry.argv() if self.run_.cfg.entry is not None else []
         spot = self._spot_watch(err)
         try:
-            run_agent(self.torch_config(), sys.executable, ["-m", "ddprun.worker", *argv], hooks)
+            run_agent(self.torch_config(), sys.executable, [*WORKER_MODULE, *_entry_argv(self.run_.cfg)], hooks)
         except BaseException as e:  # noqa: BLE001 - every way torch's agent ends gets its one message
             return ending(e, self, err)
         finally:

@@ -65,7 +65,6 @@ def env_mismatch(standby_env: Mapping[str, str], worker_env: Mapping[str, str]) 
 class _Standby:
     proc: subprocess.Popen
     go_w: int
-    env: dict[str, str]
 
 
 class StandbyPool:
@@ -75,18 +74,19 @@ class StandbyPool:
         self.python = python
         self._ready: list[_Standby] = []
         self.args: tuple[str, ...] = ()
-        self.used = 0
+        self.env: dict[str, str] = {}
+        """Every standby's environment (the go message's may differ from it only in launch variables)."""
 
     def start(self, count: int, env: Mapping[str, str], argv: list[str]) -> StandbyPool:
         """Start ``count`` standbys of ``python -m ddprun.worker *argv`` with ``env`` (the agent's
         environment and the workers' extras): the command line each worker will have."""
-        self.args = (self.python, *WORKER_MODULE, *argv)
+        self.args, self.env = (self.python, *WORKER_MODULE, *argv), dict(env)
         for _ in range(count):
             go_r, go_w = os.pipe()
             try:
                 # what the imports print before the go message (worker/standby.py copies it to the rank log)
                 with tempfile.TemporaryFile() as capture:
-                    proc = subprocess.Popen(self.args, env={**env, STANDBY_FD: str(go_r)}, stdout=capture,
+                    proc = subprocess.Popen(self.args, env={**self.env, STANDBY_FD: str(go_r)}, stdout=capture,
                                             stderr=capture, pass_fds=(go_r,), start_new_session=True)
             except OSError as e:  # no temporary file (a full /tmp), no process: the workers start as usual
                 log.info("no standby worker: %s", e)
@@ -94,7 +94,7 @@ class StandbyPool:
                 break
             finally:
                 os.close(go_r)
-            self._ready.append(_Standby(proc, go_w, dict(env)))
+            self._ready.append(_Standby(proc, go_w))
             log.info("standby worker %d started (pid %d)", len(self._ready), proc.pid)
         return self
 
@@ -108,7 +108,7 @@ class StandbyPool:
             if sb.proc.poll() is not None:  # it died while importing: a fresh process meets the same
                 os.close(sb.go_w)
                 continue
-            differs = env_mismatch(sb.env, env)
+            differs = env_mismatch(self.env, env)
             if differs:
                 log.info("standby worker not used: the worker's environment differs in %s", ", ".join(differs[:5]))
                 self._ready.insert(0, sb)
@@ -123,7 +123,6 @@ class StandbyPool:
                 continue
             finally:
                 os.close(sb.go_w)
-            self.used += 1
             log.info("standby worker pid %d is the worker of rank %s", sb.proc.pid, env.get("RANK", "?"))
             return sb.proc
         return None

@@ -3,11 +3,10 @@ the agent before its rendezvous, with the very command line its worker will have
 
 It imports what every worker imports anyway (torch, torch.distributed, ddprun's worker side), and
 while no go message has come the modules DDP's first construction imports (about 4 s of CPU here in
-all), then blocks on ``DDPRUN_STANDBY_FD``. Once
-the agent's rendezvous is done, torch's agent "starts" this rank's worker and ddprun hands it this
-process instead of a fresh interpreter (agent/standby.py): the go message carries the exact command
-line, environment, directory and log files torch would have given a new process, and the process
-becomes that worker (:func:`ddprun.worker.bootstrap.main`). So the imports overlap the agent's own
+all), then blocks on ``DDPRUN_STANDBY_FD``. Once the agent's rendezvous is done, torch's agent
+"starts" this rank's worker and ddprun hands it this process instead of a fresh interpreter
+(agent/standby.py): the go message carries the exact command line, environment, directory and log
+files torch would have given a new process, and the process becomes that worker (:func:`ddprun.worker.bootstrap.main`). So the imports overlap the agent's own
 start and rendezvous instead of following them.
 
 The go message is one JSON object: ``argv`` (what follows ``-m ddprun.worker``), ``env``, ``cwd``,
