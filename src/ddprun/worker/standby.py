@@ -6,8 +6,9 @@ while no go message has come the modules DDP's first construction imports (about
 all), then blocks on ``DDPRUN_STANDBY_FD``. Once the agent's rendezvous is done, torch's agent
 "starts" this rank's worker and ddprun hands it this process instead of a fresh interpreter
 (agent/standby.py): the go message carries the exact command line, environment, directory and log
-files torch would have given a new process, and the process becomes that worker (:func:`ddprun.worker.bootstrap.main`). So the imports overlap the agent's own
-start and rendezvous instead of following them.
+files torch would have given a new process, and the process becomes that worker
+(:func:`ddprun.worker.bootstrap.main`). So the imports overlap the agent's own start and rendezvous
+instead of following them.
 
 The go message is one JSON object: ``argv`` (what follows ``-m ddprun.worker``), ``env``, ``cwd``,
 ``stdout`` and ``stderr`` (paths, appended to). End of file without a message (the agent did not use
