@@ -8,6 +8,9 @@ and notices a node that is gone.
 * A thread keeps a copy of every record in the store (so the real cause is still known when the
   node hosting the store ends first), publishes this agent's heartbeat, and watches one other
   node's heartbeat (a ring: node i watches node i+1, one read per agent per beat at any scale).
+  Each half second it reads one key, the alarm (protocol/store.py), and reads what changed only
+  when it moved; it relays the alarm to its workers and their progress and timing to the job
+  (agent/noderelay.py): one heartbeat a second carries the node's progress.
   A node whose heartbeat stops for ``lost_after_s`` gets a ``lost`` record naming it; a store that
   stops answering for as long means the node hosting it is gone: the local workers are stopped.
 """
@@ -28,7 +31,7 @@ from ddprun.protocol import failure as fr
 from ddprun.protocol import preempt as pp
 from ddprun.protocol.atomic import write_text_atomic
 from ddprun.protocol.rundir import RunDir
-from ddprun.protocol.store import Keys, publish_failure, raise_alarm, read_causes, read_records
+from ddprun.protocol.store import Keys, publish_failure, raise_alarm, read_causes, read_records, text
 
 BEAT_S = 1.0
 LOST_AFTER_S = 10.0
@@ -64,9 +67,15 @@ class AgentFailures:
 
     def __init__(self, run_dir: RunDir, host: str, addr: str, port: int, run_id: str, out: TextIO,  # noqa: PLR0913
                  lost_after_s: float = LOST_AFTER_S, connect: Callable[[], Any] | None = None,
-                 on_beat: Callable[[int, int], None] | None = None):
-        """``on_beat(node, beat)``: called with this agent's heartbeat (the endpoint's copy, admission.py)."""
+                 on_beat: Callable[[int, int], None] | None = None, relay: Any = None):
+        """``on_beat(node, beat)``: called with this agent's heartbeat (the endpoint's copy, admission.py);
+        ``relay``: this node's agent/noderelay.py NodeRelay, if its workers have one."""
         self.run_dir, self.host, self.out = run_dir, host, out
+        self._relay = relay
+        self._alarm = -1
+        """The job's alarm counter as last read: -1 reads everything at the first beat."""
+        self._progress: dict[int, int] = {}
+        """rank -> progress count of this node's ranks, as the relay last read them (the heartbeat's)."""
         self._on_beat = on_beat
         self._addr, self._port, self._run_id = addr, port, run_id
         self._lost_after = lost_after_s
@@ -106,10 +115,13 @@ class AgentFailures:
             self._node, self._nnodes, self._workers = node_rank, nnodes, dict(workers)
             self._world = world_size or len(workers)
             self._last_attempt, self._cause_seen = last_attempt, None
+            self._alarm, self._progress = -1, {}
             # the last attempt's records are history: a stale cause would end this attempt (_enforce_end)
             self._local.clear()
             self._cache.clear()
             self.lost, self.stopping_for = None, None
+        if self._relay is not None:
+            self._relay.begin(self._keys, list(workers))
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="ddprun-agent-failures", daemon=True)
             self._thread.start()
@@ -125,7 +137,8 @@ class AgentFailures:
             self._thread.join(timeout=2 * BEAT_S)
         try:
             if self._keys is not None and self._store is not None:
-                self._store.set(self._keys.agent(self._node), json.dumps({"host": self.host, "done": True}))
+                self._store.set(self._keys.agent(self._node), json.dumps({"host": self.host, "done": True,
+                                                                          "progress": self._progress}))
         except Exception:  # noqa: BLE001
             pass
         self._store = None  # no store client outlives the launch (ddprun.launch runs in the caller's process)
@@ -248,20 +261,40 @@ class AgentFailures:
                 return
 
     def _tick(self, beat: int, seen_at: tuple[Any, float]) -> tuple[Any, float]:
+        """Every half second: the alarm, and what it announces when it moved; every second (even
+        ``beat``): the heartbeat with the node's progress, its timings, the neighbour's heartbeat."""
         store, keys = self._client(), self._keys
         if keys is None:
             return seen_at
-        store.set(keys.agent(self._node), json.dumps({"host": self.host, "beat": beat}))
-        self._read_records(store, keys)
-        if self.preempt_request is None and store.check([keys.preempt]):
-            self.preempt_request = pp.Request.parse(store.get(keys.preempt))
-        if self.preempt_request is not None and self.preempt_stop is None and store.check([keys.preempt_stop]):
-            self.preempt_stop = store.get(keys.preempt_stop).decode(errors="replace")
+        self._watch_alarm(store, keys)
         self._enforce_end()
-        self._say_hang_report(store, keys)
+        if self._relay is not None:
+            self._relay.mirror(beat, self._alarm)
+        if beat % 2 == 0:
+            if self._relay is not None:
+                self._progress = self._relay.progress()
+            store.set(keys.agent(self._node), json.dumps({"host": self.host, "beat": beat, "progress": self._progress}))
+            timings = self._relay.timings() if self._relay is not None else None
+            if timings is not None:
+                store.set(keys.node_timing(self._node), json.dumps(timings))
+            seen_at = self._watch_neighbour(store, keys, seen_at)
         if self._on_beat is not None:  # another store (the endpoint's): last, so it never delays the above
             self._on_beat(self._node, beat)
-        return self._watch_neighbour(store, keys, seen_at)
+        return seen_at
+
+    def _watch_alarm(self, store: Any, keys: Keys) -> None:
+        """One read of the alarm; the records, the preemption request and the hang report only when it
+        moved (every writer of them advances it after the write); the agreed stop step, which is not
+        announced, every beat while a preemption waits for it."""
+        alarm = int(store.add(keys.alarm, 0))
+        if alarm != self._alarm:
+            self._read_records(store, keys)
+            if self.preempt_request is None and store.check([keys.preempt]):
+                self.preempt_request = pp.Request.parse(store.get(keys.preempt))
+            self._say_hang_report(store, keys)
+        if self.preempt_request is not None and self.preempt_stop is None and store.check([keys.preempt_stop]):
+            self.preempt_stop = text(store.get(keys.preempt_stop))
+        self._alarm = alarm  # only once all of it was read: a failing read reads it again next beat
 
     def _enforce_end(self) -> None:
         """Another rank's failure ended the job (last attempt), but a local worker still runs after

@@ -223,6 +223,7 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
            console: TextIO | None = None) -> Outcome:
     """Run this node's agent until the job ends; return the exit code for this node (and its failures)."""
     from ddprun.agent.endpoint import store_bind
+    from ddprun.agent.noderelay import NodeRelay
     from ddprun.cluster.netaddr import IFNAME_VARS, is_loopback, network_plan
 
     if cfg.entry is None:
@@ -241,14 +242,19 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
     bind = store_bind(spec.master_addr, local, named) if spec.master_addr else None
     prepared = replace(prepare(cfg, spec, environ, hostname, net.worker_env), bind=bind)
     pool = _standby(prepared)
+    relay = None
     try:
         run = admit_run(replace(prepared, standby=pool), console)
+        relay = NodeRelay()
+        run = replace(run, wenv=replace(run.wenv, node_store=relay.address))
         os.makedirs(run.rundir.logs, exist_ok=True)
         with AgentLog(run.rundir.agent_log(hostname)) as log:
-            outcome = supervise(run, tee, console, log.console)
+            outcome = supervise(run, tee, console, log.console, relay)
     finally:
         if pool is not None:
             pool.close()
+        if relay is not None:
+            relay.close()
     outcome.wall_s = time.monotonic() - t0
     if outcome.exit_code == 0:
         print(f"ddprun: run {run.run_id} finished on this node in {outcome.wall_s:.1f} s", file=console, flush=True)
@@ -289,8 +295,9 @@ def _announce(run: _Run, console: TextIO) -> None:
               "without it: ddprun keeps each attempt's keys apart). HINT: unset it.", file=console, flush=True)
 
 
-def supervise(run: _Run, tee: set[int], console: TextIO, err: TextIO) -> Outcome:
-    """Claim the endpoint, run torch's agent with ddprun's hooks, and say how it ended."""
+def supervise(run: _Run, tee: set[int], console: TextIO, err: TextIO, relay: Any = None) -> Outcome:
+    """Claim the endpoint, run torch's agent with ddprun's hooks, and say how it ended. ``relay``: the
+    node store (agent/noderelay.py) whose address is in ``run.wenv``."""
     from ddprun.agent.joinwatch import JoinWatcher
     from ddprun.agent.logs import LogFollower, remove_empty_early_logs
 
@@ -301,7 +308,7 @@ def supervise(run: _Run, tee: set[int], console: TextIO, err: TextIO) -> Outcome
         watcher = JoinWatcher(run.dial, run.port, run.rdzv_id, run.newcomer, run.spec.max_nodes,
                               run.cfg.join_timeout, err, (run.host, os.getpid()), hosted=run.hosted).start()
     beat = admission.EndpointBeat(run.dial, run.port) if run.endpoint_store is not None else None
-    failures = AgentFailures(run.rundir, run.host, run.addr, run.port, run.rdzv_id, err, on_beat=beat)
+    failures = AgentFailures(run.rundir, run.host, run.addr, run.port, run.rdzv_id, err, on_beat=beat, relay=relay)
     agent = _AgentRun(run, tee, follower, watcher, failures)
     try:
         outcome = agent.run(err)

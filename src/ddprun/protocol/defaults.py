@@ -49,6 +49,10 @@ PROGRESS_PUBLISH_S = 1.0
 """A rank publishes its progress count at most this often (the stall observers compare the counts
 every STALL_CHECK_S: a stall is reported at most this much later)."""
 
+RELAY_STALE_S = 3.0
+"""A worker whose node relay (agent/noderelay.py) has not beaten for this long talks to the job store
+itself for the rest of the attempt (its agent stopped, frozen, or has no relay)."""
+
 STALL_CHECK_S = 1.0
 """The stall observer compares every rank's progress this often."""
 

@@ -32,6 +32,7 @@ ATTEMPT = "DDPRUN_ATTEMPT"
 MERGE_STDERR = "DDPRUN_MERGE_STDERR"
 SOFT_EXIT = "DDPRUN_SOFT_EXIT"
 PREEMPT_SIGNALS = "DDPRUN_PREEMPT_SIGNALS"
+NODE_STORE = "DDPRUN_NODE_STORE"
 STANDBY_FD = "DDPRUN_STANDBY_FD"
 """Set in a standby interpreter's own environment only, never a worker's: the file descriptor of its
 go message (agent/standby.py, worker/standby.py)."""
@@ -70,6 +71,9 @@ class WorkerEnv:
     preempt_signals: str = defaults.PREEMPT_SIGNALS
     """Signals that ask the job to stop at one agreed step (protocol/preempt.py); ``none``: off."""
 
+    node_store: str = ""
+    """``127.0.0.1:PORT`` of the node store the agent hosts for its workers (agent/noderelay.py); "" = none."""
+
     def to_environ(self) -> dict[str, str]:
         """The variables to export into every worker of this node."""
         out = {var: _format(getattr(self, name)) for name, var in _VARS.items()}
@@ -99,7 +103,7 @@ _VARS = {
     "stall_timeout": STALL_TIMEOUT, "stall_end": STALL_END, "exit_timeout": EXIT_TIMEOUT, "job_token": JOB_TOKEN,
     "straggler_margin": STRAGGLER_MARGIN, "straggler_windows": STRAGGLER_WINDOWS, "telemetry_window": TELEMETRY_WINDOW,
     "doctor": DOCTOR, "allow_uneven_nodes": ALLOW_UNEVEN_NODES, "attempt": ATTEMPT, "merge_stderr": MERGE_STDERR,
-    "preempt_signals": PREEMPT_SIGNALS,
+    "preempt_signals": PREEMPT_SIGNALS, "node_store": NODE_STORE,
 }
 
 
@@ -148,9 +152,17 @@ def _parse(var: str, raw: str, default: object) -> object:
         from ddprun.protocol.preempt import parse_signals
 
         parse_signals(raw, var)  # a ConfigError naming the variable
+    if var == NODE_STORE and node_store_address(raw) is None:
+        raise ConfigError(f"{var} must be HOST:PORT.", seen=f"{var}={raw!r}", hint=f"unset {var}; ddprun run sets it.")
     if var == DEVICE_KIND and raw not in ("cpu", "cuda"):
         raise ConfigError(f"{var} must be cpu or cuda.", seen=f"{var}={raw!r}", hint=f"unset {var}; ddprun run sets it.")
     return raw
+
+
+def node_store_address(raw: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a :data:`NODE_STORE` value, None when malformed (pure)."""
+    host, _, port = raw.rpartition(":")
+    return (host, int(port)) if host and port.isdigit() and 0 < int(port) < 65536 else None
 
 
 def _nnodes(raw: str) -> tuple[int, int]:

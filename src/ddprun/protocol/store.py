@@ -21,12 +21,24 @@ attempts: torch's c10d shares one store server for the whole job, see agent/atte
                        monitor reads only this key a poll until it moves
     acks               how many ranks have read the first failure
     pg                 the prefix of this attempt's process-group keys (gloo/NCCL bootstrap)
-    agent/<node>       the heartbeat of that node's agent (JSON: host, beat or done)
+    agent/<node>       the heartbeat of that node's agent, once a second (JSON: host, beat or done,
+                       and ``progress``: rank -> progress count of its ranks, from the node store)
+    timing-node/<node> JSON rank -> latest timing window of that node's ranks (its agent relays them)
+    direct             a counter; direct/<k> the rank that talks to this store itself, its node's
+                       relay having stopped (its progress/<N> and timing/<N> are here, not in its node's)
     stopping/<node>    that node's agent stops its workers now (a restart, a failure, a forced stop):
                        a signal that reaches them is not a preemption request
     preempt            JSON preemption request (protocol/preempt.py Request; the first one wins)
     preempt/stop       the agreed stop step (optimizer steps of this attempt; the first proposal wins)
     preempt/saved      JSON protocol/preempt.py Saved: rank 0 stopped there (and saved its checkpoint)
+
+Each agent also hosts a node store on 127.0.0.1 for its own workers (agent/noderelay.py), with the
+same prefix, so that the job's store hears from each node, not from each rank:
+
+    progress/<N>       rank N's progress count (written every monitor poll in which it changed)
+    timing/<N>         rank N's latest timing window
+    relay              ``<beat> <alarm>``: the agent's beat and the job's alarm counter as it last read
+                       it, every half second; a worker whose relay stops beating reads the job store
 
 and job-wide keys in the rendezvous endpoint's store (agent/admission.py), written before and
 between attempts:
@@ -151,6 +163,21 @@ class Keys:
     def timing_final(self, r: int) -> str:
         return self._k(f"timing-final/{r}")
 
+    def node_timing(self, node: int) -> str:
+        return self._k(f"timing-node/{node}")
+
+    @property
+    def relay(self) -> str:
+        """In the node store: the relay's ``<beat> <alarm>`` (:func:`relay_value`)."""
+        return self._k("relay")
+
+    @property
+    def directs(self) -> str:
+        return self._k("direct")
+
+    def direct(self, k: int) -> str:
+        return self._k(f"direct/{k}")
+
     def agent(self, node: int) -> str:
         """The heartbeat of node ``node``'s agent (agent/failures.py)."""
         return self._k(f"agent/{node}")
@@ -267,6 +294,30 @@ def read_causes(store: Any, keys: Keys, known: Any = ()) -> dict[str, fr.Failure
     if n == 0:
         names = [keys.failure(k) for k in range(1, min(int(store.add(keys.failures, 0)), ECHOES_READ) + 1)]
     return read_records(store, [k for k in names if k not in known])
+
+
+def relay_value(beat: int, alarm: int) -> str:
+    """The node store's ``relay`` value: the agent's beat and the job's alarm counter."""
+    return f"{beat} {alarm}"
+
+
+def parse_relay(raw: bytes | str | None) -> tuple[int, int] | None:
+    """``(beat, alarm)`` from a ``relay`` value; None for anything else (a bad value is no relay)."""
+    try:
+        beat, alarm = text(raw or b"").split()
+        return int(beat), int(alarm)
+    except (ValueError, TypeError):
+        return None
+
+
+def int_map(raw: Any) -> dict[int, int]:
+    """``{rank: count}`` from a decoded JSON object; entries that are not both integers are skipped."""
+    out: dict[int, int] = {}
+    if isinstance(raw, dict):
+        for k, v in raw.items():
+            if isinstance(v, int) and not isinstance(v, bool) and str(k).isdigit():
+                out[int(k)] = v
+    return out
 
 
 def text(value: bytes | str) -> str:

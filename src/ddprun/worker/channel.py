@@ -19,7 +19,7 @@ from typing import Any
 from ddprun.errors import ConfigError
 from ddprun.protocol import defaults
 from ddprun.protocol import failure as fr
-from ddprun.protocol.env import WorkerEnv
+from ddprun.protocol.env import WorkerEnv, node_store_address
 from ddprun.protocol.store import Keys, claim, present, publish_failure, read_causes, refusal, store_prefix
 
 
@@ -31,11 +31,15 @@ class JobChannel:
     """This rank's view of the job: who it is, and the store calls every part of the worker makes."""
 
     def __init__(self, environ: Mapping[str, str], wenv: WorkerEnv, script: str | None = None,
-                 connect: Callable[[], Any] | None = None):
+                 connect: Callable[[], Any] | None = None, connect_node: Callable[[], Any] | None = None):
+        """``connect``/``connect_node``: make a client of the job's/the node's store (default: TCPStore)."""
         self.rank = int(environ["RANK"])
         self.local_rank = int(environ["LOCAL_RANK"])
         self.world_size = int(environ["WORLD_SIZE"])
         self.node_rank = int(environ.get("GROUP_RANK", "0"))
+        group = environ.get("GROUP_WORLD_SIZE", "")
+        self.nnodes = int(group) if group.isdigit() and int(group) > 0 else self.node_rank + 1
+        """Nodes in this attempt (torch's GROUP_WORLD_SIZE)."""
         self.addr = environ["MASTER_ADDR"]
         self.port = int(environ["MASTER_PORT"])
         self.wenv = wenv
@@ -47,7 +51,7 @@ class JobChannel:
         self.device = f"cuda:{self.local_rank}" if wenv.device_kind == "cuda" else "cpu"
         self.host = socket.gethostname()
         self.environ, self.script = environ, script
-        self._connect_fn = connect
+        self._connect_fn, self._connect_node_fn = connect, connect_node
         self.store = self.connect()
         self.hosts: dict[int, str] = {}
 
@@ -79,6 +83,17 @@ class JobChannel:
         from torch.distributed import TCPStore
 
         return TCPStore(self.addr, self.port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30))
+
+    def connect_node(self) -> Any:
+        """A client of this node's store (agent/noderelay.py); None when the agent gave none."""
+        if self._connect_node_fn is not None:
+            return self._connect_node_fn()
+        address = node_store_address(self.wenv.node_store) if self.wenv.node_store else None
+        if address is None:
+            return None
+        from torch.distributed import TCPStore
+
+        return TCPStore(address[0], address[1], is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
 
     def wait_for(self, keys: list[str], timeout_s: float, store: Any = None) -> bool:
         store = store or self.store

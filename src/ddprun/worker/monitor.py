@@ -1,13 +1,15 @@
-"""The monitor thread beside the user's code in every worker (one store call a poll, never on the
-training step's path).
+"""The monitor thread beside the user's code in every worker (one read of its node's store a poll,
+never on the training step's path).
 
 Every rank: publishes its progress count (telemetry.PROGRESS: optimizer steps, collectives,
-heartbeats) when it changed; ends itself when another rank failed (last attempt only: with restarts
-left torch's agent restarts the group), naming the root cause; answers a stall report's request for
-its stacks; publishes its step timings once per window; ends itself if its agent is gone; acts on
-preemption signals (:mod:`ddprun.preempt`): the first asks the job to stop, and every rank agrees
-on the stop step through the store (protocol/preempt.py); a second one, or one its agent sends while
-stopping its workers, ends the rank at once.
+heartbeats) when it changed, and its step timings once per window, into its node's store
+(agent/noderelay.py: its agent sends the node's counts to the job once a second, and relays the
+job's alarm back); a rank whose relay stops beating talks to the job store itself. It ends itself
+when another rank failed (last attempt only: with restarts left torch's agent restarts the group),
+naming the root cause; answers a stall report's request for its stacks; ends itself if its agent
+is gone; acts on preemption signals (:mod:`ddprun.preempt`): the first asks the job to stop, and
+every rank agrees on the stop step through the store (protocol/preempt.py); a second one, or one
+its agent sends while stopping its workers, ends the rank at once.
 
 Stall observers (rank 0 and the last rank, so a stopped or GIL-bound rank 0 is covered): when no
 rank's progress changed for the threshold, the first observer to claim the ``stall`` key collects
@@ -35,7 +37,7 @@ from ddprun.protocol import defaults
 from ddprun.protocol import failure as fr
 from ddprun.protocol import preempt as pp
 from ddprun.protocol.rundir import RunDir
-from ddprun.protocol.store import present, raise_alarm, text
+from ddprun.protocol.store import int_map, parse_relay, present, raise_alarm, text
 from ddprun.telemetry import PROGRESS, TIMER, summarize
 from ddprun.worker import collectives, stacks
 from ddprun.worker.channel import JobChannel
@@ -108,6 +110,16 @@ class Monitor:
         self._last_window = self._last_check = time.monotonic()
         self._window = 0
         self._failed_polls = 0
+        self._node: Any = None
+        """The node store's client (agent/noderelay.py), once connected."""
+        self._direct = not ch.wenv.node_store
+        """This rank talks to the job store itself: no node store, or its relay stopped beating."""
+        self._registered = False
+        self._relay_seen: tuple[int, float] = (-1, time.monotonic())
+        """The relay's latest beat and when it moved (at first: the thread's start)."""
+        self._directs: set[int] = set()
+        self._directs_read = 0
+        """Readers (observers, rank 0): the ranks registered as talking to the job store, and how many."""
         self._echo_seen: float | None = None
         self._detail = self._summary = ""
         self._sigfd: int | None = None
@@ -146,7 +158,7 @@ class Monitor:
             if self.stragglers is not None:
                 self.ch.wait_for([keys.timing_final(r) for r in range(self.ch.world_size)],
                                  defaults.FINAL_TIMING_WAIT_S)
-                self.stragglers.update(self._timings(store), self.ch.hosts, time.monotonic())
+                self.stragglers.update(self._timings(store, final=True), self.ch.hosts, time.monotonic())
         except Exception:  # noqa: BLE001 - the store may be gone; the run itself has succeeded
             pass
 
@@ -209,13 +221,11 @@ class Monitor:
         busy = PROGRESS.busy_since
         if busy is not None and time.monotonic() - busy < BUSY_LIMIT_FACTOR * max(ch.wenv.stall_timeout, 1.0):
             PROGRESS.beats += 1  # a declared phase (telemetry.busy): a checkpoint write, a validation pass
-        total, now = PROGRESS.total, time.monotonic()
-        if total != self._published and now - self._published_at >= defaults.PROGRESS_PUBLISH_S:
-            store.set(ch.keys.progress(ch.rank), str(total))
-            self._published, self._published_at = total, now
+        self._publish_progress(store)
+        now = time.monotonic()
         if now - self._last_window >= ch.wenv.telemetry_window:
             self._last_window = now
-            self._publish_timing(store)
+            self._publish_timing(self._node_store() or store)
             if self.stragglers is not None:
                 self.stragglers.update(self._timings(store), ch.hosts, now)
         if self.observer is not None and now - self._last_check >= defaults.STALL_CHECK_S:
@@ -223,9 +233,12 @@ class Monitor:
             self._observe(store, now)
 
     def _watch_events(self, store: Any) -> None:
-        """One read of the alarm a poll; what it announces is read only when it moved (or while this
-        rank still waits on it: a first-hand record after an echo, its own preemption signal)."""
-        alarm = parse_int(store.add(self.ch.keys.alarm, 0))
+        """One read of the alarm a poll (from the node store while its relay beats); what it announces
+        is read only when it moved (or while this rank still waits on it: a first-hand record after an
+        echo, its own preemption signal)."""
+        alarm = self._relayed_alarm(store)
+        if alarm is None:
+            alarm = parse_int(store.add(self.ch.keys.alarm, 0))
         moved = alarm != self._alarm
         if self.ch.world_size > 1 and (moved or self._echo_seen is not None):
             self._watch_failures(store)
@@ -234,6 +247,90 @@ class Monitor:
         if moved:
             self._answer_stall(store)
         self._alarm = alarm  # only once all of it was read: a failing read reads it again next poll
+
+    # -- the node store ------------------------------------------------------------------------
+    def _node_store(self) -> Any:
+        """The node store's client; None once this rank talks to the job store itself."""
+        if self._direct:
+            return None
+        if self._node is None:
+            try:
+                self._node = self.ch.connect_node()
+            except Exception as e:  # noqa: BLE001 - the job store still works
+                self._go_direct(f"its node store is unreachable ({type(e).__name__})")
+                return None
+            if self._node is None:
+                self._direct = True
+        return self._node
+
+    def _publish_progress(self, store: Any) -> None:
+        """This rank's count when it changed: into the node store (a local write, every poll), or into
+        the job store at most once every PROGRESS_PUBLISH_S."""
+        total, now, node, key = PROGRESS.total, time.monotonic(), self._node_store(), self.ch.keys.progress(self.ch.rank)
+        if total == self._published:
+            return
+        if node is not None:
+            try:
+                node.set(key, str(total))
+                self._published = total
+                return
+            except Exception as e:  # noqa: BLE001 - its agent is gone or broken: the job store still works
+                self._go_direct(f"its node store failed ({type(e).__name__})")
+        if now - self._published_at >= defaults.PROGRESS_PUBLISH_S:
+            store.set(key, str(total))
+            self._published, self._published_at = total, now
+
+    def _relayed_alarm(self, store: Any) -> int | None:
+        """The job's alarm as this node's relay last read it; None: read the job store's (no relay
+        yet, or none any more)."""
+        node, key = self._node_store(), self.ch.keys.relay
+        if node is None:
+            self._register(store)
+            return None
+        try:
+            relay = parse_relay(node.get(key)) if node.check([key]) else None
+        except Exception as e:  # noqa: BLE001 - its agent is gone or broken: the job store still works
+            self._go_direct(f"its node store failed ({type(e).__name__})")
+            return None
+        now = time.monotonic()
+        if relay is not None and relay[0] != self._relay_seen[0]:
+            self._relay_seen = (relay[0], now)
+        if now - self._relay_seen[1] >= defaults.RELAY_STALE_S:
+            self._go_direct(f"its node's relay has not beaten for {now - self._relay_seen[1]:.0f} s")
+            self._register(store)
+            return None
+        return relay[1] if relay is not None else None
+
+    def _go_direct(self, why: str) -> None:
+        """From now on (this attempt) this rank publishes to the job store itself."""
+        self._direct, self._node, self._published = True, None, -1
+        self._note(f"rank {self.ch.rank}'s monitor: {why}; it reports to the job store itself")
+
+    def _register(self, store: Any) -> None:
+        """Once, when direct: readers learn to read this rank's own keys (none without a node store)."""
+        if self._registered or not self.ch.wenv.node_store:
+            return
+        keys = self.ch.keys
+        store.set(keys.direct(int(store.add(keys.directs, 1))), str(self.ch.rank))
+        self._registered = True
+
+    def _direct_ranks(self, store: Any) -> set[int]:
+        """Readers: the ranks registered by :meth:`_register` (one call while none is new)."""
+        keys, n = self.ch.keys, parse_int(store.add(self.ch.keys.directs, 0)) or 0
+        if n > self._directs_read:
+            names = [keys.direct(k) for k in range(self._directs_read + 1, n + 1)]
+            found = present(store, names)
+            for raw in store.multi_get(found) if found else []:
+                r = parse_int(raw)
+                if r is not None and 0 <= r < self.ch.world_size:
+                    self._directs.add(r)
+            if len(found) == len(names):  # else one is still being written: read them again next time
+                self._directs_read = n
+        return self._directs
+
+    def _node_records(self, store: Any, key: Any) -> list[Any]:
+        """Every node's record ``key(node)`` (one batched read), decoded; missing or malformed left out."""
+        return list(self.ch.gather([key(n) for n in range(self.ch.nnodes)], 0, store).values())
 
     # -- failures ----------------------------------------------------------------------------
     def _watch_failures(self, store: Any) -> None:
@@ -362,14 +459,17 @@ class Monitor:
         store.set(keys.place(self.ch.rank), json.dumps(place))
 
     def _progress(self, store: Any) -> dict[int, int]:
-        keys = [self.ch.keys.progress(r) for r in range(self.ch.world_size)]
-        found = present(store, keys)
-        values = dict(zip(found, store.multi_get(found))) if found else {}
-        out = {}
-        for r, k in enumerate(keys):
-            v = parse_int(values.get(k))
+        """rank -> progress count: from every node's heartbeat, and the own keys of the direct ranks."""
+        out: dict[int, int] = {}
+        for rec in self._node_records(store, self.ch.keys.agent):
+            if isinstance(rec, dict):
+                out.update(int_map(rec.get("progress")))
+        direct = sorted(self._direct_ranks(store))
+        names = present(store, [self.ch.keys.progress(r) for r in direct])
+        for key, raw in zip(names, store.multi_get(names) if names else []):
+            v = parse_int(raw)
             if v is not None:
-                out[r] = v
+                out[int(key.rsplit("/", 1)[1])] = v
         return out
 
     def _observe(self, store: Any, now: float) -> None:
@@ -418,6 +518,7 @@ class Monitor:
         self._write_report(report)
         print(report, file=sys.stderr, flush=True)
         store.set(keys.stall_summary, json.dumps({"by": ch.rank, "host": ch.host, "summary": summary}))
+        raise_alarm(store, keys)  # the agents read the summary when the alarm moves
 
     def _write_report(self, report: str) -> None:
         try:
@@ -444,7 +545,8 @@ class Monitor:
 
     # -- timing ------------------------------------------------------------------------------
     def _publish_timing(self, store: Any) -> None:
-        """This rank's medians over the last window, if it made steps (one store write)."""
+        """This rank's medians over the last window, if it made steps (one write, to ``store``: the
+        node's, or the job's)."""
         summary = summarize(TIMER.drain())
         if summary is None:
             return
@@ -452,7 +554,14 @@ class Monitor:
         summary.update(w=self._window, t=round(time.time(), 3))
         store.set(self.ch.keys.timing(self.ch.rank), json.dumps(summary))
 
-    def _timings(self, store: Any) -> dict[int, object]:
-        keys = [self.ch.keys.timing(r) for r in range(self.ch.world_size)]
-        got = self.ch.gather(keys, 0, store)
-        return {r: got[k] for r, k in enumerate(keys) if k in got}
+    def _timings(self, store: Any, final: bool = False) -> dict[int, object]:
+        """rank -> latest timing window: from every node's record, then the ranks' own keys in the job
+        store (the direct ranks'; ``final``: every rank's last window, published at its exit)."""
+        out: dict[int, object] = {}
+        for rec in self._node_records(store, self.ch.keys.node_timing):
+            if isinstance(rec, dict):
+                out.update({int(r): v for r, v in rec.items() if str(r).isdigit()})
+        ranks = range(self.ch.world_size) if final else sorted(self._direct_ranks(store))
+        got = self.ch.gather([self.ch.keys.timing(r) for r in ranks], 0, store)
+        out.update({int(k.rsplit("/", 1)[1]): v for k, v in got.items()})
+        return out

@@ -1,0 +1,96 @@
+"""The node store: the agent's channel with its own workers, so that the job's store hears from each
+node, not from each rank (keys: protocol/store.py, "node store").
+
+The agent hosts a TCPStore on 127.0.0.1 and gives its address to its workers (DDPRUN_NODE_STORE).
+A worker's monitor (worker/monitor.py) writes its progress count and timing windows there and reads
+the job's alarm counter from there; the agent's failure thread (agent/failures.py) calls this relay:
+
+* each half second :meth:`NodeRelay.mirror`: the job's alarm as the agent just read it, with a beat;
+* each second :meth:`NodeRelay.progress`: every local rank's count, which goes into the agent's
+  heartbeat record in the job store (one write a node);
+* :meth:`NodeRelay.timings`: the local ranks' timing windows, one record a node, when they changed.
+
+So a job of N nodes x P processes costs the job's store about 5 calls a node a second, where every
+rank's own polling cost about 3.5 a rank. A worker whose relay stops beating talks to the job store
+itself (defaults.RELAY_STALE_S), as before: a frozen agent never hides a node's progress.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from datetime import timedelta
+from typing import Any
+
+from ddprun.protocol.store import Keys, present, relay_value
+
+NODE_HOST = "127.0.0.1"
+
+
+class NodeRelay:
+    """One per agent, for the whole launch; only the agent's failure thread calls its reads and writes."""
+
+    def __init__(self, server: Any = None):
+        """``server``: a store to use instead of a new one on 127.0.0.1 (tests, benchmarks)."""
+        if server is None:
+            from torch.distributed import TCPStore
+
+            server = TCPStore(NODE_HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+        self._store = server
+        self.address = f"{NODE_HOST}:{getattr(server, 'port', 0)}"
+        self._lock = threading.Lock()
+        self._keys: Keys | None = None
+        self._ranks: list[int] = []
+        self._sent: dict[int, Any] = {}
+
+    def begin(self, keys: Keys, ranks: list[int]) -> None:
+        """A worker group (re)started: its attempt's keys and this node's global ranks."""
+        with self._lock:
+            self._keys, self._ranks, self._sent = keys, sorted(ranks), {}
+
+    def _current(self) -> tuple[Keys | None, list[int]]:
+        with self._lock:
+            return self._keys, list(self._ranks)
+
+    def mirror(self, beat: int, alarm: int) -> None:
+        """Tell the local workers the job's alarm, and that this relay is alive (one local write)."""
+        keys, _ = self._current()
+        if keys is not None:
+            self._store.set(keys.relay, relay_value(beat, alarm))
+
+    def progress(self) -> dict[int, int]:
+        """rank -> progress count of the local ranks that published one (malformed values skipped)."""
+        keys, ranks = self._current()
+        if keys is None:
+            return {}
+        found = present(self._store, [keys.progress(r) for r in ranks])
+        out = {}
+        for key, raw in zip(found, self._store.multi_get(found) if found else []):
+            try:
+                out[int(key.rsplit("/", 1)[1])] = int(raw)
+            except ValueError:
+                continue
+        return out
+
+    def timings(self) -> dict[int, Any] | None:
+        """rank -> latest timing window of the local ranks, when one changed since the last call that
+        returned them; else None (nothing new to send)."""
+        keys, ranks = self._current()
+        if keys is None:
+            return None
+        found = present(self._store, [keys.timing(r) for r in ranks])
+        got: dict[int, Any] = {}
+        for key, raw in zip(found, self._store.multi_get(found) if found else []):
+            try:
+                got[int(key.rsplit("/", 1)[1])] = json.loads(raw)
+            except ValueError:
+                continue
+        with self._lock:
+            if not got or got == self._sent or keys is not self._keys:
+                return None
+            self._sent = got
+        return got
+
+    def close(self) -> None:
+        """Let the server go (ddprun.launch runs its agent in the caller's process)."""
+        self._store = None

@@ -1,0 +1,159 @@
+"""The node store (agent/noderelay.py): a worker's quiet poll costs the job's store nothing, its
+agent relays the alarm, the node's progress and its timings, and a worker whose relay stops
+beating talks to the job store itself; on real TCPStores."""
+
+from __future__ import annotations
+
+import io
+import json
+from datetime import timedelta
+
+import pytest
+from torch.distributed import TCPStore
+
+from ddprun.agent.failures import AgentFailures
+from ddprun.agent.noderelay import NodeRelay
+from ddprun.errors import ConfigError
+from ddprun.protocol import defaults
+from ddprun.protocol import failure as fr
+from ddprun.protocol.env import WorkerEnv
+from ddprun.protocol.rundir import RunDir
+from ddprun.protocol.store import Keys, parse_relay, publish_failure, relay_value
+from ddprun.telemetry import PROGRESS
+from ddprun.worker import monitor as monitor_mod
+from ddprun.worker.channel import JobChannel
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Counting:
+    """A store client that records the name of every call."""
+
+    def __init__(self, store):
+        self.store, self.calls = store, []
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append(name)
+            return getattr(self.store, name)(*args)
+        return call
+
+
+def server():
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+
+
+def client(port):
+    return Counting(TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5)))
+
+
+@pytest.fixture
+def job():
+    return server()
+
+
+@pytest.fixture
+def relay():
+    r = NodeRelay()
+    yield r
+    r.close()
+
+
+def worker(tmp_path, job, relay, rank=1, world=4, nnodes=2):
+    """Rank ``rank`` of a 2-node job on node ``rank // 2``: its channel, monitor and two counted clients."""
+    environ = {"RANK": str(rank), "LOCAL_RANK": str(rank % 2), "WORLD_SIZE": str(world), "GROUP_RANK": str(rank // 2),
+               "GROUP_WORLD_SIZE": str(nnodes), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(job.port),
+               "TORCHELASTIC_RUN_ID": "job", "DDPRUN_ATTEMPT": "r1"}
+    jc, nc = client(job.port), client(int(relay.address.rsplit(":", 1)[1]))
+    wenv = WorkerEnv(run_dir=str(tmp_path), node_store=relay.address)
+    ch = JobChannel(environ, wenv, connect=lambda: jc, connect_node=lambda: nc)
+    return monitor_mod.Monitor(ch), jc, nc
+
+
+def agent(tmp_path, job, relay, node=0):
+    a = AgentFailures(RunDir(str(tmp_path)), f"host-{node}", "127.0.0.1", job.port, "job", io.StringIO(), relay=relay,
+                      connect=lambda: client(job.port))
+    a.on_workers_started("r1", node, 2, {2 * node: (0, 0, ""), 2 * node + 1: (1, 0, "")}, world_size=4,
+                         store=("127.0.0.1", job.port), last_attempt=True)
+    a._stop.set()  # no thread of its own: the test calls its beats
+    return a
+
+
+def test_a_quiet_poll_costs_the_job_store_nothing_and_the_relayed_alarm_brings_the_failure(tmp_path, job, relay,
+                                                                                          monkeypatch):
+    a = agent(tmp_path, job, relay)
+    m, jc, nc = worker(tmp_path, job, relay, rank=1)
+    seen = []
+    monkeypatch.setattr(m, "_stopped_by", lambda cause, store: seen.append(cause))
+    a._tick(1, (None, 0.0))
+    m._tick(jc)  # the first poll reads everything once
+    jc.calls.clear()
+    PROGRESS.steps += 1
+    a._tick(3, (None, 0.0))
+    m._tick(jc)
+    assert jc.calls == [] and not seen
+    assert nc.store.get(m.ch.keys.progress(1)) == str(PROGRESS.total).encode()  # every poll it changed
+    rec = fr.FailureRecord(fr.ERROR, 3, "ValueError: bad batch", 1, "host-1")
+    publish_failure(job, m.ch.keys, rec)
+    m._tick(jc)
+    assert not seen and jc.calls == []  # the relay has not read the new alarm yet
+    a._tick(5, (None, 0.0))
+    m._tick(jc)
+    assert seen == [rec]  # read from the job store once the relayed alarm moved
+
+
+def test_the_heartbeat_carries_the_nodes_progress_and_the_observer_sums_every_node(tmp_path, job, relay):
+    a = agent(tmp_path, job, relay)
+    m, jc, nc = worker(tmp_path, job, relay, rank=0)
+    keys = m.ch.keys
+    nc.store.set(keys.progress(0), "7")
+    nc.store.set(keys.progress(1), "not a number")  # a bad value in the store is skipped
+    a._tick(2, (None, 0.0))
+    beat = json.loads(job.get(keys.agent(0)))
+    assert beat["host"] == "host-0" and beat["progress"] == {"0": 7}
+    job.set(keys.agent(1), json.dumps({"host": "host-1", "beat": 9, "progress": {"2": 5, "3": 4, "x": 1}}))
+    assert m._progress(jc) == {0: 7, 2: 5, 3: 4}
+
+
+def test_timings_go_to_the_job_once_a_node_when_they_change(tmp_path, job, relay):
+    a = agent(tmp_path, job, relay)
+    keys = Keys("ddprun/job/r1/")
+    relay.begin(keys, [0, 1])
+    window = {"n": 5, "step_s": 0.1, "w": 1}
+    relay._store.set(keys.timing(0), json.dumps(window))
+    a._tick(2, (None, 0.0))
+    assert json.loads(job.get(keys.node_timing(0))) == {"0": window}
+    job.delete_key(keys.node_timing(0))
+    a._tick(4, (None, 0.0))
+    assert not job.check([keys.node_timing(0)])  # unchanged: not sent again
+    relay._store.set(keys.timing(1), json.dumps({**window, "w": 2}))
+    a._tick(6, (None, 0.0))
+    assert set(json.loads(job.get(keys.node_timing(0)))) == {"0", "1"}
+
+
+def test_a_worker_whose_relay_stops_beating_reports_to_the_job_store_and_the_observer_reads_it(tmp_path, job, relay,
+                                                                                              monkeypatch):
+    a = agent(tmp_path, job, relay)
+    a._tick(1, (None, 0.0))
+    m, jc, nc = worker(tmp_path, job, relay, rank=3)
+    observer, ojc, _ = worker(tmp_path, job, relay, rank=0)
+    m._tick(jc)
+    assert not m._direct
+    clock = [monitor_mod.time.monotonic()]
+    monkeypatch.setattr(monitor_mod.time, "monotonic", lambda: clock[0])
+    clock[0] += defaults.RELAY_STALE_S + 0.1  # the agent froze (SIGSTOP): no beat since
+    PROGRESS.steps += 1
+    m._tick(jc)
+    assert m._direct and int(job.add(m.ch.keys.directs, 0)) == 1
+    assert int(job.get(m.ch.keys.progress(3))) == PROGRESS.total
+    assert observer._progress(ojc)[3] == PROGRESS.total
+    m._tick(jc)
+    assert int(job.add(m.ch.keys.directs, 0)) == 1  # registered once
+
+
+def test_relay_values_and_a_malformed_node_store_variable():
+    assert parse_relay(relay_value(3, 17).encode()) == (3, 17)
+    assert parse_relay(b"garbage") is None and parse_relay(None) is None
+    assert WorkerEnv.from_environ({"DDPRUN_RUN_DIR": "/r", "DDPRUN_NODE_STORE": "127.0.0.1:5"}).node_store == "127.0.0.1:5"
+    with pytest.raises(ConfigError, match="DDPRUN_NODE_STORE must be HOST:PORT"):
+        WorkerEnv.from_environ({"DDPRUN_RUN_DIR": "/r", "DDPRUN_NODE_STORE": "localhost"})
