@@ -36,7 +36,9 @@ def test_a_healthy_phase_without_optimizer_steps_is_never_a_stall(nodes, tmp_pat
 @pytest.mark.timeout(90)
 def test_a_validation_pass_longer_than_the_stall_threshold_is_not_a_stall(nodes, tmp_path):
     script = str(Path(__file__).parent / "scripts" / "fit_slow_val.py")
-    job = nodes(2, 1, ["--val-s", "10"], script=script, extra=STALL)
+    # 7 s: past the 4 s threshold, and within the bound on a declared phase (4 x the threshold, 16 s)
+    # with room for the DataLoader workers' start. 10 s went past 16 s on 2 cores running 2 suites at once.
+    job = nodes(2, 1, ["--val-s", "7"], script=script, extra=STALL)
     ended = job.finish(timeout=70)
     assert [e.returncode for e in ended] == [0, 0], describe(ended)
     both = "".join(e.output for e in ended)
@@ -63,11 +65,18 @@ def test_poisoned_store_values_are_skipped_and_the_job_goes_on(nodes, tmp_path):
                      timeout=timedelta(seconds=5))
     prefix = f"ddprun/{env['TORCHELASTIC_RUN_ID']}/{env['DDPRUN_ATTEMPT']}/"
     for key, value in [("progress/0", "garbage"), ("progress/1", "\xff\x00"), ("timing/0", "{not json"),
-                       ("stall/summary", "[1, 2]"), ("place/1", "null"), ("agent/1", "\x00")]:
+                       ("stall/summary", "[1, 2]"), ("place/1", "null"), ("agent/1", "\x00"),
+                       ("agent/0", '{"progress": {"0": "x", "1": [1]}}'), ("timing-node/1", "[1]"),
+                       ("direct/1", "rank seven")]:
         store.set(prefix + key, value)
     store.add(prefix + "failures", 1)  # a 'failure' that is not a record
     store.set(prefix + "failure/1", json.dumps({"kind": "error", "rank": "zero"}))
-    del store
+    store.add(prefix + "direct", 1)  # a registered direct rank that is not a rank
+    host, port = env["DDPRUN_NODE_STORE"].rsplit(":", 1)  # and node 0's own store, which its workers write
+    node = TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5))
+    for key, value in [("relay", "garbage"), ("progress/1", "x"), ("timing/0", "{not json")]:
+        node.set(prefix + key, value)
+    del store, node
     ended = job.finish(timeout=60)
     assert all(e.returncode == 0 for e in ended), describe(ended)
     for e in ended:
@@ -104,9 +113,16 @@ def test_a_malicious_pickle_in_every_key_ddprun_reads_runs_nothing(nodes, tmp_pa
                        timeout=timedelta(seconds=5))
     prefix = f"ddprun/{env['TORCHELASTIC_RUN_ID']}/{env['DDPRUN_ATTEMPT']}/"
     for key in ("progress/0", "progress/1", "timing/0", "timing/1", "timing-final/0", "stall", "stall/summary",
-                "place/0", "place/1", "agent/0", "agent/1", "rank/0", "rank/1", "node/0", "failure/1"):
+                "place/0", "place/1", "agent/0", "agent/1", "rank/0", "rank/1", "node/0", "failure/1",
+                "timing-node/0", "timing-node/1", "direct/1"):
         workers.set(prefix + key, bomb)
     workers.add(prefix + "failures", 1)
+    workers.add(prefix + "direct", 1)
+    host, port = env["DDPRUN_NODE_STORE"].rsplit(":", 1)
+    node = TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5))
+    for key in ("relay", "progress/0", "timing/0"):
+        node.set(prefix + key, bomb)
+    del node
     endpoint = TCPStore("127.0.0.1", job.port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5))
     for key in (keys.JOB_KEY, keys.REFORMING_KEY, keys.SINCE_KEY, keys.job_host_key(0, 0), keys.joining_key(1)):
         endpoint.set(key, bomb)
