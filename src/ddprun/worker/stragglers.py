@@ -10,7 +10,7 @@ wait, a slow GPU a long compute time, while the others wait longer in the all-re
 
 from __future__ import annotations
 
-import statistics
+import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -42,6 +42,19 @@ class StragglerEvent:
                 f"{self.value_s * 1e3:.1f} ms vs {self.median_s * 1e3:.1f} ms median of the other ranks")
 
 
+def median_without(ordered: list[float], value: float) -> float:
+    """The median of ``ordered`` (sorted, ``value`` among them) with one ``value`` left out: what
+    ``statistics.median`` of the others gives, in O(log n) instead of O(n log n) per rank (rank 0
+    compares every rank each window: at 8,192 ranks the quadratic way took seconds a window)."""
+    i = bisect.bisect_left(ordered, value)
+    m = len(ordered) - 1
+
+    def at(j: int) -> float:  # the j-th of the others
+        return ordered[j] if j < i else ordered[j + 1]
+
+    return at(m // 2) if m % 2 else (at(m // 2 - 1) + at(m // 2)) / 2
+
+
 @dataclass
 class StragglerDetector:
     margin: float = 0.2
@@ -62,8 +75,9 @@ class StragglerDetector:
             values = {r: s[metric] for r, s in summaries.items() if metric in s}
             if len(values) < 2:
                 continue
+            ordered = sorted(values.values())
             for rank, value in values.items():
-                others = statistics.median(v for r, v in values.items() if r != rank)
+                others = median_without(ordered, value)
                 key = (rank, metric)
                 slow = value > others * (1 + self.margin) and value - others > self.min_abs_s
                 self._streak[key] = self._streak.get(key, 0) + 1 if slow else 0
