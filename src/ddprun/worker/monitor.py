@@ -315,7 +315,10 @@ class Monitor:
         self._registered = True
 
     def _direct_ranks(self, store: Any) -> set[int]:
-        """Readers: the ranks registered by :meth:`_register` (one call while none is new)."""
+        """Readers: the ranks registered by :meth:`_register` (one call while none is new); every rank
+        in a job without node stores (its agents gave none)."""
+        if not self.ch.wenv.node_store:
+            return set(range(self.ch.world_size))
         keys, n = self.ch.keys, parse_int(store.add(self.ch.keys.directs, 0)) or 0
         if n > self._directs_read:
             names = [keys.direct(k) for k in range(self._directs_read + 1, n + 1)]
