@@ -157,3 +157,29 @@ def test_relay_values_and_a_malformed_node_store_variable():
     assert WorkerEnv.from_environ({"DDPRUN_RUN_DIR": "/r", "DDPRUN_NODE_STORE": "127.0.0.1:5"}).node_store == "127.0.0.1:5"
     with pytest.raises(ConfigError, match="DDPRUN_NODE_STORE must be HOST:PORT"):
         WorkerEnv.from_environ({"DDPRUN_RUN_DIR": "/r", "DDPRUN_NODE_STORE": "localhost"})
+
+
+def test_a_node_that_cannot_host_its_store_says_so_and_runs_without_it(monkeypatch):
+    from ddprun.agent import noderelay, run
+
+    def refuse():
+        raise RuntimeError("The server socket has failed to listen on any local network address.")
+
+    monkeypatch.setattr(noderelay, "NodeRelay", refuse)
+    console = io.StringIO()
+    assert run.node_relay(console) is None
+    assert console.getvalue() == (
+        "ddprun: warning: no node store on 127.0.0.1 (RuntimeError: The server socket has failed to listen on any "
+        "local network address.); this node's ranks talk to the job's store themselves. HINT: bring the loopback "
+        "interface up (ip link set lo up).\n")
+
+
+def test_a_rank_whose_agent_gave_no_node_store_is_read_by_the_observers_of_a_job_with_them(tmp_path, job, relay):
+    observer, ojc, _ = worker(tmp_path, job, relay, rank=0)
+    environ = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(job.port), "TORCHELASTIC_RUN_ID": "job",
+               "DDPRUN_ATTEMPT": "r1"}
+    jc = client(job.port)
+    plain = monitor_mod.Monitor(JobChannel(environ, WorkerEnv(run_dir=str(tmp_path)), connect=lambda: jc))
+    plain._tick(jc)
+    assert observer._progress(ojc) == {3: PROGRESS.total}

@@ -223,7 +223,6 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
            console: TextIO | None = None) -> Outcome:
     """Run this node's agent until the job ends; return the exit code for this node (and its failures)."""
     from ddprun.agent.endpoint import store_bind
-    from ddprun.agent.noderelay import NodeRelay
     from ddprun.cluster.netaddr import IFNAME_VARS, is_loopback, network_plan
 
     if cfg.entry is None:
@@ -245,8 +244,9 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
     relay = None
     try:
         run = admit_run(replace(prepared, standby=pool), console)
-        relay = NodeRelay()
-        run = replace(run, wenv=replace(run.wenv, node_store=relay.address))
+        relay = node_relay(console)
+        if relay is not None:
+            run = replace(run, wenv=replace(run.wenv, node_store=relay.address))
         os.makedirs(run.rundir.logs, exist_ok=True)
         with AgentLog(run.rundir.agent_log(hostname)) as log:
             outcome = supervise(run, tee, console, log.console, relay)
@@ -259,6 +259,20 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
     if outcome.exit_code == 0:
         print(f"ddprun: run {run.run_id} finished on this node in {outcome.wall_s:.1f} s", file=console, flush=True)
     return outcome
+
+
+def node_relay(console: TextIO) -> Any:
+    """This node's store for its workers (agent/noderelay.py); None, said on the console, when it
+    cannot listen on 127.0.0.1: the workers then talk to the job's store themselves."""
+    from ddprun.agent.noderelay import NODE_HOST, NodeRelay
+
+    try:
+        return NodeRelay()
+    except Exception as e:  # noqa: BLE001 - the job runs without it, at a higher cost to the job's store
+        print(f"ddprun: warning: no node store on {NODE_HOST} ({type(e).__name__}: {e}); this node's ranks talk "
+              f"to the job's store themselves. HINT: bring the loopback interface up (ip link set lo up).",
+              file=console, flush=True)
+        return None
 
 
 def warm_start(mode: str, nproc: int, cpus: int) -> bool:

@@ -307,8 +307,9 @@ class Monitor:
         self._note(f"rank {self.ch.rank}'s monitor: {why}; it reports to the job store itself")
 
     def _register(self, store: Any) -> None:
-        """Once, when direct: readers learn to read this rank's own keys (none without a node store)."""
-        if self._registered or not self.ch.wenv.node_store:
+        """Once, when direct: readers learn to read this rank's own keys (also a rank whose agent gave
+        no node store: the other nodes' may have one)."""
+        if self._registered:
             return
         keys = self.ch.keys
         store.set(keys.direct(int(store.add(keys.directs, 1))), str(self.ch.rank))
