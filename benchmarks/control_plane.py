@@ -168,14 +168,16 @@ class Sim:
         ranks = [r for node in nodes for r in range(node * per_node, (node + 1) * per_node)]
         self.has0, self.has_last = 0 in ranks, n - 1 in ranks
 
-        def job_client(timeout: float = 120):
+        def job_client():
+            # about one connect in 50 takes 5.0 s here, the resolver's timeout ("The hostname of the client
+            # socket cannot be retrieved"): a long timeout, though an agent's own client has 5 s
             return Counted(TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                                    timeout=timedelta(seconds=timeout)), self.ops)
+                                    timeout=timedelta(seconds=120)), self.ops)
 
         # every client made before the ranks start, 64 at a time: connecting is a start-up cost
         with ThreadPoolExecutor(64) as connect:
             pool = list(connect.map(lambda _: job_client(), range(2 * len(ranks))))
-            agent_clients = list(connect.map(lambda _: job_client(5), nodes))
+            agent_clients = list(connect.map(lambda _: job_client(), nodes))  # (a 5 s one may time out connecting)
         node_client = {node: Counted(LocalStore(), self.local_ops) for node in nodes}
         wenv = WorkerEnv(run_dir=run_dir, stall_timeout=STALL_S, stall_end=3600.0, join_timeout=120.0,
                          node_store="127.0.0.1:1" if node_store else "")
