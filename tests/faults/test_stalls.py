@@ -29,6 +29,8 @@ def test_a_healthy_phase_without_optimizer_steps_is_never_a_stall(nodes, tmp_pat
     for e in ended:
         assert "hang report" not in e.output and "no rank advanced" not in e.output, describe(ended)
     print(f"{phase[0]}: {max(e.ended_at for e in ended) - t0:.1f} s under --stall-timeout 4, no report")
+    notes = "".join(p.read_text() for p in (tmp_path / "runs" / "fault" / "logs").glob("monitor-rank-*.log"))
+    assert "reports to the job store itself" not in notes, notes  # every rank's node store relayed it all
     assert not (tmp_path / "runs" / "fault" / "stacks").exists()
     assert_nothing_left(tmp_path)
 
