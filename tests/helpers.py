@@ -1,5 +1,6 @@
 """Start launcher processes (ddprun or torchrun agents) for tests: free ports, bounded waits,
-process-group kills on timeout, and their output attached to any failure."""
+process-group kills on timeout, and their output attached to any failure; a store client that
+records its calls."""
 
 from __future__ import annotations
 
@@ -23,6 +24,19 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class Counting:
+    """A store client that records the name of every call it makes (``calls``)."""
+
+    def __init__(self, store):
+        self.store, self.calls = store, []
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append(name)
+            return getattr(self.store, name)(*args)
+        return call
 
 
 def job_env(**extra: str) -> dict[str, str]:

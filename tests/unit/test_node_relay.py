@@ -22,21 +22,9 @@ from ddprun.protocol.store import Keys, parse_relay, publish_failure, relay_valu
 from ddprun.telemetry import PROGRESS
 from ddprun.worker import monitor as monitor_mod
 from ddprun.worker.channel import JobChannel
+from tests.helpers import Counting
 
 pytestmark = pytest.mark.timeout(30)
-
-
-class Counting:
-    """A store client that records the name of every call."""
-
-    def __init__(self, store):
-        self.store, self.calls = store, []
-
-    def __getattr__(self, name):
-        def call(*args):
-            self.calls.append(name)
-            return getattr(self.store, name)(*args)
-        return call
 
 
 def server():

@@ -9,17 +9,7 @@ from torch.distributed import TCPStore
 from ddprun.protocol.env import WorkerEnv
 from ddprun.protocol.store import present
 from ddprun.worker.channel import JobChannel
-
-
-class Counting:
-    def __init__(self, store):
-        self.store, self.calls = store, []
-
-    def __getattr__(self, name):
-        def call(*args):
-            self.calls.append(name)
-            return getattr(self.store, name)(*args)
-        return call
+from tests.helpers import Counting
 
 
 def test_present_costs_one_call_when_every_key_exists_and_one_per_key_otherwise():
