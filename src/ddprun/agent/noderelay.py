@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import threading
-from datetime import timedelta
 from typing import Any
 
 from ddprun.protocol.store import Keys, present, relay_value
@@ -32,10 +31,10 @@ class NodeRelay:
 
     def __init__(self, server: Any = None):
         """``server``: a store to use instead of a new one on 127.0.0.1 (tests, benchmarks)."""
-        if server is None:
-            from torch.distributed import TCPStore
+        if server is None:  # on loopback only: a TCPStore server of its own listens on every interface
+            from ddprun.agent.endpoint import bound_server
 
-            server = TCPStore(NODE_HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+            server = bound_server(NODE_HOST, 0, 10.0)
         self._store = server
         self.address = f"{NODE_HOST}:{getattr(server, 'port', 0)}"
         self._lock = threading.Lock()
