@@ -294,7 +294,8 @@ class AgentFailures:
             self._say_hang_report(store, keys)
         if self.preempt_request is not None and self.preempt_stop is None and store.check([keys.preempt_stop]):
             self.preempt_stop = text(store.get(keys.preempt_stop))
-        self._alarm = alarm  # only once all of it was read: a failing read reads it again next beat
+        if keys is self._keys:  # not a value of the attempt before one that started meanwhile
+            self._alarm = alarm  # only once all of it was read: a failing read reads it again next beat
 
     def _enforce_end(self) -> None:
         """Another rank's failure ended the job (last attempt), but a local worker still runs after
