@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import TextIO
+from typing import BinaryIO, TextIO
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
@@ -74,58 +74,110 @@ def keep_earlier_launch(run_dir: str, rank: int | str, launch: str, started: flo
             pass
 
 
+class _Followed:
+    """One followed path: its console prefix, the file open on it, and a line not yet complete."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self.fp: BinaryIO | None = None
+        self.pending = b""
+
+
 class LogFollower:
-    """Copies new lines of some files to a stream, each with its prefix, until stopped (drained)."""
+    """Copies new lines of some files to a stream, each with its prefix, until stopped (drained).
+
+    A path is followed like ``tail -F``: the file stays open, and when a restart moves it aside
+    (``rank-N.attempt-K.log``) and torch's agent creates a new one at the path, the old file is read
+    to its end first and the new one from its start. Nothing is read twice and no line is lost,
+    whatever the order of the move, the new file and a poll.
+    """
 
     def __init__(self, out: TextIO, interval_s: float = 0.05):
         self._out = out
         self._interval = interval_s
-        self._files: dict[str, str] = {}
-        self._offsets: dict[str, int] = {}
+        self._files: dict[str, _Followed] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ddprun-log-follower", daemon=True)
         self._thread.start()
 
     def follow(self, files: Mapping[str, str]) -> None:
-        """Follow ``path -> prefix`` from the start of each file, in addition to earlier ones."""
+        """Follow ``path -> prefix`` from the start of each file, in addition to earlier ones. A path
+        followed already keeps its place (a restart's new file is found by the move)."""
         with self._lock:
             for path, prefix in files.items():
-                self._files[path] = prefix
-                self._offsets[path] = 0
+                if path in self._files:
+                    self._files[path].prefix = prefix
+                else:
+                    self._files[path] = _Followed(prefix)
 
-    def _pump(self) -> None:
-        with self._lock:
-            items = list(self._files.items())
-        for path, prefix in items:
-            try:
-                with open(path, "rb") as fp:
-                    fp.seek(self._offsets[path])
-                    data = fp.read()
-            except OSError:
-                continue
-            # only whole lines, so a line being written is not split
-            end = data.rfind(b"\n") + 1 if not self._stop.is_set() else len(data)
-            if end <= 0:
-                continue
-            self._offsets[path] += end
-            text = data[:end].decode("utf-8", errors="replace")
-            if prefix:
-                text = "".join(prefix + line for line in text.splitlines(keepends=True))
-            if not text.endswith("\n"):
-                text += "\n"
-            self._out.write(text)
+    def _read(self, path: str, f: _Followed) -> bytes:
+        """What is new at ``path``: the rest of the open file and, once another file took its path,
+        the start of that one."""
+        data = b""
+        for _ in range(2):  # the file open now, then at most the one that replaced it
+            if f.fp is None:
+                try:
+                    f.fp = open(path, "rb")  # noqa: SIM115 - kept open between polls, closed when replaced
+                except OSError:
+                    return data
+            data += f.fp.read()
+            if _same_file(path, f.fp):
+                return data
+            f.fp.close()  # moved aside (and read to its end above): the path is a new file now
+            f.fp = None
+            if not (f.pending + data).endswith(b"\n") and (f.pending or data):
+                data += b"\n"  # the old file's last line, incomplete, ends with it
+        return data
+
+    def _pump(self, final: bool = False) -> None:
+        with self._lock:  # a restart's follow() waits for a read in progress, never the console
+            texts = [self._lines(path, f, final) for path, f in self._files.items()]
+        for text in texts:
+            if text:
+                self._out.write(text)
         self._out.flush()
+
+    def _lines(self, path: str, f: _Followed, final: bool) -> str:
+        """The whole lines new at ``path`` with their prefix (``final``: and a last incomplete one)."""
+        try:
+            data = f.pending + self._read(path, f)
+        except OSError:
+            return ""
+        # only whole lines, so a line being written is not split
+        end = len(data) if final else data.rfind(b"\n") + 1
+        f.pending = data[end:]
+        if end <= 0:
+            return ""
+        text = data[:end].decode("utf-8", errors="replace")
+        if f.prefix:
+            text = "".join(f.prefix + line for line in text.splitlines(keepends=True))
+        return text if text.endswith("\n") else text + "\n"
 
     def _loop(self) -> None:
         while not self._stop.wait(self._interval):
             self._pump()
 
     def stop(self) -> None:
-        """Stop, then copy what is left (bounded: one last read of each file)."""
+        """Stop, then copy what is left (bounded: one last read of each file) and close the files."""
         self._stop.set()
         self._thread.join(timeout=5)
-        self._pump()
+        self._pump(final=True)
+        with self._lock:
+            for f in self._files.values():
+                if f.fp is not None:
+                    f.fp.close()
+                    f.fp = None
+
+
+def _same_file(path: str, fp: BinaryIO) -> bool:
+    """Whether ``path`` still names the file ``fp`` has open: False once another file took the path."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return True  # moved, the new one not created yet: keep reading the old one
+    own = os.fstat(fp.fileno())
+    return (st.st_ino, st.st_dev) == (own.st_ino, own.st_dev)
 
 
 class RankLogsSpecs(LogsSpecs):

@@ -1,0 +1,93 @@
+"""The console follower (agent/logs.py LogFollower) across a restart: torch's agent moves rank-N.log
+aside and creates a new one. Every line of both attempts reaches the console once, in order.
+
+CI once showed a restarted job replaying attempt 0's rank-0 log and never printing attempt 1's
+("resuming from ..."): a poll had the old file open when the restart reset its offset to 0, read
+the old file again, and kept the old file's size as the new file's offset."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+
+from ddprun.agent.logs import LogFollower
+
+pytestmark = pytest.mark.timeout(10)
+
+
+@pytest.fixture
+def follower():
+    out = io.StringIO()
+    f = LogFollower(out, interval_s=3600)  # polled by hand below
+    yield f, out
+    f.stop()
+
+
+def write(path, text: str) -> None:
+    with open(path, "a") as fp:
+        fp.write(text)
+
+
+def restart(path) -> None:
+    """What RankLogsSpecs.reify does to a rank's log before the next attempt's worker starts."""
+    os.replace(path, str(path).replace(".log", ".attempt-0.log"))
+
+
+def test_a_restart_shows_the_old_attempts_last_lines_then_the_new_attempt_once(tmp_path, follower):
+    f, out = follower
+    log = tmp_path / "rank-0.log"
+    write(log, "".join(f"old {i}\n" for i in range(20)))
+    f.follow({str(log): ""})
+    f._pump()
+    write(log, "old tail\n")  # written after the last poll, before the move
+    restart(log)
+    write(log, "resuming from step 8\n")  # the new attempt: shorter than the old one
+    f.follow({str(log): ""})  # reify follows the same path again
+    f._pump()
+    write(log, "done\n")
+    f._pump()
+    assert out.getvalue() == "".join(f"old {i}\n" for i in range(20)) + "old tail\nresuming from step 8\ndone\n"
+
+
+def test_a_poll_between_the_move_and_the_new_file_keeps_reading_the_old_one(tmp_path, follower):
+    f, out = follower
+    log = tmp_path / "rank-1.log"
+    write(log, "a\n")
+    f.follow({str(log): "[rank1] "})
+    f._pump()
+    restart(log)
+    f._pump()  # no file at the path yet
+    write(tmp_path / "rank-1.attempt-0.log", "late a\n")  # the dying worker's last words, after the move
+    f._pump()
+    write(log, "b\n")
+    f._pump()
+    assert out.getvalue() == "[rank1] a\n[rank1] late a\n[rank1] b\n"
+
+
+def test_an_incomplete_last_line_ends_at_the_move_and_at_stop(tmp_path):
+    out = io.StringIO()
+    f = LogFollower(out, interval_s=3600)
+    log = tmp_path / "rank-0.log"
+    write(log, "whole\nhalf")
+    f.follow({str(log): ""})
+    f._pump()
+    assert out.getvalue() == "whole\n"  # a line being written is not split
+    restart(log)
+    write(log, "new\nlast, no newline")
+    f._pump()
+    assert out.getvalue() == "whole\nhalf\nnew\n"
+    f.stop()
+    assert out.getvalue() == "whole\nhalf\nnew\nlast, no newline\n"
+    assert all(g.fp is None for g in f._files.values())  # stop closes what it kept open
+
+
+def test_the_thread_follows_a_file_created_after_follow(tmp_path):
+    out = io.StringIO()
+    f = LogFollower(out, interval_s=0.01)
+    log = tmp_path / "rank-0.log"
+    f.follow({str(log): ""})
+    write(log, "hello\n")
+    f.stop()
+    assert out.getvalue() == "hello\n"
