@@ -40,3 +40,16 @@ def ranks_text(ranks: Iterable[int]) -> str:
     if run:
         out.append(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)))
     return ", ".join(out)
+
+
+def tail_lines(path: str, n: int = 15) -> list[str]:
+    """The last ``n`` lines of a text file ([] if it does not exist)."""
+    try:
+        with open(path, "rb") as fp:
+            fp.seek(0, os.SEEK_END)
+            size = fp.tell()
+            fp.seek(max(0, size - 64 * 1024))
+            data = fp.read().decode("utf-8", errors="replace")
+    except OSError:
+        return []
+    return data.splitlines()[-n:]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 
-from ddprun.agent.logs import tail_lines
+from ddprun._util import tail_lines
 from ddprun.protocol import failure as fr
 from ddprun.protocol.rundir import RunDir
 

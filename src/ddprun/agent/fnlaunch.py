@@ -93,7 +93,7 @@ def _payload(fn: Callable, args: tuple, kwargs: dict, *, return_all: bool, timeo
 
 def _root_cause(outcome: Any, directory: str) -> WorkerFailed | LaunchTimeout:
     """One exception for a failed launch: the rank whose own failure ended it, never an echo of it."""
-    from ddprun.agent.logs import tail_lines
+    from ddprun._util import tail_lines
     from ddprun.protocol import failure as fr
     from ddprun.protocol import payload
     from ddprun.protocol.rundir import RunDir

@@ -41,19 +41,6 @@ def remove_empty_early_logs(run_dir: str) -> None:
             pass
 
 
-def tail_lines(path: str, n: int = 15) -> list[str]:
-    """The last ``n`` lines of a text file ([] if it does not exist)."""
-    try:
-        with open(path, "rb") as fp:
-            fp.seek(0, os.SEEK_END)
-            size = fp.tell()
-            fp.seek(max(0, size - 64 * 1024))
-            data = fp.read().decode("utf-8", errors="replace")
-    except OSError:
-        return []
-    return data.splitlines()[-n:]
-
-
 def keep_earlier_launch(run_dir: str, rank: int | str, launch: str, started: float) -> None:
     """A relaunch into the same run directory (an explicit --rdzv-id, a requeued scheduler job): the
     logs and failure record rank ``rank`` left there before this launch ``started`` (epoch seconds)
