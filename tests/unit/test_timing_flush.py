@@ -58,3 +58,22 @@ def test_rank_0_waits_a_bounded_time_for_a_rank_that_never_flushes(tmp_path, mon
     t0 = time.monotonic()
     monitor(0, 2, DictStore(), tmp_path).flush_timing()
     assert time.monotonic() - t0 < 2 and (tmp_path / TIMINGS).read_text().count("\n") == 2
+
+
+def test_the_exit_does_not_wait_for_the_monitor_threads_poll_interval(tmp_path, monkeypatch):
+    """A monitor that also waits for preemption signals (a select on their fd) stops at once at the
+    exit: the poll interval is not added to every run's exit."""
+    import os
+    import time
+
+    monkeypatch.setattr(defaults, "MONITOR_POLL_S", 5.0)
+    monkeypatch.setattr(defaults, "FINAL_TIMING_WAIT_S", 0.2)
+    signals_r, signals_w = os.pipe()
+    m = monitor(0, 1, DictStore(), tmp_path).start(signals_r)
+    time.sleep(0.2)  # the thread is in its wait
+    t0 = time.monotonic()
+    m.flush_timing()
+    took = time.monotonic() - t0
+    assert not m._thread.is_alive() and took < 1.0, f"flush_timing took {took:.2f} s"
+    os.close(signals_r)
+    os.close(signals_w)

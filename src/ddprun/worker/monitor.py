@@ -123,6 +123,8 @@ class Monitor:
         self._echo_seen: float | None = None
         self._detail = self._summary = ""
         self._sigfd: int | None = None
+        self._wake: tuple[int, int] | None = None
+        """A pipe that :meth:`stop` writes to, to end the thread's wait on ``_sigfd`` at once."""
         self._rate_samples: collections.deque[tuple[float, int]] = collections.deque(maxlen=12)
         wenv = ch.wenv
         # rank 0 reports first (its output is on a console); the backup only if rank 0 does not
@@ -138,11 +140,18 @@ class Monitor:
     def start(self, signal_fd: int | None = None) -> Monitor:
         """``signal_fd``: where preemption signals arrive (:func:`ddprun.preempt.install`)."""
         self._sigfd = signal_fd
+        if signal_fd is not None:  # stop() must end a select on it at once, not after a poll interval
+            self._wake = os.pipe()
         self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
+        if self._wake is not None:
+            try:
+                os.write(self._wake[1], b"x")
+            except OSError:  # a full pipe: a wake-up is pending already
+                pass
 
     def flush_timing(self) -> None:
         """At a clean exit: publish the last, partial timing window, so that a run shorter than a
@@ -182,10 +191,11 @@ class Monitor:
         """One poll interval, or less when a signal arrives: the signals that arrived; None at stop."""
         if self._sigfd is None:
             return None if self._stop.wait(defaults.MONITOR_POLL_S) else []
-        ready, _, _ = select.select([self._sigfd], [], [], defaults.MONITOR_POLL_S)
+        ready, _, _ = select.select([self._sigfd, self._wake[0]] if self._wake else [self._sigfd], [], [],
+                                    defaults.MONITOR_POLL_S)
         if self._stop.is_set():
             return None
-        if not ready:
+        if self._sigfd not in ready:
             return []
         try:
             return [b for b in os.read(self._sigfd, 64) if b in PREEMPT.signals]
