@@ -2,7 +2,8 @@
 
 import pytest
 
-from ddprun.agent.run import omp_threads, parse_local_ranks
+from ddprun._util import cpu_count
+from ddprun.agent.run import in_run_dir, omp_threads, parse_local_ranks, prepare, worker_extras
 from ddprun.cluster.base import NodeFacts
 from ddprun.cluster.detect import resolve
 from ddprun.config import LaunchConfig
@@ -16,6 +17,25 @@ def test_omp_threads_is_cores_per_process_unless_the_user_set_it():
     assert omp_threads({}, 4, 16) == "4"
     assert omp_threads({}, 4, 2) == "1"
     assert omp_threads({"OMP_NUM_THREADS": "7"}, 4, 16) is None
+
+
+def test_the_workers_extras_follow_the_run_id_the_nodes_agreed_on(tmp_path):
+    """A node without --rdzv-id proposes a run id, then takes the one agreed: every path in its
+    workers' environment must name the agreed run's directory (NCCL's Flight Recorder dump)."""
+    spec = resolve(LaunchConfig(nnodes="2", rdzv_endpoint="127.0.0.1:29500"), {}, CPU_NODE)
+    cfg = LaunchConfig(log_dir=str(tmp_path))
+    run = in_run_dir(prepare(cfg, spec, {}, "h", {"GLOO_SOCKET_IFNAME": "lo"}), "agreed-7")
+    assert run.extra_env["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "agreed-7" / "logs" / "nccl-trace-rank-")
+    assert run.wenv.run_dir == run.rundir.path == str(tmp_path / "agreed-7")
+    assert run.extra_env["GLOO_SOCKET_IFNAME"] == "lo" and run.extra_env["TORCH_FR_BUFFER_SIZE"] == "2000"
+    mine = {"TORCH_FR_DUMP_TEMP_FILE": "/scratch/fr-"}  # the user's own path is theirs
+    assert "TORCH_FR_DUMP_TEMP_FILE" not in in_run_dir(prepare(cfg, spec, mine, "h", {}), "x").extra_env
+
+
+def test_a_standby_starts_with_the_workers_extras_but_the_run_directory():
+    assert worker_extras({}, 4, None) == {"OMP_NUM_THREADS": str(max(1, cpu_count() // 4)), "TORCH_FR_BUFFER_SIZE": "2000",
+                                          "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    assert worker_extras({"OMP_NUM_THREADS": "3"}, 4, "/r/logs")["TORCH_FR_DUMP_TEMP_FILE"] == "/r/logs/nccl-trace-rank-"
 
 
 def test_tee_values():

@@ -32,7 +32,7 @@ from ddprun.errors import ConfigError, LaunchError
 from ddprun.protocol import defaults
 from ddprun.protocol import failure as fr
 from ddprun.protocol import preempt as pp
-from ddprun.protocol.env import JOB_TOKEN, WorkerEnv, flight_recorder_env
+from ddprun.protocol.env import FR_DUMP_FILE, JOB_TOKEN, WorkerEnv, flight_recorder_env
 from ddprun.protocol.rundir import RunDir, new_run_id
 from ddprun.protocol.store import JobRecord
 
@@ -156,16 +156,27 @@ def prepare(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], ho
                      max_nodes=spec.max_nodes, job_token=token, straggler_margin=cfg.straggler_margin,
                      straggler_windows=cfg.straggler_windows, telemetry_window=cfg.telemetry_window, doctor=cfg.doctor,
                      allow_uneven_nodes=cfg.allow_uneven_nodes, preempt_signals=cfg.preempt_signals)
-    extra = dict(extra_env)
-    threads = omp_threads(environ, spec.nproc_per_node, cpu_count())
-    if threads is not None:
-        extra["OMP_NUM_THREADS"] = threads
-    extra.update(flight_recorder_env(environ, rundir.logs))  # which collective each rank is in, at a stall
+    extra = {**extra_env, **worker_extras(environ, spec.nproc_per_node, rundir.logs)}
     off = environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1"
     return _Run(cfg, spec, run_id, rundir, hostname, spec.master_addr, port, token, wenv, extra, off, rdzv_id,
                 bool(spec.run_id), dial=spec.master_addr, grace=pp.grace(environ, cfg.preempt_grace),
                 requeue=tuple(requeue_command(environ)) if cfg.requeue else (),
                 spot=spot_settings(cfg.spot_notice, environ) if cfg.spot_notice != "off" else None)
+
+
+def worker_extras(environ: Mapping[str, str], nproc: int, logs_dir: str | None) -> dict[str, str]:
+    """What the launch adds to every worker's environment but the network's interface names (pure):
+    OMP_NUM_THREADS unless the user set it, and the Flight Recorder (which collective each rank is
+    in, at a stall), its NCCL dump into ``logs_dir``. ``logs_dir=None``: what a standby starts with,
+    before the run directory is known (the dump's path is read when a process group starts)."""
+    extra = {}
+    threads = omp_threads(environ, nproc, cpu_count())
+    if threads is not None:
+        extra["OMP_NUM_THREADS"] = threads
+    extra.update(flight_recorder_env(environ, logs_dir or ""))
+    if logs_dir is None:
+        extra.pop(FR_DUMP_FILE, None)
+    return extra
 
 
 def admit_run(run: _Run, console: TextIO) -> _Run:
@@ -185,9 +196,16 @@ def admit_run(run: _Run, console: TextIO) -> _Run:
     note = admission.elastic_note(me, spec.min_nodes, spec.max_nodes)
     if note:
         print(note, file=console, flush=True)
+    return replace(in_run_dir(run, run_id), endpoint_store=store, dial=dial, hosted=hosted)
+
+
+def in_run_dir(run: _Run, run_id: str) -> _Run:
+    """``run`` under the run id the nodes agreed on: its directory, and everything that names it."""
     rundir = RunDir(run_dir_for(run.cfg, run_id))
-    return replace(run, run_id=run_id, rundir=rundir, wenv=replace(run.wenv, run_dir=rundir.path),
-                   endpoint_store=store, dial=dial, hosted=hosted)
+    extra = dict(run.extra_env)
+    if FR_DUMP_FILE in extra:  # set by worker_extras, not by the user
+        extra[FR_DUMP_FILE] = flight_recorder_env({}, rundir.logs)[FR_DUMP_FILE]
+    return replace(run, run_id=run_id, rundir=rundir, wenv=replace(run.wenv, run_dir=rundir.path), extra_env=extra)
 
 
 class AgentLog:

@@ -41,10 +41,11 @@ REAP_S = 5.0
 LAUNCH_VARS = frozenset({
     "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
     "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "CUDA_VISIBLE_DEVICES"})
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "CUDA_VISIBLE_DEVICES", "TORCH_FR_DUMP_TEMP_FILE"})
 """Variables the launch sets per worker that nothing reads while importing (torch reads
-CUDA_VISIBLE_DEVICES when CUDA initialises, not at import); with every ``DDPRUN_*`` and
-``TORCHELASTIC_*`` variable they may differ between a standby and its worker."""
+CUDA_VISIBLE_DEVICES when CUDA initialises, the Flight Recorder's dump path when a process group
+starts); with every ``DDPRUN_*`` and ``TORCHELASTIC_*`` variable they may differ between a standby
+and its worker."""
 
 WORKER_MODULE = ("-m", "ddprun.worker")
 

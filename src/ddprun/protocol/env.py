@@ -180,6 +180,8 @@ def _nnodes(raw: str) -> tuple[int, int]:
 FR_BUFFER_DEFAULT = "2000"
 """Collectives kept per process (torch's ring buffer; a few hundred bytes each)."""
 _FR_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+FR_DUMP_FILE = "TORCH_FR_DUMP_TEMP_FILE"
+"""Where NCCL's Flight Recorder dumps at a timeout (a prefix; the rank is appended)."""
 
 
 def flight_recorder_env(environ: Mapping[str, str], logs_dir: str) -> dict[str, str]:
@@ -188,7 +190,7 @@ def flight_recorder_env(environ: Mapping[str, str], logs_dir: str) -> dict[str, 
     out: dict[str, str] = {}
     if not any(environ.get(v) for v in _FR_VARS):
         out["TORCH_FR_BUFFER_SIZE"] = FR_BUFFER_DEFAULT
-    if "TORCH_NCCL_DUMP_ON_TIMEOUT" not in environ and "TORCH_FR_DUMP_TEMP_FILE" not in environ:
+    if "TORCH_NCCL_DUMP_ON_TIMEOUT" not in environ and FR_DUMP_FILE not in environ:
         out["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
-        out["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(logs_dir, "nccl-trace-rank-")
+        out[FR_DUMP_FILE] = os.path.join(logs_dir, "nccl-trace-rank-")
     return out
