@@ -86,7 +86,7 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     _flag(g, "--warm-start", choices=["auto", "on", "off"], default="auto",
           help="on: each local rank's interpreter starts with the agent, imports torch while the agent waits for "
                "its peers, and becomes the first worker; off: workers start after the rendezvous, as torchrun's; "
-               "auto (default): on when this node has more CPUs than processes (a core left for the agent)")
+               "auto (default): on when this node has a CPU per process")
     _flag(g, "--exit-timeout", type=float, default=EXIT_TIMEOUT_S,
           help=f"seconds a worker's atexit handlers may take after the script returned (default {EXIT_TIMEOUT_S:.0f})")
     _flag(g, "--telemetry-window", type=float, default=TELEMETRY_WINDOW_S,
@@ -300,8 +300,7 @@ def cmd_plan(cfg: LaunchConfig, args: argparse.Namespace, environ: Mapping[str, 
 
 
 def cmd_run(cfg: LaunchConfig, environ: Mapping[str, str]) -> int:
-    from ddprun.agent.run import launch
-    from ddprun.cluster.detect import resolve
+    from ddprun.agent.run import early_standbys
     from ddprun.cluster.torchrun import TorchrunEnvironment
     from ddprun.errors import ClusterError
 
@@ -317,12 +316,24 @@ def cmd_run(cfg: LaunchConfig, environ: Mapping[str, str]) -> int:
         from ddprun.cluster.slurm import requeue_command
 
         requeue_command(environ)  # no SLURM job or no scontrol: said now, not after the preemption
+    standby = early_standbys(cfg, environ)  # first: their imports overlap this agent's
+    try:
+        return _launch(cfg, environ, standby)
+    finally:
+        if standby is not None:
+            standby.close()
+
+
+def _launch(cfg: LaunchConfig, environ: Mapping[str, str], standby) -> int:
+    from ddprun.agent.run import launch
+    from ddprun.cluster.detect import resolve
+
     node = probe_node(environ)
     spec = resolve(cfg, environ, node, launcher=True)
     check_endpoint(spec)
     for note in spec.notes:
         print(f"ddprun: note: {note}", file=sys.stderr)
-    return launch(cfg, spec, environ, node.hostname).exit_code
+    return launch(cfg, spec, environ, node.hostname, standby=standby).exit_code
 
 
 def cmd_report(args: argparse.Namespace) -> int:

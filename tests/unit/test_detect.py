@@ -129,3 +129,20 @@ def test_probe_node_hostname_override_and_addresses():
 def test_cluster_modules_do_not_import_torch():
     code = "import sys, ddprun.cluster.detect; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_the_gpu_count_asks_torch_only_on_a_node_with_a_gpu_device_file(tmp_path):
+    """No /dev/nvidiactl (or the like): 0 without importing torch (~3 s); with one: torch's count."""
+    code = ("import sys; from ddprun.cluster.probe import cuda_devices; "
+            "print(cuda_devices((sys.argv[1],)), 'torch' in sys.modules)")
+    device = tmp_path / "nvidiactl"
+
+    def probe() -> str:
+        return subprocess.run([sys.executable, "-c", code, str(device)], capture_output=True, text=True,
+                              timeout=60).stdout.strip()
+
+    assert probe() == "0 False"
+    device.touch()
+    import torch
+
+    assert probe() == f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} True"

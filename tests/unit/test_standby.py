@@ -1,13 +1,15 @@
-"""Which environment a standby may become a worker with (agent/standby.py env_mismatch)."""
+"""Which environment a standby may become a worker with (agent/standby.py env_mismatch), and when it starts."""
+
+import pytest
 
 from ddprun.agent.run import warm_start
 from ddprun.agent.standby import env_mismatch
 
 
-def test_auto_warm_start_wants_a_core_for_the_agent_beside_one_per_standby():
-    assert warm_start("auto", 8, 96) and warm_start("auto", 1, 2)
-    assert not warm_start("auto", 2, 2) and not warm_start("auto", 8, 8)
-    assert warm_start("on", 2, 2) and not warm_start("off", 1, 96)
+def test_auto_warm_start_wants_a_core_per_standby():
+    assert warm_start("auto", 8, 96) and warm_start("auto", 1, 2) and warm_start("auto", 2, 2)
+    assert not warm_start("auto", 4, 2) and not warm_start("auto", 8, 7)
+    assert warm_start("on", 4, 2) and not warm_start("off", 1, 96)
 
 
 def test_what_the_launch_sets_per_worker_may_differ():
@@ -22,3 +24,33 @@ def test_anything_else_that_differs_is_named():
     changed = {**base, "OMP_NUM_THREADS": "4", "LD_PRELOAD": "x.so"}
     del changed["PYTHONPATH"]
     assert env_mismatch(base, changed) == ["LD_PRELOAD", "OMP_NUM_THREADS", "PYTHONPATH"]
+
+
+@pytest.mark.parametrize("nproc", [["--nproc-per-node", "2"], []], ids=["given", "from-the-node"])
+def test_the_agent_starts_its_standbys_before_it_imports_torch(tmp_path, nproc):
+    """The standbys' imports overlap the agent's own torch import (~3 s of CPU), not follow it: at
+    once when the flags give the count; after the node probe, torch-free on a node without GPUs, else."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "train.py"
+    script.write_text("print('never runs')\n")
+    code = textwrap.dedent("""
+        import sys
+        from ddprun.agent import standby
+
+        def start(self, count, env, argv):
+            print(f"standbys: {count}, argv {argv}, torch imported: {'torch' in sys.modules}", flush=True)
+            raise SystemExit(7)
+
+        standby.StandbyPool.start = start
+        from ddprun.cli import main
+        sys.exit(main(["run", "--warm-start", "on", *sys.argv[3:], "--log-dir", sys.argv[1], sys.argv[2]]))
+    """)
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    got = subprocess.run([sys.executable, "-c", code, str(tmp_path / "runs"), str(script), *nproc], capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert got.returncode == 7, got.stdout + got.stderr
+    count = 2 if nproc else 1  # one CPU process on a node without GPUs
+    assert f"standbys: {count}, argv ['{script}'], torch imported: False" in got.stdout, got.stdout + got.stderr

@@ -238,8 +238,9 @@ class AgentLog:
 
 
 def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hostname: str,
-           console: TextIO | None = None) -> Outcome:
-    """Run this node's agent until the job ends; return the exit code for this node (and its failures)."""
+           console: TextIO | None = None, standby: Any = None) -> Outcome:
+    """Run this node's agent until the job ends; return the exit code for this node (and its failures).
+    ``standby``: the pool :func:`early_standbys` started, closed here like one started here."""
     from ddprun.agent.endpoint import store_bind
     from ddprun.cluster.netaddr import IFNAME_VARS, is_loopback, network_plan
 
@@ -258,7 +259,7 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
     t0 = time.monotonic()
     bind = store_bind(spec.master_addr, local, named) if spec.master_addr else None
     prepared = replace(prepare(cfg, spec, environ, hostname, net.worker_env), bind=bind)
-    pool = _standby(prepared)
+    pool = _standby(prepared, standby)
     relay = None
     try:
         run = admit_run(replace(prepared, standby=pool), console)
@@ -294,14 +295,31 @@ def node_relay(console: TextIO) -> Any:
 
 
 def warm_start(mode: str, nproc: int, cpus: int) -> bool:
-    """Whether to start standbys: ``--warm-start on``, or ``auto`` on a node with a core for the agent
-    beside one per standby (with fewer, they and the agent only take turns on the same cores)."""
-    return mode == "on" or (mode == "auto" and cpus > nproc)
+    """Whether to start standbys: ``--warm-start on``, or ``auto`` on a node with a core per standby
+    (they start before the agent imports torch, so their imports overlap the agent's; with fewer
+    cores than processes they only take turns with each other)."""
+    return mode == "on" or (mode == "auto" and cpus >= nproc)
 
 
-def _standby(run: _Run) -> Any:
-    """The first workers' interpreters, started now to import torch while the agent starts and waits for
-    its peers (agent/standby.py); None when --warm-start says no."""
+def early_standbys(cfg: LaunchConfig, environ: Mapping[str, str]) -> Any:
+    """The standbys (agent/standby.py), started before anything in this agent imports torch (the node
+    probe may, to count GPUs: ~3 s of CPU) when the flags give the number of processes; else None,
+    and :func:`launch` starts them once the node is resolved."""
+    n = cfg.nproc_per_node or ""
+    if cfg.entry is None or not n.isdigit() or int(n) < 1 or not warm_start(cfg.warm_start, int(n), cpu_count()):
+        return None
+    from ddprun.agent.standby import StandbyPool
+
+    return StandbyPool().start(int(n), {**environ, **worker_extras(environ, int(n), None)}, _entry_argv(cfg))
+
+
+def _standby(run: _Run, early: Any = None) -> Any:
+    """The first workers' interpreters: ``early`` when it has one per local rank, else started now to
+    import torch while the agent starts and waits for its peers; None when --warm-start says no."""
+    if early is not None and early.size == run.spec.nproc_per_node:
+        return early
+    if early is not None:
+        early.close()
     if not warm_start(run.cfg.warm_start, run.spec.nproc_per_node, cpu_count()):
         return None
     from ddprun.agent.standby import StandbyPool

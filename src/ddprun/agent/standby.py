@@ -41,11 +41,12 @@ REAP_S = 5.0
 LAUNCH_VARS = frozenset({
     "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
     "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "CUDA_VISIBLE_DEVICES", "TORCH_FR_DUMP_TEMP_FILE"})
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
+    "TORCH_FR_DUMP_TEMP_FILE"})
 """Variables the launch sets per worker that nothing reads while importing (torch reads
-CUDA_VISIBLE_DEVICES when CUDA initialises, the Flight Recorder's dump path when a process group
-starts); with every ``DDPRUN_*`` and ``TORCHELASTIC_*`` variable they may differ between a standby
-and its worker."""
+CUDA_VISIBLE_DEVICES when CUDA initialises, the interface names and the Flight Recorder's dump path
+when a process group starts, none at import); with every ``DDPRUN_*`` and ``TORCHELASTIC_*``
+variable they may differ between a standby and its worker."""
 
 WORKER_MODULE = ("-m", "ddprun.worker")
 
@@ -77,6 +78,11 @@ class StandbyPool:
         self.args: tuple[str, ...] = ()
         self.env: dict[str, str] = {}
         """Every standby's environment (the go message's may differ from it only in launch variables)."""
+
+    @property
+    def size(self) -> int:
+        """Standbys started and not yet handed out or closed."""
+        return len(self._ready)
 
     def start(self, count: int, env: Mapping[str, str], argv: list[str]) -> StandbyPool:
         """Start ``count`` standbys of ``python -m ddprun.worker *argv`` with ``env`` (the agent's

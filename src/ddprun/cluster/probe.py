@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 from collections.abc import Mapping
 
 from ddprun._util import cpu_count
@@ -27,11 +29,24 @@ def _node_addresses(hostname: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(found))
 
 
-def probe_node(environ: Mapping[str, str]):
-    """The I/O behind detection: hostname (DDPRUN_HOSTNAME overrides it), addresses, CPUs, CUDA devices."""
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
+"""A node without any of these has no NVIDIA (driver or container), AMD ROCm or WSL GPU: torch would
+count no CUDA device there."""
+
+
+def cuda_devices(device_files: tuple[str, ...] = GPU_DEVICE_FILES) -> int:
+    """CUDA devices torch sees (after CUDA_VISIBLE_DEVICES). On a node without a GPU device file this is
+    0 without importing torch, which costs the agent ~3 s of CPU before its standbys can start."""
+    if "torch" not in sys.modules and not any(os.path.exists(f) for f in device_files):
+        return 0
     import torch
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def probe_node(environ: Mapping[str, str]):
+    """The I/O behind detection: hostname (DDPRUN_HOSTNAME overrides it), addresses, CPUs, CUDA devices."""
+    gpus = cuda_devices()
     hostname = environ.get("DDPRUN_HOSTNAME") or socket.gethostname()
     return NodeFacts(hostname=hostname, cpus=cpu_count(), cuda_devices=gpus, addresses=_node_addresses(hostname))
 
