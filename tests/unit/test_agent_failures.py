@@ -89,3 +89,18 @@ def test_node_0_waits_until_every_node_said_its_line_and_no_longer_than_its_boun
     threading.Timer(0.2, other.mark_said).start()
     assert a.wait_all_said(5)
     other.stop()
+
+
+def test_a_rendezvous_endpoint_that_refuses_is_named_as_the_lost_store_not_the_workers_store(agent, store):
+    """An elastic job's workers' store is group rank 0's own; the rendezvous store may be another node's.
+    When torch's agent fails to reach the endpoint, that endpoint's node is the cause."""
+    from ddprun.agent.endpoint import free_port
+
+    a, _ = agent
+    assert a.endpoint_gone("127.0.0.1", store.port) == []  # it answers
+    closed = free_port("127.0.0.1")
+    (rec,) = a.endpoint_gone("127.0.0.1", closed)
+    assert rec.kind == fr.LOST and rec.rank == -1 and not rec.is_echo
+    assert rec.headline() == f"the node hosting the job store was lost: the job store at 127.0.0.1:{closed} stopped answering"
+    echo = fr.FailureRecord(fr.ERROR, 0, "RuntimeError: [gloo] Connection reset by peer", 0, "host-a", t=time.time() - 1)
+    assert fr.root_cause([echo, rec]) == rec  # the worker's earlier echo is not the cause

@@ -451,10 +451,18 @@ class AgentFailures:
         present = [n for n in names if store.check([n])]
         return dict(zip(present, store.multi_get(present))) if present else {}
 
-    def _store_gone(self, how_long: str) -> fr.FailureRecord:
+    def _store_gone(self, how_long: str, addr: str | None = None, port: int | None = None) -> fr.FailureRecord:
         """The record of the node hosting the store (its node rank is not known here: -1)."""
-        return fr.FailureRecord(fr.LOST, -1, f"the job store at {self._addr}:{self._port} stopped answering{how_long}",
-                                -1, self._addr, by="observer", t=time.time())
+        addr, port = addr or self._addr, port or self._port
+        return fr.FailureRecord(fr.LOST, -1, f"the job store at {addr}:{port} stopped answering{how_long}",
+                                -1, addr, by="observer", t=time.time())
+
+    def endpoint_gone(self, addr: str, port: int) -> list[fr.FailureRecord]:
+        """The rendezvous endpoint's store refuses connections: its node is gone. For a rendezvous
+        error, whose store may not be the workers' (an elastic job's group rank 0 hosts theirs)."""
+        from ddprun.agent.endpoint import port_open
+
+        return [] if port_open(addr, port) else [self._store_gone("", addr, port)]
 
     # -- preemption --------------------------------------------------------------------------
     def publish_preempt(self, req: pp.Request) -> None:
