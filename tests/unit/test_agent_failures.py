@@ -104,3 +104,47 @@ def test_a_rendezvous_endpoint_that_refuses_is_named_as_the_lost_store_not_the_w
     assert rec.headline() == f"the node hosting the job store was lost: the job store at 127.0.0.1:{closed} stopped answering"
     echo = fr.FailureRecord(fr.ERROR, 0, "RuntimeError: [gloo] Connection reset by peer", 0, "host-a", t=time.time() - 1)
     assert fr.root_cause([echo, rec]) == rec  # the worker's earlier echo is not the cause
+
+
+def test_a_node_whose_agent_never_beat_in_this_attempt_is_named_lost_with_its_host(agent, store):
+    """kill -9 of an agent right after its workers started, before its first heartbeat: the probe
+    (a failure whose only record is an echo) still names that node, its host read from its ranks' rows."""
+    import json
+
+    a, _ = agent
+    keys = Keys("ddprun/job/r1/")
+    store.set(keys.rank(2), json.dumps({"rank": 2, "node_rank": 1, "host": "host-b"}))
+    t0 = time.monotonic()
+    (lost,) = a.probe_lost(wait_s=0.2)
+    took = time.monotonic() - t0
+    assert lost.headline() == "node 1 (host-b) was lost: its agent stopped answering", lost.headline()
+    # not before a live agent would have beaten (its workers start within torch's 1 s rendezvous poll)
+    from ddprun.agent.failures import FIRST_BEAT_S
+
+    assert FIRST_BEAT_S - 0.5 < took < FIRST_BEAT_S + 2, took
+
+
+def test_a_node_whose_agent_beats_is_not_lost(agent, store):
+    import json
+
+    a, _ = agent
+    keys = Keys("ddprun/job/r1/")
+    beats = [threading.Timer(t, store.set, (keys.agent(1), json.dumps({"host": "host-b", "beat": i})))
+             for i, t in enumerate((0.0, 1.0, 2.0, 3.0))]
+    for b in beats:
+        b.start()
+    assert a.probe_lost(wait_s=1.5) == []
+    for b in beats:
+        b.join()
+
+
+def test_the_ring_watch_names_a_neighbour_that_never_beat(tmp_path, store):
+    out = io.StringIO()
+    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", out, lost_after_s=1.0)
+    a.on_workers_started("r1", 0, 2, {0: (0, 0, ""), 1: (1, 0, "")}, world_size=4,
+                         store=("127.0.0.1", store.port), last_attempt=False)
+    deadline = time.monotonic() + 5
+    while a.lost is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    a.stop()
+    assert a.lost is not None and a.lost.headline().startswith("node 1 (?) was lost: its agent stopped answering for")

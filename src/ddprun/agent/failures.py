@@ -38,6 +38,9 @@ LOST_AFTER_S = 10.0
 ENFORCE_S = 5.0
 """A local worker still running this long after another rank's failure ended the job is killed."""
 RESTART_CAUSE_WAIT_S = 3.0
+FIRST_BEAT_S = 2 * BEAT_S + 1.0
+"""Seconds after this node's workers started by which every live agent of the attempt has beaten:
+its workers start within torch's rendezvous poll (1 s) of these, its first beat within 2 beats."""
 """Before a restart, how long the agent waits for a first-hand record when it knows only echoes."""
 
 
@@ -79,6 +82,8 @@ class AgentFailures:
         self._on_beat = on_beat
         self._addr, self._port, self._run_id = addr, port, run_id
         self._lost_after = lost_after_s
+        self._started_at = time.monotonic()
+        """When this node's current worker group started."""
         self._connect_fn = connect
         self._lock = threading.Lock()
         self._cache: dict[str, fr.FailureRecord] = {}
@@ -112,6 +117,7 @@ class AgentFailures:
                 self._addr, self._port = store
                 self._store = None
             self._keys = Keys(f"ddprun/{self._run_id}/{attempt}/")
+            self._started_at = time.monotonic()
             self._node, self._nnodes, self._workers = node_rank, nnodes, dict(workers)
             self._world = world_size or len(workers)
             self._last_attempt, self._cause_seen = last_attempt, None
@@ -355,13 +361,10 @@ class AgentFailures:
         now = time.monotonic()
         if value != seen_at[0]:
             return value, now
-        if value is not None and b'"done"' not in value and now - seen_at[1] >= self._lost_after and self.lost is None:
-            try:
-                host = str(json.loads(value).get("host", "?"))
-            except (ValueError, AttributeError):
-                host = "?"
+        # also a neighbour that never beat in this attempt (killed right after its workers started)
+        if (value is None or b'"done"' not in value) and now - seen_at[1] >= self._lost_after and self.lost is None:
             self.lost = fr.FailureRecord(fr.LOST, -1, f"its agent stopped answering for {now - seen_at[1]:.0f} s",
-                                         other, host, by="observer", t=time.time())
+                                         other, self._host_of(other, value), by="observer", t=time.time())
             self._publish(self.lost)
         return seen_at
 
@@ -431,20 +434,38 @@ class AgentFailures:
             return [self._store_gone("")]
         try:
             before = self._beats(names)
-            time.sleep(wait_s)
+            # an agent that never beat in this attempt is gone only once a live one would have beaten
+            time.sleep(max(wait_s, FIRST_BEAT_S - (time.monotonic() - self._started_at)))
             after = self._beats(names)
+            out = []
+            for name in names:
+                raw = after.get(name)
+                if raw == before.get(name) and (raw is None or b'"done"' not in raw):
+                    node = int(name.rsplit("/", 1)[1])
+                    out.append(fr.FailureRecord(fr.LOST, -1, "its agent stopped answering", node,
+                                                self._host_of(node, raw), by="observer", t=time.time()))
+            return out
         except Exception:  # noqa: BLE001 - the store's host is gone
             self._store = None
             return [self._store_gone("")]
-        out = []
-        for name in names:
-            raw = after.get(name)
-            if raw is not None and raw == before.get(name) and b'"done"' not in raw:
-                node = int(name.rsplit("/", 1)[1])
-                host = json.loads(raw).get("host", "?")
-                out.append(fr.FailureRecord(fr.LOST, -1, "its agent stopped answering", node, host,
-                                            by="observer", t=time.time()))
-        return out
+
+    def _host_of(self, node: int, beat: bytes | None) -> str:
+        """Node ``node``'s host: from its heartbeat, else from its ranks' rows (c10d gives a node of
+        this node's size the ranks node*size...; another layout gives '?')."""
+        try:
+            if beat is not None:
+                return str(json.loads(beat).get("host", "?"))
+            keys, size = self._keys, max(1, len(self._workers))
+            names = [keys.rank(r) for r in range(node * size, (node + 1) * size)] if keys is not None else []
+            store = self._client()
+            present = [n for n in names if store.check([n])]
+            for raw in store.multi_get(present) if present else []:
+                row = json.loads(raw)
+                if row.get("node_rank") == node:
+                    return str(row.get("host", "?"))
+        except Exception:  # noqa: BLE001 - a name is a nicety; the record says which node either way
+            pass
+        return "?"
 
     def _beats(self, names: list[str]) -> dict[str, bytes]:
         store = self._client()

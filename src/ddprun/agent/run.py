@@ -14,7 +14,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
@@ -528,15 +528,18 @@ def _forced(agent: _AgentRun, err: TextIO, cause: fr.FailureRecord | None = None
     return Outcome(128 + pre.stop_signal(), agent.run_.rundir.path, 0.0)
 
 
-def _from_records(agent: _AgentRun, err: TextIO, fallback: str, seen: Sequence[fr.FailureRecord] = ()) -> Outcome:
+def _from_records(agent: _AgentRun, err: TextIO, fallback: str,
+                  last_resort: Callable[[], list[fr.FailureRecord]] | None = None) -> Outcome:
     """The node's agent ended without torch naming a worker (the store host went first, a lost node):
-    say the root cause this node knows of (``seen``: what the caller found out), else ``fallback``."""
+    say the root cause this node knows of, else what ``last_resort`` finds, else ``fallback``."""
     run, f = agent.run_, agent.failures
     f.linger()
     local = {rank: rec for rank in agent.logs_specs.local_workers if (rec := f.local_record(rank)) is not None}
-    # a first-hand cause the caller found needs no probe of which nodes are gone
-    known = [*seen, *f.records()] if seen or not agent.logs_specs.local_workers else _known(agent, local)
+    known = _known(agent, local) if agent.logs_specs.local_workers else f.records()
     cause = fr.root_cause([*known, *local.values()])
+    if cause is None and last_resort is not None:
+        known = [*last_resort(), *known]
+        cause = fr.root_cause([*known, *local.values()])
     if agent.preemption.forced_by_peer(cause):
         return _forced(agent, err, cause)
     if cause is not None:  # this node's workers without a record were stopped by torch's agent on its way out
@@ -570,10 +573,11 @@ def ending(e: BaseException, agent: _AgentRun, err: TextIO) -> Outcome:
     if isinstance(e, RendezvousError) and agent.watcher is not None and agent.watcher.refused:
         return Outcome(1, run.rundir.path, 0.0)  # left out and said so; the job it served has closed
     if isinstance(e, RendezvousError):  # torch's agent polls the endpoint's store while its workers run
+        endpoint = (run.dial or run.addr, run.port)
         return _from_records(agent, err, (
             f"ddprun: rendezvous at {run.endpoint} failed: {name}: {e}\nHINT: check that every node runs ddprun "
             f"with the same --rdzv-endpoint and --rdzv-id, that {run.addr} is reachable from every "
-            f"node, and see {run.rundir.agent_log(run.host)}"), agent.failures.endpoint_gone(run.dial or run.addr, run.port))
+            f"node, and see {run.rundir.agent_log(run.host)}"), lambda: agent.failures.endpoint_gone(*endpoint))
     if isinstance(e, KeyboardInterrupt):
         print("ddprun: interrupted; workers stopped.", file=err, flush=True)
         return Outcome(130, run.rundir.path, 0.0)
