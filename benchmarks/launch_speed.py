@@ -1,7 +1,7 @@
 """Start-up and short-job wall time of one plain DDP script under ddprun and under torchrun, side by
 side: 2 nodes x 1 process and 1 node x 2 processes, the launchers alternating, medians over --reps.
 
-    python benchmarks/launch_speed.py [--reps 7] [--steps 200] [--shapes 2x1,1x2]
+    python benchmarks/launch_speed.py [--reps 7] [--steps 200] [--shapes 2x1,1x2] [--ddprun-args '--warm-start on']
 
 The job is a hand-written DDP loop on an MLP 64-256-256-10, batch 64 per rank, gloo, --steps steps;
 both launchers get the same flags (c10d rendezvous on 127.0.0.1, one command per node). Times are
@@ -54,12 +54,16 @@ def worker(steps: int, out: str) -> None:
         f.write(f"first_line={T_FIRST_LINE:.4f} first_step={first_step:.4f} last_step={time.time():.4f}\n")
 
 
+DDPRUN_ARGS: list[str] = []
+"""``--ddprun-args``: more flags for ``ddprun run`` (e.g. ``--warm-start on``)."""
+
+
 def commands(launcher: str, shape: str, run: str, steps: int, out: str) -> list[list[str]]:
     from tests.helpers import DDPRUN, TORCHRUN, free_port
 
     nnodes, nproc = (int(v) for v in shape.split("x"))
     # ddprun shows only rank 0 on the console by default; --tee 3 shows every rank, as torchrun does
-    base = [DDPRUN, "run", "--tee", "3"] if launcher == "ddprun" else [TORCHRUN]
+    base = [DDPRUN, "run", "--tee", "3", *DDPRUN_ARGS] if launcher == "ddprun" else [TORCHRUN]
     flags = ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
              "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", run]
     return [base + flags + [os.path.abspath(__file__), "--worker", "--steps", str(steps), "--out", out] for _ in range(nnodes)]
@@ -108,6 +112,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--shapes", default="2x1,1x2", help="comma-separated NNODESxNPROC")
+    p.add_argument("--ddprun-args", default="", help="more flags for ddprun run, e.g. '--warm-start on'")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -115,6 +120,7 @@ def main() -> int:
         worker(args.steps, args.out)
         return 0
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    DDPRUN_ARGS.extend(args.ddprun_args.split())
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes.split(","):
             bench(shape, args.reps, args.steps, tmp)

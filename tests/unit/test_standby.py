@@ -6,10 +6,10 @@ from ddprun.agent.run import warm_start
 from ddprun.agent.standby import env_mismatch
 
 
-def test_auto_warm_start_wants_a_core_per_standby():
-    assert warm_start("auto", 8, 96) and warm_start("auto", 1, 2) and warm_start("auto", 2, 2)
-    assert not warm_start("auto", 4, 2) and not warm_start("auto", 8, 7)
-    assert warm_start("on", 4, 2) and not warm_start("off", 1, 96)
+def test_auto_warm_start_wants_a_core_for_the_agent_beside_one_per_standby():
+    assert warm_start("auto", 8, 96) and warm_start("auto", 1, 2)
+    assert not warm_start("auto", 2, 2) and not warm_start("auto", 8, 8)
+    assert warm_start("on", 2, 2) and not warm_start("off", 1, 96)
 
 
 def test_what_the_launch_sets_per_worker_may_differ():

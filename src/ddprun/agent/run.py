@@ -295,10 +295,12 @@ def node_relay(console: TextIO) -> Any:
 
 
 def warm_start(mode: str, nproc: int, cpus: int) -> bool:
-    """Whether to start standbys: ``--warm-start on``, or ``auto`` on a node with a core per standby
-    (they start before the agent imports torch, so their imports overlap the agent's; with fewer
-    cores than processes they only take turns with each other)."""
-    return mode == "on" or (mode == "auto" and cpus >= nproc)
+    """Whether to start standbys: ``--warm-start on``, or ``auto`` on a node with a core for the agent
+    beside one per standby (with fewer, what they import while waiting, dynamo and ``ddprun.train``,
+    is CPU taken from the agent's start and from whatever else shares the cores: on a 2-core machine
+    running two simulated nodes of 2 it slowed the test suite by a sixth and let an elastic node miss
+    its peer's last call)."""
+    return mode == "on" or (mode == "auto" and cpus > nproc)
 
 
 def early_standbys(cfg: LaunchConfig, environ: Mapping[str, str]) -> Any:
