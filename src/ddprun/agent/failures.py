@@ -38,10 +38,10 @@ LOST_AFTER_S = 10.0
 ENFORCE_S = 5.0
 """A local worker still running this long after another rank's failure ended the job is killed."""
 RESTART_CAUSE_WAIT_S = 3.0
+"""Before a restart, how long the agent waits for a first-hand record when it knows only echoes."""
 FIRST_BEAT_S = 2 * BEAT_S + 1.0
 """Seconds after this node's workers started by which every live agent of the attempt has beaten:
 its workers start within torch's rendezvous poll (1 s) of these, its first beat within 2 beats."""
-"""Before a restart, how long the agent waits for a first-hand record when it knows only echoes."""
 
 
 def oom_kills(proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> int | None:
