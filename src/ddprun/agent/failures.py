@@ -457,9 +457,7 @@ class AgentFailures:
                 return str(json.loads(beat).get("host", "?"))
             keys, size = self._keys, max(1, len(self._workers))
             names = [keys.rank(r) for r in range(node * size, (node + 1) * size)] if keys is not None else []
-            store = self._client()
-            present = [n for n in names if store.check([n])]
-            for raw in store.multi_get(present) if present else []:
+            for raw in self._beats(names).values():  # the same batched read of the keys present
                 row = json.loads(raw)
                 if row.get("node_rank") == node:
                     return str(row.get("host", "?"))
@@ -468,6 +466,7 @@ class AgentFailures:
         return "?"
 
     def _beats(self, names: list[str]) -> dict[str, bytes]:
+        """The values of those of ``names`` that are in the store (one check each, one batched read)."""
         store = self._client()
         present = [n for n in names if store.check([n])]
         return dict(zip(present, store.multi_get(present))) if present else {}
