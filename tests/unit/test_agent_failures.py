@@ -148,3 +148,26 @@ def test_the_ring_watch_names_a_neighbour_that_never_beat(tmp_path, store):
         time.sleep(0.1)
     a.stop()
     assert a.lost is not None and a.lost.headline().startswith("node 1 (?) was lost: its agent stopped answering for")
+
+
+def test_a_node_that_joins_an_elastic_job_is_not_lost_before_its_first_beat(tmp_path, store):
+    """--nnodes 1:2: node 0 ran alone for longer than lost_after, then node 1 joined. The watch of
+    node 1's heartbeat counts from the new attempt's start, not from when node 0's thread began
+    (which named node 1 lost at node 0's first look, before node 1 could beat, and ended the job)."""
+    import json
+
+    out = io.StringIO()
+    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", out, lost_after_s=1.5)
+    a.on_workers_started("r1", 0, 1, {0: (0, 0, "")}, world_size=1, store=("127.0.0.1", store.port))
+    time.sleep(2.0)  # alone: no neighbour to watch
+    a.on_workers_started("r2", 0, 2, {0: (0, 0, "")}, world_size=2, store=("127.0.0.1", store.port))
+    keys = Keys("ddprun/job/r2/")
+    beats = [threading.Timer(t, store.set, (keys.agent(1), json.dumps({"host": "host-b", "beat": i})))
+             for i, t in enumerate((1.1, 1.6, 2.1))]  # node 1's first beat after node 0's first look
+    for b in beats:
+        b.start()
+    for b in beats:
+        b.join()
+    time.sleep(0.4)
+    a.stop()
+    assert a.lost is None, a.lost.headline()

@@ -253,7 +253,7 @@ class AgentFailures:
         return self._store
 
     def _loop(self) -> None:
-        beat, seen_at, last_ok = 0, (None, time.monotonic()), time.monotonic()
+        beat, seen_at, last_ok = 0, (None, None, time.monotonic()), time.monotonic()
         while not self._stop.wait(BEAT_S / 2):
             try:
                 beat += 1
@@ -266,7 +266,7 @@ class AgentFailures:
             if self._stop.is_set():
                 return
 
-    def _tick(self, beat: int, seen_at: tuple[Any, float]) -> tuple[Any, float]:
+    def _tick(self, beat: int, seen_at: tuple[Any, Any, float]) -> tuple[Any, Any, float]:
         """Every half second: the alarm, and what it announces when it moved; every second (even
         ``beat``): the heartbeat with the node's progress, its timings, the neighbour's heartbeat."""
         store, keys = self._client(), self._keys
@@ -352,18 +352,23 @@ class AgentFailures:
         print(f"ddprun: hang report: {text}\n  (by rank {by}: every rank's stacks in stacks/ of the run directory "
               f"on each node; the full report in stacks/hang-report.txt on {host})", file=self.out, flush=True)
 
-    def _watch_neighbour(self, store: Any, keys: Keys, seen_at: tuple[Any, float]) -> tuple[Any, float]:
+    def _watch_neighbour(self, store: Any, keys: Keys, seen_at: tuple[Any, Any, float]) -> tuple[Any, Any, float]:
+        """``seen_at``: (the neighbour's heartbeat key, its value, when it last changed). A new key (a new
+        attempt, another neighbour) counts from this attempt's start, not from an earlier value: a node
+        that joined an elastic job has not beaten yet when the others' workers start."""
         if self._nnodes < 2:
             return seen_at
         other = (self._node + 1) % self._nnodes
         key = keys.agent(other)
+        if seen_at[0] != key:
+            seen_at = (key, None, self._started_at)
         value = store.get(key) if store.check([key]) else None
         now = time.monotonic()
-        if value != seen_at[0]:
-            return value, now
+        if value != seen_at[1]:
+            return key, value, now
         # also a neighbour that never beat in this attempt (killed right after its workers started)
-        if (value is None or b'"done"' not in value) and now - seen_at[1] >= self._lost_after and self.lost is None:
-            self.lost = fr.FailureRecord(fr.LOST, -1, f"its agent stopped answering for {now - seen_at[1]:.0f} s",
+        if (value is None or b'"done"' not in value) and now - seen_at[2] >= self._lost_after and self.lost is None:
+            self.lost = fr.FailureRecord(fr.LOST, -1, f"its agent stopped answering for {now - seen_at[2]:.0f} s",
                                          other, self._host_of(other, value), by="observer", t=time.time())
             self._publish(self.lost)
         return seen_at
