@@ -68,3 +68,12 @@ def test_plan_explain_names_sources(capsys):
     out = capsys.readouterr().out
     assert "environment: local" in out
     assert "nproc_per_node: 1  <- default on a node without GPUs" in out
+
+
+def test_the_defaults_are_the_ones_the_readme_tables():
+    """README, "Flags and defaults compared with torchrun": the values a user gets without a flag."""
+    c = cfg("t.py")
+    assert (c.join_timeout, c.stall_timeout, c.stall_end, c.exit_timeout, c.stop_grace) == (120, 300, None, 60, 30)
+    assert (c.preempt_signals, c.preempt_grace, c.spot_notice, c.requeue) == ("TERM,INT,USR1,USR2,HUP", None, "off", False)
+    assert (c.telemetry_window, c.monitor_interval, c.max_restarts, c.start_method) == (2, 0.1, 0, "spawn")
+    assert (c.warm_start, c.allow_uneven_nodes, c.rdzv_conf, c.log_dir, c.run_dir) == ("auto", False, {}, None, None)

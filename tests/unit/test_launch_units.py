@@ -1,9 +1,11 @@
 """Pure helpers of the launcher: OMP threads, --tee parsing, resolution of local launches."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from ddprun._util import cpu_count
-from ddprun.agent.run import in_run_dir, omp_threads, parse_local_ranks, prepare, worker_extras
+from ddprun.agent.run import _AgentRun, in_run_dir, omp_threads, parse_local_ranks, prepare, worker_extras
 from ddprun.cluster.base import NodeFacts
 from ddprun.cluster.detect import resolve
 from ddprun.config import LaunchConfig
@@ -65,6 +67,19 @@ def test_endpoint_and_nnodes_range():
     spec = resolve(LaunchConfig(nnodes="2:4", rdzv_endpoint="[fe80::1]:29401", rdzv_id="j"), {}, CPU_NODE)
     assert (spec.min_nodes, spec.max_nodes, spec.master_addr, spec.master_port) == (2, 4, "fe80::1", 29401)
     assert spec.rdzv_endpoint == "[fe80::1]:29401" and spec.run_id == "j"
+
+
+def test_what_the_defaults_become_on_a_multi_node_launch(tmp_path, monkeypatch):
+    """README's flags table: the port is torchrun's 29500, the run goes to runs/<run id>, the stall
+    ends the job after as long again, and torch's rendezvous waits --join-timeout for the nodes."""
+    monkeypatch.chdir(tmp_path)
+    spec = resolve(LaunchConfig(nnodes="2", master_addr="h"), {}, CPU_NODE)
+    assert (spec.master_addr, spec.master_port, spec.rdzv_backend) == ("h", 29500, "c10d")
+    run = in_run_dir(prepare(LaunchConfig(stall_timeout=40.0, join_timeout=90.0), spec, {}, "h", {}), "r1")
+    assert run.rundir.path == str(tmp_path / "runs" / "r1") and run.wenv.stall_end == 40.0
+    torch_cfg = _AgentRun.torch_config(SimpleNamespace(run_=run, logs_specs=None))
+    assert (torch_cfg.rdzv_configs["join_timeout"], torch_cfg.rdzv_configs["timeout"]) == (90, 90)
+    assert (torch_cfg.max_restarts, torch_cfg.monitor_interval, torch_cfg.start_method) == (0, 0.1, "spawn")
 
 
 @pytest.mark.parametrize("nnodes", ["0", "3:2", "x", "1:2:3"])
