@@ -56,6 +56,30 @@ def test_a_worker_killed_by_sigkill_is_named_on_every_node(nodes, tmp_path, wher
 
 
 @pytest.mark.timeout(90)
+def test_a_worker_killed_on_a_node_of_two_leaves_its_sibling_stopped_not_failed_or_preempted(nodes, tmp_path):
+    """torch stops the killed worker's sibling itself, with SIGTERM, one of the preemption signals:
+    the sibling must take it as its agent's stop (no preemption request for the job) and be named as
+    stopped because of the kill, not as a rank killed by SIGTERM."""
+    job = nodes(2, 2, SLOW)
+    pids = job.worker_pids(range(4))
+    node = job.agent_of(pids[3])
+    sibling = next(r for r in range(3) if job.agent_of(pids[r]) == node)
+    os.kill(pids[3], signal.SIGKILL)
+    ended = job.finish(timeout=40)
+    assert all(e.returncode == 1 for e in ended), describe(ended)
+    for e in ended:
+        assert re.fullmatch(r"rank 3 \(node \d, \S+\) was killed by SIGKILL", cause_line(e.output)), describe(ended)
+        assert "SIGTERM" not in e.output and "preempt" not in e.output, describe(ended)
+    others = ", ".join(str(r) for r in range(3) if r != sibling)
+    assert re.search(rf"rank\(s\) {sibling} on \S+ were stopped because of it", ended[node].output), describe(ended)
+    assert re.search(rf"rank\(s\) {others} on \S+ were stopped because of it", ended[1 - node].output), describe(ended)
+    for rank in range(3):
+        log = (tmp_path / "runs" / "fault" / "logs" / f"rank-{rank}.log").read_text()
+        assert "asking every rank to stop" not in log, f"rank {rank} took its stop for a preemption:\n{log}"
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("where", ["store-host", "other"])
 def test_an_agent_killed_by_sigkill_takes_its_workers_and_is_named_by_the_others(nodes, tmp_path, where):
     job = nodes(2, 1, SLOW)

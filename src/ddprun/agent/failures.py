@@ -521,7 +521,13 @@ class AgentFailures:
         return None
 
     def mark_stopping(self) -> None:
-        """Torch's agent is about to signal this node's workers: they stop at once, not for a preemption."""
+        """Torch's agent is about to signal this node's workers (a local worker failed, a restart, the
+        end): they stop at once, not for a preemption; after a local failure, a worker that ends by that
+        signal without a record of its own was stopped because of the failure, not killed by SIGTERM."""
+        with self._lock:
+            failed_here = bool(self._local)
+        if self.stopping_for is None and failed_here:
+            self.stopping_for = self.root_cause()
         self._mark(lambda keys: keys.stopping(self._node))
 
     def mark_said(self) -> None:

@@ -93,8 +93,26 @@ class DdprunAgent(LocalElasticAgent):
         else:
             pids = self._start_from(pool, worker_group)
         self._catch_preemption()  # after torch's own handlers, which its process context installs at start
+        self._say_before_close(worker_group)
         self._hooks.on_workers_started(worker_group, pids, self._remaining_restarts)
         return pids
+
+    def _say_before_close(self, worker_group: WorkerGroup) -> None:
+        """torch's process context stops the other workers itself (SIGTERM) when it finds one failed, in
+        its poll, not through :meth:`_shutdown`: every worker that ended is reported and ``on_stopping``
+        called first, so the stopped ones read the signal as their agent's stop (not a preemption) and
+        are recorded as stopped because of the failure."""
+        pcontext: Any = self._pcontext
+        if pcontext is None:
+            return
+        close = pcontext.close
+
+        def close_after_saying(*args: Any, **kwargs: Any) -> Any:
+            self._report_exits(worker_group)
+            self._hooks.on_stopping()
+            return close(*args, **kwargs)
+
+        pcontext.close = close_after_saying
 
     def _start_from(self, pool: Any, worker_group: WorkerGroup) -> dict[int, Any]:
         """torch's start with the standby processes in place of new ones (agent/standby.py), once."""
