@@ -180,14 +180,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+RDZV_CONF_INTS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "read_timeout",
+                  "timeout", "keep_alive_interval", "keep_alive_max_attempt")
+"""torch's rendezvous options read as whole numbers (seconds, or a count): ``int(value)`` or ValueError."""
+RDZV_CONF_BOOLS = ("is_host",)
+BOOL_WORDS = ("1", "true", "t", "yes", "y", "0", "false", "f", "no", "n")
+"""What torch's ``RendezvousParameters.get_as_bool`` accepts (any case)."""
+
+
 def parse_rdzv_conf(raw: str) -> dict[str, str]:
+    """``KEY=VALUE,...``; the options torch reads as numbers or booleans are checked here, where a
+    bad value is the user's flag, not a ValueError from inside torch's rendezvous after admission."""
     out: dict[str, str] = {}
     for item in filter(None, (s.strip() for s in raw.split(","))):
         key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
         if not sep or not key:
             raise ConfigError("--rdzv-conf items must be KEY=VALUE.", seen=f"--rdzv-conf {raw!r}",
                               hint="e.g. --rdzv-conf join_timeout=300,read_timeout=60")
-        out[key.strip()] = value.strip()
+        if key in RDZV_CONF_INTS and not (value.isdigit() and int(value) > 0):
+            raise ConfigError(f"--rdzv-conf {key} takes a whole number > 0 (torch reads it as whole seconds, or a count).",
+                              seen=f"--rdzv-conf {raw!r}", hint=f"e.g. --rdzv-conf {key}=300")
+        if key in RDZV_CONF_BOOLS and value.lower() not in BOOL_WORDS:
+            raise ConfigError(f"--rdzv-conf {key} takes a boolean.", seen=f"--rdzv-conf {raw!r}",
+                              hint=f"e.g. --rdzv-conf {key}=true ({', '.join(BOOL_WORDS)})")
+        out[key] = value
     return out
 
 
@@ -234,6 +251,9 @@ def check_numbers(args: argparse.Namespace) -> None:
     from ddprun.agent.run import parse_local_ranks
 
     _seconds("--join-timeout", args.join_timeout, zero_ok=False, example="120")
+    if args.join_timeout < 1:  # torch's rendezvous takes whole seconds: int(0.5) would be 0, refused inside it
+        raise ConfigError("--join-timeout takes at least 1 second.", seen=f"--join-timeout {args.join_timeout}",
+                          hint="e.g. --join-timeout 120 (how long the nodes wait for each other)")
     for flag, zero_ok, example in (("--stall-timeout", True, "300"), ("--stall-end-after", True, "300"),
                                    ("--exit-timeout", False, "60"), ("--monitor-interval", False, "0.1"),
                                    ("--telemetry-window", False, "2"), ("--stop-grace", True, "30"),
@@ -300,7 +320,7 @@ def cmd_plan(cfg: LaunchConfig, args: argparse.Namespace, environ: Mapping[str, 
 
 
 def cmd_run(cfg: LaunchConfig, environ: Mapping[str, str]) -> int:
-    from ddprun.agent.run import early_standbys
+    from ddprun.agent.run import check_run_root, early_standbys
     from ddprun.cluster.torchrun import TorchrunEnvironment
     from ddprun.errors import ClusterError
 
@@ -316,6 +336,7 @@ def cmd_run(cfg: LaunchConfig, environ: Mapping[str, str]) -> int:
         from ddprun.cluster.slurm import requeue_command
 
         requeue_command(environ)  # no SLURM job or no scontrol: said now, not after the preemption
+    check_run_root(cfg)
     standby = early_standbys(cfg, environ)  # first: their imports overlap this agent's
     try:
         return _launch(cfg, environ, standby)

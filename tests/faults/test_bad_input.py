@@ -30,7 +30,11 @@ def ddprun(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Complet
     (["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "0"], ["Port 0", "2 nodes"]),
     (["--nnodes", "2", "--master-addr", "nosuch.invalid", "--master-port", "29400"], ["'nosuch.invalid'",
                                                                                      "does not resolve"]),
-], ids=["tee", "redirects", "join-inf", "stall-nan", "restarts", "port-range", "port-0-multinode", "no-such-host"])
+    (["--join-timeout", "0.5"], ["--join-timeout", "0.5", "at least 1 second"]),
+    (["--rdzv-conf", "join_timeout=5m"], ["join_timeout", "'join_timeout=5m'", "whole number"]),
+    (["--log-dir", "/dev/null/runs"], ["--log-dir", "/dev/null/runs", "/dev/null is not a directory"]),
+], ids=["tee", "redirects", "join-inf", "stall-nan", "restarts", "port-range", "port-0-multinode", "no-such-host",
+        "join-subsecond", "rdzv-conf-int", "log-dir-unmakeable"])
 def test_a_bad_flag_is_one_message_with_its_value_and_a_hint(tmp_path, flags, names):
     r = ddprun("run", *flags, SCRIPT, "--pids", str(tmp_path), cwd=tmp_path)
     assert r.returncode == 2, r.stdout + r.stderr

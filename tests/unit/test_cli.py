@@ -77,3 +77,21 @@ def test_the_defaults_are_the_ones_the_readme_tables():
     assert (c.preempt_signals, c.preempt_grace, c.spot_notice, c.requeue) == ("TERM,INT,USR1,USR2,HUP", None, "off", False)
     assert (c.telemetry_window, c.monitor_interval, c.max_restarts, c.start_method) == (2, 0.1, 0, "spawn")
     assert (c.warm_start, c.allow_uneven_nodes, c.rdzv_conf, c.log_dir, c.run_dir) == ("auto", False, {}, None, None)
+
+
+@pytest.mark.parametrize("raw, what", [("read_timeout=1.5", "whole number"), ("last_call_timeout=0", "whole number"),
+                                       ("keep_alive_max_attempt=x", "whole number"), ("is_host=maybe", "boolean")])
+def test_rdzv_conf_values_torch_reads_as_numbers_or_booleans_are_checked(raw, what):
+    with pytest.raises(ConfigError, match=what) as e:
+        parse_rdzv_conf(raw)
+    assert repr(raw) in str(e.value) and "HINT" in str(e.value)
+    assert parse_rdzv_conf("is_host=True,timeout=30,store_type=tcp") == {"is_host": "True", "timeout": "30",
+                                                                          "store_type": "tcp"}
+
+
+def test_a_join_timeout_under_a_second_is_refused_and_fractions_round_up_for_torch():
+    from ddprun.cli import check_numbers
+
+    with pytest.raises(ConfigError, match="at least 1 second"):
+        check_numbers(build_parser().parse_args(["run", "--join-timeout", "0.5", "t.py"]))
+    check_numbers(build_parser().parse_args(["run", "--join-timeout", "1.5", "t.py"]))

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from ddprun._util import cpu_count
-from ddprun.agent.run import _AgentRun, in_run_dir, omp_threads, parse_local_ranks, prepare, worker_extras
+from ddprun.agent.run import _AgentRun, check_run_root, in_run_dir, omp_threads, parse_local_ranks, prepare, worker_extras
 from ddprun.cluster.base import NodeFacts
 from ddprun.cluster.detect import resolve
 from ddprun.config import LaunchConfig
@@ -105,3 +105,15 @@ def test_static_without_node_rank_and_out_of_range_rank_are_errors():
 def test_nproc_gpu_on_a_cpu_node_is_an_error():
     with pytest.raises(ConfigError, match="no CUDA device"):
         resolve(LaunchConfig(nproc_per_node="gpu"), {}, CPU_NODE)
+
+
+def test_the_run_root_is_checked_without_creating_anything(tmp_path):
+    check_run_root(LaunchConfig(log_dir=str(tmp_path / "a" / "b")))
+    check_run_root(LaunchConfig(run_dir=str(tmp_path / "c" / "run-1")))
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "file").write_text("")
+    for cfg, flag in ((LaunchConfig(log_dir=str(tmp_path / "file" / "runs")), "--log-dir"),
+                      (LaunchConfig(run_dir=str(tmp_path / "file" / "r" / "run-1")), "--run-dir")):
+        with pytest.raises(ConfigError, match=f"{tmp_path / 'file'} is not a directory") as e:
+            check_run_root(cfg)
+        assert f"Seen: {flag} {tmp_path / 'file'}" in str(e.value) and "HINT" in str(e.value)

@@ -10,6 +10,7 @@ per way it can end (:func:`ending`).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -53,6 +54,26 @@ def run_dir_for(cfg: LaunchConfig, run_id: str) -> str:
     if cfg.run_dir:
         return os.path.abspath(cfg.run_dir)
     return os.path.abspath(os.path.join(cfg.log_dir or defaults.RUNS_ROOT, run_id))
+
+
+def check_run_root(cfg: LaunchConfig) -> None:
+    """The run directory can be made: the nearest existing directory on its way is a directory this
+    user may write (nothing is created here). A bad ``--log-dir``/``--run-dir`` is the user's flag,
+    said before this node joins the job."""
+    flag, given = ("--run-dir", cfg.run_dir) if cfg.run_dir else ("--log-dir", cfg.log_dir or defaults.RUNS_ROOT)
+    root = os.path.dirname(os.path.abspath(given)) if cfg.run_dir else os.path.abspath(given)
+    there = root
+    while not os.path.lexists(there):  # where os.makedirs would start
+        there = os.path.dirname(there)
+    why = ""
+    if not os.path.isdir(there):
+        why = f"{there} is not a directory"
+    elif not os.access(there, os.W_OK | os.X_OK):
+        why = f"{there} is not writable by this user"
+    if why:
+        raise ConfigError(f"The run directory cannot be made under {root}.", seen=f"{flag} {given}: {why}",
+                          hint=f"Give {flag} a writable directory on this node (the run's logs, failure records "
+                               f"and checkpoints go there), e.g. {flag} $HOME/runs.")
 
 
 def omp_threads(environ: Mapping[str, str], nproc_per_node: int, cpus: int) -> str | None:
@@ -266,7 +287,11 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
         relay = node_relay(console)
         if relay is not None:
             run = replace(run, wenv=replace(run.wenv, node_store=relay.address))
-        os.makedirs(run.rundir.logs, exist_ok=True)
+        try:
+            os.makedirs(run.rundir.logs, exist_ok=True)
+        except OSError as e:  # writable a moment ago (check_run_root): the disk filled, a quota
+            raise LaunchError("Could not create the run directory.", seen=f"{run.rundir.logs}: {e.strerror or e}",
+                              hint="Free space or give --log-dir a writable directory with room.") from None
         with AgentLog(run.rundir.agent_log(hostname)) as log:
             outcome = supervise(run, tee, console, log.console, relay)
     finally:
@@ -436,8 +461,8 @@ class _AgentRun:
 
         run, spec, cfg = self.run_, self.run_.spec, self.run_.cfg
         rdzv: dict[str, Any] = dict(cfg.rdzv_conf)
-        rdzv.setdefault("timeout", int(cfg.join_timeout))
-        rdzv.setdefault("join_timeout", int(cfg.join_timeout))
+        rdzv.setdefault("timeout", math.ceil(cfg.join_timeout))
+        rdzv.setdefault("join_timeout", math.ceil(cfg.join_timeout))
         if spec.rdzv_backend == "static":
             rdzv["rank"] = spec.node_rank
         return TorchLaunchConfig(
