@@ -148,11 +148,15 @@ def _flush_open_files() -> None:
                 pass
 
 
-def _hung_handlers(code: int, limit_s: float) -> None:
-    """The atexit handlers ran past ``limit_s``: say where the main thread is, then leave."""
+def _hung_handlers(code: int, limit_s: float, stage: list[str]) -> None:
+    """The exit's ``stage[0]`` (the atexit handlers, then the flush of open files) ran past ``limit_s``:
+    say where the main thread is, then leave."""
+    last = threading.Timer(5.0, os._exit, args=(code or 1,))  # stderr may be the stream that blocks
+    last.daemon = True
+    last.start()
     frame = sys._current_frames().get(threading.main_thread().ident or 0)
     where = "".join(traceback.format_stack(frame)[-3:]) if frame is not None else "?\n"
-    print(f"ddprun: an atexit handler did not return within {limit_s:.0f} s; exiting anyway. It is at:\n{where}",
+    print(f"ddprun: {stage[0]} did not return within {limit_s:.0f} s; exiting anyway. It is at:\n{where}",
           file=sys.stderr, flush=True)
     os._exit(code or 1)
 
@@ -161,7 +165,8 @@ def hard_exit(code: int, handlers_s: float = defaults.EXIT_TIMEOUT_S) -> None:
     """Run atexit handlers (at most ``handlers_s``), flush every open file, then ``os._exit(code)``."""
     if wenv.soft_exit(os.environ):
         sys.exit(code)
-    guard = threading.Timer(handlers_s, _hung_handlers, args=(code, handlers_s))
+    stage = ["an atexit handler"]
+    guard = threading.Timer(handlers_s, _hung_handlers, args=(code, handlers_s, stage))
     guard.daemon = True
     guard.start()
     try:
@@ -169,11 +174,14 @@ def hard_exit(code: int, handlers_s: float = defaults.EXIT_TIMEOUT_S) -> None:
     except Exception:  # noqa: BLE001
         traceback.print_exc()
         code = code or 1
-    guard.cancel()
+    guard.args = (code, handlers_s, stage)
+    # the guard stays on: a flush blocks on a pipe nobody reads (a child's stdin) or a hung file system
+    stage[0] = "the flush of an open file (a pipe nobody reads? a hung file system?)"
     _flush_open_files()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:  # noqa: BLE001
             pass
+    guard.cancel()
     os._exit(code)

@@ -1,0 +1,39 @@
+"""A worker's exit (worker/exit.py hard_exit) is bounded as a whole: the atexit handlers, and the
+flush of open files after them, which blocks on a pipe nobody reads."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+FULL_PIPE = """
+import os, sys
+from ddprun.worker.exit import hard_exit
+r, w = os.pipe()
+os.set_blocking(w, False)
+try:
+    while True:
+        os.write(w, b"x" * 4096)  # fill the pipe: nobody reads r
+except BlockingIOError:
+    pass
+os.set_blocking(w, True)
+stuck = os.fdopen(w, "wb")
+stuck.write(b"unflushed")  # in the buffer: hard_exit's flush of open files blocks on it
+print("exiting", flush=True)
+hard_exit(0, handlers_s=float(sys.argv[1]))
+"""
+
+
+def test_a_flush_that_blocks_at_exit_is_bounded_and_named(tmp_path):
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", FULL_PIPE, "1"], capture_output=True, text=True, timeout=30,
+                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})
+    took = time.monotonic() - t0
+    assert r.stdout == "exiting\n", r.stdout + r.stderr
+    assert r.returncode == 1, r.stderr
+    assert "ddprun: the flush of an open file (a pipe nobody reads? a hung file system?) did not return within 1 s" \
+        in r.stderr, r.stderr
+    assert took < 15, took
