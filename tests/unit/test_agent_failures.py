@@ -171,3 +171,34 @@ def test_a_node_that_joins_an_elastic_job_is_not_lost_before_its_first_beat(tmp_
     time.sleep(0.4)
     a.stop()
     assert a.lost is None, a.lost.headline()
+
+
+def test_a_lost_store_stops_a_worker_that_ignores_sigterm_after_the_stop_grace(tmp_path):
+    """The store's host is gone: torch's agent sees healthy workers, so this thread stops them; one
+    that ignores SIGTERM is killed --stop-grace later instead of running on to its collective timeout."""
+    import signal
+    import subprocess
+    import sys
+
+    from ddprun.agent.failures import kill_children
+
+    worker = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                               "signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+    assert worker.stdout.readline() == b"ready\n"
+
+    def gone():
+        raise ConnectionRefusedError("the store's host is gone")
+
+    out = io.StringIO()
+    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", 1, "job", out, lost_after_s=1.0,
+                      connect=gone, stop_grace_s=1.0)
+    t0 = time.monotonic()
+    a.on_workers_started("r1", 1, 2, {1: (0, worker.pid, "")}, world_size=2)
+    try:
+        code = worker.wait(timeout=10)
+    finally:
+        a.stop()
+        worker.kill()
+    assert code == -signal.SIGKILL and 2.0 <= time.monotonic() - t0 < 6, (code, time.monotonic() - t0)
+    assert "the job store at 127.0.0.1:1 stopped answering for 1 s; stopping this node's workers" in out.getvalue()
+    assert kill_children([worker.pid, 1], signal.SIGKILL) == []  # reaped, and not our child: nothing sent

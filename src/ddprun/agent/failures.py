@@ -55,6 +55,22 @@ def oom_kills(proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> 
         return None
 
 
+def kill_children(pids: list[int], sig: int, proc_root: str = "/proc") -> list[int]:
+    """Send ``sig`` to those of ``pids`` that are still running children of this process (a pid that
+    ended may have been reused by now); the pids signalled."""
+    sent = []
+    for pid in pids:
+        try:
+            with open(os.path.join(proc_root, str(pid), "stat")) as fp:
+                state, ppid = fp.read().rsplit(")", 1)[1].split()[:2]
+            if int(ppid) == os.getpid() and state not in ("Z", "X"):
+                os.kill(pid, sig)
+                sent.append(pid)
+        except (OSError, ValueError, IndexError):
+            pass
+    return sent
+
+
 def worker_record(error_file: str) -> fr.FailureRecord | None:
     """The record a worker left in its torch error file (``extraInfo.ddprun``), if any."""
     try:
@@ -70,10 +86,13 @@ class AgentFailures:
 
     def __init__(self, run_dir: RunDir, host: str, addr: str, port: int, run_id: str, out: TextIO,  # noqa: PLR0913
                  lost_after_s: float = LOST_AFTER_S, connect: Callable[[], Any] | None = None,
-                 on_beat: Callable[[int, int], None] | None = None, relay: Any = None):
+                 on_beat: Callable[[int, int], None] | None = None, relay: Any = None,
+                 stop_grace_s: float = 30.0):
         """``on_beat(node, beat)``: called with this agent's heartbeat (the endpoint's copy, admission.py);
-        ``relay``: this node's agent/noderelay.py NodeRelay, if its workers have one."""
+        ``relay``: this node's agent/noderelay.py NodeRelay, if its workers have one; ``stop_grace_s``:
+        between SIGTERM and SIGKILL when this thread stops the workers (--stop-grace)."""
         self.run_dir, self.host, self.out = run_dir, host, out
+        self._stop_grace = stop_grace_s
         self._relay = relay
         self._alarm = -1
         """The job's alarm counter as last read: -1 reads everything at the first beat."""
@@ -378,11 +397,16 @@ class AgentFailures:
         self.lost = self._store_gone(f" for {self._lost_after:.0f} s")
         self.stopping_for = self.root_cause() if self._cache else self.lost
         print(f"ddprun: {self.lost.headline()}; stopping this node's workers", file=self.out, flush=True)
-        for _, pid, _ in list(self._workers.values()):
+        pids = [pid for _, pid, _ in list(self._workers.values())]
+        for pid in pids:
             try:
                 os.kill(pid, signal.SIGTERM)
             except OSError:
                 pass
+        # torch's agent sees nothing wrong while they run: a worker that ignores SIGTERM is killed here
+        later = threading.Timer(self._stop_grace, kill_children, args=(pids, signal.SIGKILL))
+        later.daemon = True
+        later.start()
 
     def on_signal(self, sig: int, why: str | None = None) -> None:
         """This agent got ``sig`` (or, ``why``, stops its workers with it for a reason of its own): say

@@ -385,7 +385,8 @@ def supervise(run: _Run, tee: set[int], console: TextIO, err: TextIO, relay: Any
         watcher = JoinWatcher(run.dial, run.port, run.rdzv_id, run.newcomer, run.spec.max_nodes,
                               run.cfg.join_timeout, err, (run.host, os.getpid()), hosted=run.hosted).start()
     beat = admission.EndpointBeat(run.dial, run.port) if run.endpoint_store is not None else None
-    failures = AgentFailures(run.rundir, run.host, run.addr, run.port, run.rdzv_id, err, on_beat=beat, relay=relay)
+    failures = AgentFailures(run.rundir, run.host, run.addr, run.port, run.rdzv_id, err, on_beat=beat, relay=relay,
+                             stop_grace_s=run.cfg.stop_grace)
     agent = _AgentRun(run, tee, follower, watcher, failures)
     try:
         outcome = agent.run(err)
