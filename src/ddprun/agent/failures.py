@@ -325,7 +325,8 @@ class AgentFailures:
     def _enforce_end(self) -> None:
         """Another rank's failure ended the job (last attempt), but a local worker still runs after
         ENFORCE_S: it cannot stop itself (stopped by SIGSTOP, frozen, its monitor starved): SIGKILL it."""
-        cause = fr.root_cause(self._cache.values())
+        with self._lock:  # the main thread adds records and clears them at a new attempt
+            cause = fr.root_cause(list(self._cache.values()))
         if not self._last_attempt or cause is None or cause.is_echo or cause.rank in self._workers:
             return
         now = time.monotonic()
