@@ -3,6 +3,7 @@ and fit's on_checkpoint hook (the one ddprun.ray reports checkpoints through), i
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 
 import pytest
@@ -141,3 +142,27 @@ def test_on_checkpoint_sees_every_checkpoint_after_it_is_written(tmp_path, one_p
                                      ("step-00000006.pt", 6, 1, True)]
     with pytest.raises(ConfigError, match="on_checkpoint"):
         ddprun.fit(nn.Linear(4, 1), data, loss_fn=nn.functional.mse_loss, on_checkpoint="no")
+
+
+def test_on_checkpoint_runs_as_a_declared_phase_and_validation_beats_per_batch(tmp_path, one_process):
+    """The stall watchdog: a long upload in on_checkpoint is a declared phase (the monitor beats for
+    it), and a long validation pass beats once per batch (the phase's own bound would end at 4 x
+    --stall-timeout)."""
+    from types import SimpleNamespace
+
+    from ddprun.telemetry import PROGRESS
+    from ddprun.train.loop import _validate
+
+    phases = []
+    x = torch.randn(32, 4)
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+    ddprun.fit(nn.Linear(4, 1), data, loss_fn=nn.functional.mse_loss, batch_size=8, max_steps=2, checkpoint_every=2,
+               run_dir=str(tmp_path), on_checkpoint=lambda saved: phases.append((PROGRESS.phase, PROGRESS.busy_since)))
+    assert [p for p, _ in phases] == ["on_checkpoint", "on_checkpoint"] and all(t is not None for _, t in phases)
+    beats = []
+    loader = [(x[i:i + 8], x[i:i + 8].sum(1, keepdim=True)) for i in range(0, 32, 8)]
+    info = SimpleNamespace(device=torch.device("cpu"), distributed=False, world_size=1)
+    _validate(nn.Linear(4, 1), loader, info, loss_fn=nn.functional.mse_loss, training_step=None,
+              metrics={"beats": lambda out, y: beats.append(PROGRESS.beats) or torch.tensor(0.0)},
+              amp=contextlib.nullcontext)
+    assert len(beats) == 4 and beats == sorted(set(beats)), beats  # a new beat at every batch

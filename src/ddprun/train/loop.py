@@ -40,7 +40,7 @@ from ddprun.errors import ConfigError
 from ddprun.preempt import PREEMPT, Preempted
 from ddprun.protocol.env import WorkerEnv
 from ddprun.runtime import RankInfo
-from ddprun.telemetry import PROGRESS, TIMER, busy
+from ddprun.telemetry import PROGRESS, TIMER, busy, heartbeat
 from ddprun.train import checkpoint as ckpt
 from ddprun.train import resume as resume_mod
 from ddprun.train import timing
@@ -336,6 +336,7 @@ def _validate(module: nn.Module, loader: Any, info: RankInfo, *, loss_fn, traini
     module.eval()
     with torch.no_grad():
         for batch in loader:
+            heartbeat()  # each batch is progress: a long pass is not a stall, one that stops is
             if device.type != "cpu":
                 batch = _to_device(batch, device, non_blocking=True)
             n = _batch_len(batch)
@@ -680,8 +681,7 @@ class _Loop:
                 saved = p.ckpts.save(self.step, self.epoch, self._state)
             if saved:
                 self.progress.message(f"checkpoint: {saved}")
-            if o.on_checkpoint is not None:
-                o.on_checkpoint(CheckpointSaved(saved, self.step, self.epoch, False,
+            self._on_checkpoint(CheckpointSaved(saved, self.step, self.epoch, False,
                                                 dict(self.history[-1] if self.history else {})))
         if o.max_steps is not None and self.step >= o.max_steps:
             self.done = True
@@ -696,13 +696,21 @@ class _Loop:
             self._flush_window()
         path, _ = self._checkpoint_here()
         seconds = time.monotonic() - t0
-        if self.o.on_checkpoint is not None:
-            self.o.on_checkpoint(CheckpointSaved(path, self.step, self.epoch, False,
-                                                 dict(self.history[-1] if self.history else {})))
+        self._on_checkpoint(CheckpointSaved(path, self.step, self.epoch, False,
+                                            dict(self.history[-1] if self.history else {})))
         PREEMPT.saved = (PROGRESS.steps, self.step, path or "", seconds, "fit")
         self.progress.message(f"ddprun: preempted ({PREEMPT.signame}): checkpoint at step {self.step} saved in "
                               f"{seconds:.1f} s" + (f": {path}" if path else ""))
         raise Preempted(PREEMPT.signame, self.step, path or "", seconds)
+
+    def _on_checkpoint(self, saved: CheckpointSaved) -> None:
+        """The user's on_checkpoint (an upload, say): a declared phase for the stall watchdog, and the
+        other ranks' next collective waits for it with the generous timeout, as for a checkpoint write."""
+        if self.o.on_checkpoint is None:
+            return
+        runtime.use_init_timeout()
+        with busy("on_checkpoint"):
+            self.o.on_checkpoint(saved)
 
     def _flush_window(self) -> None:
         info, w = self.p.info, self.window
@@ -761,7 +769,7 @@ class _Loop:
             self.progress.message(f"checkpoint: {path}")
         if o.on_checkpoint is not None:
             results = {"train_loss": train_loss, **self.val_result} if train_loss is not None else dict(self.val_result)
-            o.on_checkpoint(CheckpointSaved(path, self.step, self.epoch, True, results))
+            self._on_checkpoint(CheckpointSaved(path, self.step, self.epoch, True, results))
         resume_mod.mark_finished(p.ckpts.directory)
         return FitResult(train_loss=train_loss, val_metrics=self.val_result, steps=self.step, epochs=self.epoch,
                          model=p.module, run_dir=p.run_dir, checkpoint=path, history=self.history)
