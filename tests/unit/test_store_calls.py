@@ -94,3 +94,40 @@ def test_a_quiet_poll_reads_one_key_and_a_raised_alarm_brings_the_failure(tmp_pa
     client.calls.clear()
     m._tick(client)
     assert seen == [rec] and client.calls[0] == "add"
+
+
+def test_a_failed_call_while_agreeing_the_stop_step_is_made_again_at_the_next_poll(tmp_path, monkeypatch):
+    """Every rank's monitor proposes a stop step at once; a store call that fails then (a timeout)
+    must not leave this rank without the step the others stop at (collectives would mismatch)."""
+    from ddprun.preempt import PREEMPT
+    from ddprun.protocol import preempt as pp
+    from ddprun.protocol.store import raise_alarm
+    from ddprun.worker import monitor as monitor_mod
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ch, client = _channel(tmp_path, server, rank=1, world=4)
+    m = monitor_mod.Monitor(ch)
+    m._tick(client)
+    monkeypatch.setattr(PREEMPT, "fit_active", True)
+    monkeypatch.setattr(PREEMPT, "requested", False)
+    monkeypatch.setattr(PREEMPT, "stop_step", None)
+    monkeypatch.setattr(PREEMPT, "signame", PREEMPT.signame)
+    server.set(ch.keys.preempt, pp.Request("SIGTERM", "agent", 0, "a", time.time()).to_json())
+    server.set(ch.keys.preempt_stop, "120")  # what the job agreed on
+    raise_alarm(server, ch.keys)
+    real = client.compare_set
+    fails = [TimeoutError("store timeout")]
+
+    def flaky(*args):
+        if fails:
+            raise fails.pop()
+        return real(*args)
+
+    monkeypatch.setattr(client, "compare_set", flaky)
+    try:
+        m._tick(client)
+    except TimeoutError:
+        pass  # the monitor's loop logs it and polls again
+    assert PREEMPT.stop_step is None
+    m._tick(client)
+    assert PREEMPT.requested and PREEMPT.stop_step == 120

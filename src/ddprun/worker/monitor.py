@@ -415,10 +415,13 @@ class Monitor:
         if not present and PREEMPT.signum is None:
             return
         req = pp.Request.parse(store.get(keys.preempt)) if present else None
-        PREEMPT.requested, PREEMPT.signame = True, req.signal if req else signal.Signals(PREEMPT.signum or 15).name
+        signame = req.signal if req else signal.Signals(PREEMPT.signum or 15).name
         consumer = PREEMPT.fit_active or bool(PREEMPT.callbacks)
         mine = str(pp.propose(steps, self._rate())) if consumer else pp.NO_STEP
         agreed = text(store.compare_set(keys.preempt_stop, "", mine))
+        # only now: a call that failed above (a store timeout as every rank asks at once) is made again
+        # next poll; marked before, this rank would never learn the stop step the others stop at
+        PREEMPT.requested, PREEMPT.signame = True, signame
         if agreed == pp.NO_STEP:
             if PREEMPT.signum is not None:  # nothing stops at a step: this signal does what it always did
                 preempt.die_by(PREEMPT.signum)
