@@ -1,6 +1,8 @@
-"""A worker's exit (worker/exit.py hard_exit) is bounded as a whole: the atexit handlers, and the
-flush of open files after them, which blocks on a pipe nobody reads."""
+"""A worker's exit (worker/exit.py): bounded as a whole (the atexit handlers, and the flush of open
+files after them, which blocks on a pipe nobody reads); its error file is never seen half-written."""
 
+import json
+import os
 import subprocess
 import sys
 import time
@@ -37,3 +39,20 @@ def test_a_flush_that_blocks_at_exit_is_bounded_and_named(tmp_path):
     assert "ddprun: the flush of an open file (a pipe nobody reads? a hung file system?) did not return within 1 s" \
         in r.stderr, r.stderr
     assert took < 15, took
+
+
+def test_the_error_file_is_replaced_whole_never_rewritten_in_place(tmp_path, monkeypatch):
+    """The monitor thread and the main thread may both write it, and os._exit may end one mid-write:
+    torch's agent parses it (a torn file raised inside the agent). A new file is renamed over it."""
+    from ddprun.protocol import failure as fr
+    from ddprun.worker.exit import write_error_file
+
+    path = tmp_path / "rank-1.error.json"
+    path.write_text('{"message": ')  # what a write cut short in place would leave
+    before = os.stat(path).st_ino
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    rec = fr.FailureRecord(fr.ERROR, 1, "ValueError: bad batch", 0, "host-a")
+    write_error_file("rank 1 failed", record=rec)
+    data = json.loads(path.read_text())
+    assert data["message"]["message"] == "rank 1 failed" and data["message"]["extraInfo"]["ddprun"]["rank"] == 1
+    assert os.stat(path).st_ino != before and [p.name for p in tmp_path.iterdir()] == ["rank-1.error.json"]

@@ -111,9 +111,8 @@ def write_error_file(message: str, exc: BaseException | None = None, record: Fai
     extra: dict[str, object] = {"py_callstack": stack, "timestamp": str(int(time.time()))}
     if record is not None:
         extra["ddprun"] = asdict(record)
-    try:
-        with open(path, "w") as fp:
-            json.dump({"message": {"message": message, "extraInfo": extra}}, fp)
+    try:  # atomic: the monitor thread and the main thread may both write it, and os._exit may cut one short
+        write_text_atomic(path, json.dumps({"message": {"message": message, "extraInfo": extra}}))
     except OSError as e:
         say(f"ddprun: could not write the error file {path}: {e}")
 
