@@ -74,3 +74,27 @@ def test_progress_without_a_terminal_prints_plain_lines():
     quiet = io.StringIO()
     Progress(100, enabled=False, stream=quiet).log(50, 0, 0.25, 1.0)
     assert quiet.getvalue() == ""
+
+
+def test_a_rank_saves_and_restores_its_own_cuda_device_state_whatever_the_nodes_gpu_count(monkeypatch):
+    """Resumed on nodes with fewer GPUs (2 x 8 -> 4 x 4), a rank's device index changes: the checkpoint
+    holds the state of the device it computed on and restores it to the one it computes on now; an
+    older checkpoint with every device's state restores those this node has (set_rng_state_all raised
+    IndexError for the others)."""
+    import torch
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": torch.tensor([7], dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": calls.append((int(state[0]), device)))
+    state = checkpoint.rng_state()
+    assert int(state["cuda_device"][0]) == 7 and "cuda" not in state
+    checkpoint.restore_rng(state)
+    assert calls == [(7, "cuda")]  # the current device, as ddprun.init set it
+    calls.clear()
+    old = {k: v for k, v in state.items() if k != "cuda_device"}
+    old["cuda"] = [torch.tensor([i], dtype=torch.uint8) for i in range(8)]  # written on a node of 8
+    checkpoint.restore_rng(old)
+    assert calls == [(0, 0), (1, 1)]

@@ -92,10 +92,12 @@ def file_sha256(path: str, chunk: int = 1 << 22) -> str:
 # -- RNG ------------------------------------------------------------------------------------------
 
 def rng_state() -> dict[str, Any]:
-    """RNG states of torch (CPU and every CUDA device), python ``random`` and numpy if importable."""
+    """RNG states of torch (CPU, and the CUDA device this rank computes on: ``cuda_device``), python
+    ``random`` and numpy if importable."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # this rank's device only: a resume on nodes with another GPU count gives the rank another index
+        state["cuda_device"] = torch.cuda.get_rng_state()
     try:
         import numpy as np
     except ImportError:
@@ -112,8 +114,12 @@ def restore_rng(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if torch.cuda.is_available():
+        if "cuda_device" in state:
+            torch.cuda.set_rng_state(state["cuda_device"])
+        elif "cuda" in state:  # checkpoints before cuda_device: every device the writer saw, perhaps more than here
+            for index, device_state in enumerate(state["cuda"][:torch.cuda.device_count()]):
+                torch.cuda.set_rng_state(device_state, index)
     if "numpy" in state:
         try:
             import numpy as np
