@@ -141,6 +141,17 @@ def test_sigterm_to_every_process_of_one_node_stops_every_rank_at_one_step(tmp_p
     assert_nothing_left(tmp_path)
 
 
+@pytest.mark.timeout(150)
+def test_sigusr1_to_every_process_under_an_agent_spares_fits_dataloader_workers(tmp_path):
+    """SLURM signals every process of a step (scancel --signal=USR1, #SBATCH --signal=USR1@N): fit's
+    DataLoader workers too, which SIGUSR1's default action would kill, failing their rank."""
+    _, ended = preempted(tmp_path, ["--signal-rank", "1", "--send-signal", "USR1", "--signal-to", "tree",
+                                    "--num-workers", "1"])
+    assert_one_stop(ended, tmp_path, "SIGUSR1")
+    assert "DataLoader worker" not in "".join(e.output for e in ended), describe(ended)
+    assert_nothing_left(tmp_path)
+
+
 @pytest.mark.timeout(90)
 def test_a_checkpoint_longer_than_the_sigterm_to_sigkill_window_completes_within_the_grace(tmp_path):
     # torch's agent gives its workers --stop-grace (torchrun: a fixed 30 s) between SIGTERM and SIGKILL;

@@ -105,3 +105,47 @@ def test_not_a_dataset_is_a_config_error():
         build_train_loader([1, 2, 3], batch_size=2, info=rank(), seed=0, num_workers=None)
     with pytest.raises(ConfigError, match="empty"):
         build_train_loader(tensors(0), batch_size=2, info=rank(), seed=0, num_workers=None)
+
+
+def mark_worker(worker_id):
+    """A user's worker_init_fn (module level: picklable for forkserver)."""
+    torch.utils.data.get_worker_info().dataset.marked = True
+
+
+class Pids(Dataset):
+    """Each item: the pid of the worker process that loaded it, and whether the user's init ran there."""
+
+    marked = False
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        import os
+
+        return torch.tensor([os.getpid(), int(self.marked)])
+
+
+@pytest.mark.timeout(60)
+def test_fits_loader_workers_outlive_a_preemption_signal_and_end_with_fit(monkeypatch):
+    """SLURM signals every process of a step: fit's DataLoader workers ignore the job's preemption
+    signals (SIGUSR1 would kill one, and with it its rank), run the user's worker_init_fn too, and
+    end when fit closes its loaders, although they ignore SIGTERM."""
+    import os
+    import signal
+
+    from ddprun.preempt import PREEMPT
+    from ddprun.train.data import close_workers
+
+    monkeypatch.setattr(PREEMPT, "signals", (signal.SIGTERM, signal.SIGUSR1))
+    user = DataLoader(Pids(), batch_size=4, worker_init_fn=mark_worker)
+    loader = build_train_loader(user, batch_size=4, info=rank(0, 2, 2), seed=0, num_workers=1).loader
+    first = [int(b[0, 0]) for b in loader]
+    (worker,) = set(first)
+    assert worker != os.getpid() and all(int(b[0, 1]) for b in loader)  # the user's init ran in the worker
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        os.kill(worker, sig)
+    assert {int(b[0, 0]) for b in loader} == {worker}  # the same persistent worker goes on serving
+    process = loader._iterator._workers[0]
+    close_workers(loader)
+    assert not process.is_alive() and process.exitcode == 0 and loader._iterator is None

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import signal
 import warnings
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -33,6 +34,7 @@ from torch.utils.data import (
 
 from ddprun._util import cpu_count
 from ddprun.errors import ConfigError
+from ddprun.preempt import PREEMPT
 from ddprun.runtime import RankInfo
 
 DEFAULT_MAX_WORKERS = 2
@@ -154,6 +156,71 @@ def loader_options(num_workers: int, device_type: str) -> dict[str, Any]:
     return opts
 
 
+class PreemptionSafeInit:
+    """``worker_init_fn`` of fit's DataLoader workers: they ignore the job's preemption signals, then
+    the user's own runs. A scheduler signals every process of a node (SLURM every process of a step:
+    ``scancel --signal``, the SIGTERM before a preemption or the time limit; a terminal's Ctrl-C its
+    process group): a worker would die of it (SIGUSR1's default, torch's SIGTERM handler) and fail its
+    rank, which instead stops at the agreed step and ends its workers itself (:func:`close_workers`).
+    Picklable (forkserver/spawn) when the user's function is."""
+
+    def __init__(self, signals: tuple[int, ...], user: Callable[[int], Any] | None = None):
+        self.signals, self.user = tuple(signals), user
+
+    def __call__(self, worker_id: int) -> None:
+        for sig in self.signals:
+            signal.signal(sig, signal.SIG_IGN)
+        if self.user is not None:
+            self.user(worker_id)
+
+
+def worker_init(num_workers: int, user: Callable[[int], Any] | None) -> Callable[[int], Any] | None:
+    """The ``worker_init_fn`` for a loader of fit: :class:`PreemptionSafeInit` under ``ddprun run``'s
+    preemption signals (the forkserver started as :func:`start_forkserver` says), else the user's."""
+    if num_workers == 0 or not PREEMPT.signals:
+        return user
+    if start_method() == "forkserver":
+        start_forkserver(PREEMPT.signals)
+    return PreemptionSafeInit(PREEMPT.signals, user)
+
+
+def start_forkserver(signals: tuple[int, ...]) -> None:
+    """Start multiprocessing's forkserver and resource tracker with ``signals`` blocked, a mask they
+    and the DataLoader workers the forkserver forks keep. A signal to every process of the node would
+    kill them (SIGUSR1's default action), and with the forkserver every worker it started: torch's
+    worker watchdog takes its parent's end for its rank's. This thread blocks them meanwhile; a signal
+    for the process then goes to another thread, so none is lost. Main thread; no-op once running."""
+    import threading
+    from multiprocessing import forkserver, resource_tracker
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        resource_tracker.ensure_running()  # unblocks SIGINT and SIGTERM on its way (it ignores them itself)
+        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def close_workers(loader: Any, join_s: float = 5.0) -> None:
+    """End a DataLoader's persistent worker processes now, by torch's own shutdown (a None to each, a
+    bounded join); one still running after ``join_s`` is killed: it ignores SIGTERM, which
+    multiprocessing's exit would send it before waiting for it without a bound. No-op without workers."""
+    it = getattr(loader, "_iterator", None)
+    if it is None:
+        return
+    shutdown = getattr(it, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+    for w in getattr(it, "_workers", []):
+        if w.is_alive():
+            w.kill()
+            w.join(join_s)
+    loader._iterator = None
+
+
 @dataclass
 class Loader:
     """A DataLoader and the sampler whose ``set_epoch`` must be called every epoch (or None)."""
@@ -199,8 +266,8 @@ def build_train_loader(data: Dataset | DataLoader, *, batch_size: int, info: Ran
         if user_loader is not None:
             return Loader(user_loader, None, batch_size)
         workers = choose_num_workers(num_workers, dataset, info.local_world_size, warn=warn)
-        return Loader(DataLoader(dataset, batch_size=batch_size, **loader_options(workers, info.device.type)),
-                      None, batch_size)
+        return Loader(DataLoader(dataset, batch_size=batch_size, worker_init_fn=worker_init(workers, None),
+                                 **loader_options(workers, info.device.type)), None, batch_size)
 
     if user_loader is not None and info.world_size == 1:
         return Loader(user_loader, None, batch_size)
@@ -226,6 +293,7 @@ def build_train_loader(data: Dataset | DataLoader, *, batch_size: int, info: Ran
     # The loader's generator only seeds worker processes (the sampler has its own seed): seed + rank,
     # so that random augmentation differs between ranks but is reproducible.
     generator = torch.Generator().manual_seed(seed + info.rank)
+    kwargs["worker_init_fn"] = worker_init(workers, kwargs.get("worker_init_fn"))
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, generator=generator,
                         **loader_options(workers, info.device.type), **kwargs)
     return Loader(loader, sampler, batch_size)
@@ -248,6 +316,7 @@ def build_val_loader(data: Dataset | DataLoader, *, batch_size: int, info: RankI
     else:
         kwargs = {}
     workers = choose_num_workers(num_workers, dataset, info.local_world_size, warn=False)
+    kwargs["worker_init_fn"] = worker_init(workers, kwargs.get("worker_init_fn"))
     sampler = None
     if not isinstance(dataset, IterableDataset):
         sampler = ShardSampler(len(cast(Sized, dataset)), info.rank, info.world_size)  # map-style: sized

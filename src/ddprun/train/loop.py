@@ -44,7 +44,7 @@ from ddprun.telemetry import PROGRESS, TIMER, busy, heartbeat
 from ddprun.train import checkpoint as ckpt
 from ddprun.train import resume as resume_mod
 from ddprun.train import timing
-from ddprun.train.data import build_train_loader, build_val_loader
+from ddprun.train.data import build_train_loader, build_val_loader, close_workers
 from ddprun.train.metrics import MetricsLog
 from ddprun.train.options import FitOptions
 from ddprun.train.progress import Progress
@@ -568,6 +568,8 @@ class _Loop:
     def close(self) -> None:
         TIMER.detailed = False
         PREEMPT.fit_active = False
+        for loader in (self.p.loader, self.p.val_loader):  # their workers ignore SIGTERM: ended here
+            close_workers(loader)
         self.progress.close()
         self.log.close()
 

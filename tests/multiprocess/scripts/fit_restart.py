@@ -8,9 +8,11 @@
         [--marker PATH]                 the failure happens only while PATH does not exist (first attempt)
         [--wipe-before-kill]            the killed rank deletes its node's run dir/checkpoints first
         [--timeline PATH]               rank 0 logs each training_step call and optimizer step (benchmarks)
-        [--signal-rank R --signal-step S --send-signal NAME --signal-to self|agent|node]
-                                        rank R sends SIGNAME during step S+1 to itself, its agent, or its
-                                        agent and every worker of its node (a preemption)
+        [--signal-rank R --signal-step S --send-signal NAME --signal-to self|agent|node|tree]
+                                        rank R sends SIGNAME during step S+1 to itself, its agent, its
+                                        agent and every worker of its node, or every process under the
+                                        agent, DataLoader workers included (a preemption; SLURM: tree)
+        [--num-workers N]               fit's num_workers: DataLoader worker processes per rank
         [--slow-checkpoint SECONDS]     the checkpoint hook sleeps this long after a non-final checkpoint
 
 Every rank writes DIR/params-<RANK>.pt (final parameters) and DIR/facts-<RANK>.json (world size,
@@ -87,7 +89,9 @@ def main():
     p.add_argument("--signal-rank", type=int)
     p.add_argument("--signal-step", type=int)
     p.add_argument("--send-signal", default="TERM")
-    p.add_argument("--signal-to", choices=["self", "agent", "node"], default="self")
+    p.add_argument("--signal-to", choices=["self", "agent", "node", "tree"], default="self",
+                   help="tree: the agent and every process below it (DataLoader workers too), as SLURM signals a step")
+    p.add_argument("--num-workers", type=int, default=None, help="fit's num_workers (DataLoader worker processes)")
     p.add_argument("--slow-checkpoint", type=float, default=0.0)
     p.add_argument("--timeline", help="rank 0 appends '<event> <pid> <unix time>' per training_step call and step")
     args = p.parse_args()
@@ -117,7 +121,14 @@ def main():
                 f.write(f"SIG{args.send_signal} from rank {rank} at {time.time()}\n")
         sig = getattr(signal, f"SIG{args.send_signal}")
         agent = os.getppid()
-        targets = {"self": [os.getpid()], "agent": [agent], "node": [agent, *workers_of(agent)]}[args.signal_to]
+        below = workers_of(agent)
+        if args.signal_to == "tree":
+            todo = list(below)
+            while todo:
+                more = workers_of(todo.pop())
+                below += more
+                todo += more
+        targets = {"self": [os.getpid()], "agent": [agent]}.get(args.signal_to, [agent, *below])
         for pid in targets:
             os.kill(pid, sig)
 
@@ -156,7 +167,8 @@ def main():
     res = ddprun.fit(net, data(), training_step=training_step, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
                      on_checkpoint=on_checkpoint,
                      scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 5, 0.5), batch_size=args.batch_size,
-                     max_steps=args.steps, checkpoint_every=args.checkpoint_every, seed=0, log_every=100)
+                     max_steps=args.steps, checkpoint_every=args.checkpoint_every, seed=0, log_every=100,
+                     num_workers=args.num_workers)
     torch.save({k: v.detach().cpu() for k, v in res.model.state_dict().items()},
                os.path.join(args.out, f"params-{rank}.pt"))
     with open(os.path.join(args.out, f"facts-{rank}.json"), "w") as f:
