@@ -111,6 +111,23 @@ def _open_channel(argv: list[str], wenv: WorkerEnv | None) -> JobChannel | None:
     return channel
 
 
+def raised_in_torch(e: BaseException) -> bool:
+    """Whether ``e`` came out of torch (a collective, DDP's hooks, autograd running them): only then
+    can an error text like "Connection refused" be a peer's death seen from here. The same text
+    from the user's own client (a metrics server, a data service) is this rank's error."""
+    dist = sys.modules.get("torch.distributed")
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(e, dist_error):
+        return True
+    marker = f"{os.sep}torch{os.sep}"
+    tb = e.__traceback__
+    while tb is not None:
+        if marker in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def _on_error(e: BaseException, channel: JobChannel | None) -> None:
     """Record and report a failure that left the user's code (module docstring)."""
     text = f"{type(e).__name__}: {e}"
@@ -128,8 +145,9 @@ def _on_error(e: BaseException, channel: JobChannel | None) -> None:
         ddp_exit.say(f"ddprun: {known}")
         ddp_exit.record(channel.me(fr.MISMATCH, known), channel, e)
         return
+    echo = fr.looks_like_echo(text) and raised_in_torch(e)
     cause = channel.cause()
-    if (cause is None or cause.is_echo) and fr.looks_like_echo(text):
+    if (cause is None or cause.is_echo) and echo:
         cause = channel.await_cause(defaults.ECHO_WAIT_S)
     if cause is not None and not cause.is_echo:
         # A peer failed first and this rank's error is its echo: one line naming the cause.
@@ -139,7 +157,7 @@ def _on_error(e: BaseException, channel: JobChannel | None) -> None:
         ddp_exit.record(channel.stopped(cause, seen=f"{type(e).__name__}: {first_line}"), channel, message=msg)
         channel.ack_failure()
         return
-    if fr.looks_like_echo(text):
+    if echo:
         # a peer went away and nobody has said why yet (its agent may be gone too): one line here; the
         # agents name the lost node, the traceback stays in this rank's error file
         first_line = (str(e).splitlines() or [""])[0][:300]

@@ -1,0 +1,53 @@
+"""What a worker says of an error that left the user's code (worker/bootstrap.py _on_error): a peer's
+death seen in a collective waits for the first-hand record; the same words from the user's own
+client are this rank's error, with its traceback."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from ddprun.protocol import defaults
+from ddprun.worker import bootstrap
+
+TORCH_FRAME = "def collective():\n    raise RuntimeError('[gloo] Connection reset by peer')\n"
+
+
+def raised(fn):
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001
+        return e
+    raise AssertionError("did not raise")
+
+
+def channel(waited: list):
+    return SimpleNamespace(cause=lambda: None, await_cause=lambda s: waited.append(s),
+                           me=lambda kind, text: (kind, text))
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    out: list = []
+    monkeypatch.setattr(bootstrap.ddp_exit, "record", lambda rec, ch, e=None, **kw: out.append(rec))
+    monkeypatch.setattr(bootstrap, "_known_failure", lambda e: None)
+    return out
+
+
+def test_a_connection_error_from_the_users_own_client_is_this_ranks_error(recorded, capsys):
+    def log_metrics():
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    waited: list = []
+    bootstrap._on_error(raised(log_metrics), channel(waited))
+    err = capsys.readouterr().err
+    assert waited == [] and "Traceback" in err and "in log_metrics" in err and "a peer went away" not in err
+    assert recorded == [("error", "ConnectionRefusedError: [Errno 111] Connection refused")]
+
+
+def test_a_peers_death_seen_in_a_torch_collective_waits_for_the_first_hand_record(recorded, capsys):
+    scope: dict = {}
+    exec(compile(TORCH_FRAME, "/site-packages/torch/distributed/fake.py", "exec"), scope)
+    waited: list = []
+    bootstrap._on_error(raised(scope["collective"]), channel(waited))
+    err = capsys.readouterr().err
+    assert waited == [defaults.ECHO_WAIT_S] and "a peer went away" in err and "Traceback" not in err
