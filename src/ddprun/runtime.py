@@ -63,6 +63,8 @@ class _State:
     init_timeout_s: float
     train_timeout_s: float
     tightened: bool = False
+    users_group: bool = False
+    """The process group was there before init (the user's, Lightning's): its timeout is left as set."""
 
 
 _state: _State | None = None
@@ -200,7 +202,7 @@ def init(backend: str | None = None, *, timeout: float = DEFAULT_INIT_TIMEOUT_S,
         info = _info_from_group(environ)
         if info.device.type == "cuda":
             torch.cuda.set_device(info.device)
-        _state = _State(info, timeout, train_timeout)
+        _state = _State(info, timeout, train_timeout, users_group=True)
         return info
 
     spec, info = _from_environ(environ)
@@ -294,7 +296,7 @@ def use_training_timeout() -> None:
     """
     import torch.distributed as dist
 
-    if _state is None or _state.tightened or not (dist.is_available() and dist.is_initialized()):
+    if _state is None or _state.tightened or _state.users_group or not (dist.is_available() and dist.is_initialized()):
         return
     _barrier()
     _set_timeout(_state.train_timeout_s)
@@ -304,7 +306,7 @@ def use_training_timeout() -> None:
 def use_init_timeout() -> None:
     """Back to the generous timeout, locally, before work one rank does while the others wait
     (the final checkpoint save). No collective: each rank's own waits use its own timeout."""
-    if _state is not None and _state.tightened and _set_timeout(_state.init_timeout_s):
+    if _state is not None and _state.tightened and not _state.users_group and _set_timeout(_state.init_timeout_s):
         _state.tightened = False
 
 

@@ -4,6 +4,7 @@ when the launcher (or cluster) says there are ranks."""
 import os
 import subprocess
 import sys
+from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
@@ -123,11 +124,17 @@ def test_under_ddprun_runs_hard_exit_init_leaves_the_teardown_to_it(monkeypatch)
     assert registered == []
 
 
-def test_init_uses_an_existing_process_group():
+def test_init_uses_an_existing_process_group_and_leaves_its_timeout(monkeypatch):
     port = free_port()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=timedelta(hours=2))
     info = runtime.init(environ={})
     assert info.distributed and info.world_size == 1 and info.rank == 0 and info.backend == "gloo"
+    calls = []  # fit's first step and its checkpoints would set ddprun's timeouts on the user's group
+    monkeypatch.setattr(runtime, "_set_timeout", lambda seconds: calls.append(seconds) or True)
+    runtime.use_training_timeout()
+    runtime.use_init_timeout()
+    assert calls == []
 
 
 def test_init_exports_what_env_init_needs_for_per_process_clusters():
