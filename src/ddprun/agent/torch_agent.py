@@ -106,10 +106,13 @@ class DdprunAgent(LocalElasticAgent):
         if pcontext is None:
             return
         close = pcontext.close
+        closed: list[bool] = []
 
         def close_after_saying(*args: Any, **kwargs: Any) -> Any:
-            self._report_exits(worker_group)
-            self._hooks.on_stopping()
+            if not closed:  # again (torch's _shutdown after a failed rendezvous): its exits are torch's SIGTERM
+                closed.append(True)
+                self._report_exits(worker_group)
+                self._hooks.on_stopping()
             return close(*args, **kwargs)
 
         pcontext.close = close_after_saying
