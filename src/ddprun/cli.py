@@ -198,7 +198,7 @@ def parse_rdzv_conf(raw: str) -> dict[str, str]:
         if not sep or not key:
             raise ConfigError("--rdzv-conf items must be KEY=VALUE.", seen=f"--rdzv-conf {raw!r}",
                               hint="e.g. --rdzv-conf join_timeout=300,read_timeout=60")
-        if key in RDZV_CONF_INTS and not (value.isdigit() and int(value) > 0):
+        if key in RDZV_CONF_INTS and not (value.isdecimal() and value.isascii() and int(value) > 0):
             raise ConfigError(f"--rdzv-conf {key} takes a whole number > 0 (torch reads it as whole seconds, or a count).",
                               seen=f"--rdzv-conf {raw!r}", hint=f"e.g. --rdzv-conf {key}=300")
         if key in RDZV_CONF_BOOLS and value.lower() not in BOOL_WORDS:

@@ -111,6 +111,8 @@ def test_the_run_root_is_checked_without_creating_anything(tmp_path):
     check_run_root(LaunchConfig(log_dir=str(tmp_path / "a" / "b")))
     check_run_root(LaunchConfig(run_dir=str(tmp_path / "c" / "run-1")))
     assert list(tmp_path.iterdir()) == []
+    (tmp_path / "mine").mkdir()  # made for the user (its parent may be one they cannot write): it is checked
+    check_run_root(LaunchConfig(run_dir=str(tmp_path / "mine")))
     (tmp_path / "file").write_text("")
     for cfg, flag in ((LaunchConfig(log_dir=str(tmp_path / "file" / "runs")), "--log-dir"),
                       (LaunchConfig(run_dir=str(tmp_path / "file" / "r" / "run-1")), "--run-dir")):

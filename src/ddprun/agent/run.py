@@ -61,7 +61,7 @@ def check_run_root(cfg: LaunchConfig) -> None:
     user may write (nothing is created here). A bad ``--log-dir``/``--run-dir`` is the user's flag,
     said before this node joins the job."""
     flag, given = ("--run-dir", cfg.run_dir) if cfg.run_dir else ("--log-dir", cfg.log_dir or defaults.RUNS_ROOT)
-    root = os.path.dirname(os.path.abspath(given)) if cfg.run_dir else os.path.abspath(given)
+    root = os.path.abspath(given)  # the run directory itself for --run-dir: it may exist, made for the user
     there = root
     while not os.path.lexists(there):  # where os.makedirs would start
         there = os.path.dirname(there)
