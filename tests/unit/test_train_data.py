@@ -126,26 +126,49 @@ class Pids(Dataset):
         return torch.tensor([os.getpid(), int(self.marked)])
 
 
+def blocked_or_ignored(pid: int) -> int:
+    """The SigBlk | SigIgn mask of a process."""
+    fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
+    return int(fields["SigBlk"], 16) | int(fields["SigIgn"], 16)
+
+
 @pytest.mark.timeout(60)
 def test_fits_loader_workers_outlive_a_preemption_signal_and_end_with_fit(monkeypatch):
     """SLURM signals every process of a step: fit's DataLoader workers ignore the job's preemption
-    signals (SIGUSR1 would kill one, and with it its rank), run the user's worker_init_fn too, and
-    end when fit closes its loaders, although they ignore SIGTERM."""
+    signals (SIGUSR1 would kill one, and with it its rank), and so does the forkserver they come from
+    (its end ends them); they run the user's worker_init_fn too, and end when fit closes its loaders.
+    Another process of the same forkserver keeps the signals' usual meaning (terminate() works)."""
+    import multiprocessing
     import os
     import signal
+    import time
+    from multiprocessing import forkserver
 
     from ddprun.preempt import PREEMPT
     from ddprun.train.data import close_workers
 
+    forkserver._forkserver._stop()  # one started by another test would not be guarded
     monkeypatch.setattr(PREEMPT, "signals", (signal.SIGTERM, signal.SIGUSR1))
+    monkeypatch.setenv("DDPRUN_PREEMPT_SIGNALS", "TERM,USR1")
     user = DataLoader(Pids(), batch_size=4, worker_init_fn=mark_worker)
     loader = build_train_loader(user, batch_size=4, info=rank(0, 2, 2), seed=0, num_workers=1).loader
     first = [int(b[0, 0]) for b in loader]
     (worker,) = set(first)
     assert worker != os.getpid() and all(int(b[0, 1]) for b in loader)  # the user's init ran in the worker
-    for sig in (signal.SIGUSR1, signal.SIGTERM):
-        os.kill(worker, sig)
+    server = forkserver._forkserver._forkserver_pid
+    for pid in (worker, server):
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            os.kill(pid, sig)
+    time.sleep(0.2)
     assert {int(b[0, 0]) for b in loader} == {worker}  # the same persistent worker goes on serving
+    other = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(30,))
+    other.start()
+    term_usr1 = (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGUSR1 - 1))
+    assert blocked_or_ignored(other.pid) & term_usr1 == 0
+    other.terminate()
+    other.join(10)
+    assert other.exitcode == -signal.SIGTERM
     process = loader._iterator._workers[0]
     close_workers(loader)
     assert not process.is_alive() and process.exitcode == 0 and loader._iterator is None
+    assert os.path.exists(f"/proc/{server}")

@@ -184,17 +184,24 @@ def worker_init(num_workers: int, user: Callable[[int], Any] | None) -> Callable
     return PreemptionSafeInit(PREEMPT.signals, user)
 
 
+FORKSERVER_GUARD = "ddprun.train.forkserver_guard"
+
+
 def start_forkserver(signals: tuple[int, ...]) -> None:
-    """Start multiprocessing's forkserver and resource tracker with ``signals`` blocked, a mask they
-    and the DataLoader workers the forkserver forks keep. A signal to every process of the node would
-    kill them (SIGUSR1's default action), and with the forkserver every worker it started: torch's
-    worker watchdog takes its parent's end for its rank's. This thread blocks them meanwhile; a signal
-    for the process then goes to another thread, so none is lost. Main thread; no-op once running."""
+    """Start multiprocessing's forkserver guarded against ``signals`` (train/forkserver_guard.py: it
+    outlives them, the processes it forks do not inherit that), and its resource tracker with them
+    blocked (it has no children). A signal to every process of the node would otherwise kill the
+    forkserver, and with it every DataLoader worker it started: torch's worker watchdog takes its
+    parent's end for its rank's. This thread blocks them meanwhile: a signal for the process goes to
+    another thread, none is lost. Main thread; a forkserver already running is left as it is."""
     import threading
     from multiprocessing import forkserver, resource_tracker
 
     if threading.current_thread() is not threading.main_thread():
         return
+    preload = list(getattr(getattr(forkserver, "_forkserver", None), "_preload_modules", None) or ["__main__"])
+    if FORKSERVER_GUARD not in preload:
+        forkserver.set_forkserver_preload([*preload, FORKSERVER_GUARD])
     old = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     try:
         resource_tracker.ensure_running()  # unblocks SIGINT and SIGTERM on its way (it ignores them itself)
@@ -204,17 +211,23 @@ def start_forkserver(signals: tuple[int, ...]) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-def close_workers(loader: Any, join_s: float = 5.0) -> None:
+def close_workers(loader: Any, graceful: bool = True, join_s: float = 5.0) -> None:
     """End a DataLoader's persistent worker processes now, by torch's own shutdown (a None to each, a
     bounded join); one still running after ``join_s`` is killed: it ignores SIGTERM, which
-    multiprocessing's exit would send it before waiting for it without a bound. No-op without workers."""
+    multiprocessing's exit would send it before waiting for it without a bound. ``graceful=False``
+    (fit failed: its rank's record must not wait) kills them first. No-op without workers."""
     it = getattr(loader, "_iterator", None)
     if it is None:
         return
+    workers = list(getattr(it, "_workers", []))
+    if not graceful:
+        for w in workers:
+            if w.is_alive():
+                w.kill()
     shutdown = getattr(it, "_shutdown_workers", None)
     if shutdown is not None:
         shutdown()
-    for w in getattr(it, "_workers", []):
+    for w in workers:
         if w.is_alive():
             w.kill()
             w.join(join_s)

@@ -565,11 +565,12 @@ class _Loop:
                               f"(checkpoint of {when}: {path}); nothing to do. Give a new --rdzv-id (or run_dir), "
                               "or resume=False to train again.")
 
-    def close(self) -> None:
+    def close(self, graceful: bool = True) -> None:
+        """``graceful=False``: fit raised (a failure, a preemption): its DataLoader workers are killed."""
         TIMER.detailed = False
         PREEMPT.fit_active = False
         for loader in (self.p.loader, self.p.val_loader):  # their workers ignore SIGTERM: ended here
-            close_workers(loader)
+            close_workers(loader, graceful=graceful)
         self.progress.close()
         self.log.close()
 
@@ -786,10 +787,13 @@ def fit_module(model: nn.Module, train_data: Any, *, val_data: Any = None, **opt
     """
     o = FitOptions.build(model, **options)
     loop = _Loop(_setup(model, train_data, val_data, o), o)
+    ended = False
     try:
-        return loop.run()
+        result = loop.run()
+        ended = True
+        return result
     finally:
-        loop.close()
+        loop.close(graceful=ended)
 
 
 def _mean_over_ranks(value: torch.Tensor | None, info: RankInfo) -> float | None:

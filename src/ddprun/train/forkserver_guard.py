@@ -1,0 +1,50 @@
+"""Preloaded into multiprocessing's forkserver when ``ddprun.fit`` starts it (train/data.py
+:func:`~ddprun.train.data.start_forkserver`); nothing to call.
+
+The job's preemption signals reach every process of a node (SLURM signals every process of a step).
+The forkserver would die of SIGUSR1's default action, and torch's DataLoader workers take their
+parent's end for their rank's and exit. Here the forkserver outlives those signals; a process it
+forks (a DataLoader worker, a pool of the user's) gets the default action back at its first one,
+unless it set its own (fit's DataLoader workers ignore them: ``PreemptionSafeInit``). The signals
+were blocked while the forkserver started (no window in which one kills it); they are unblocked
+here, so no process it forks inherits them blocked.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Mapping
+from typing import Any
+
+_SERVER = os.getpid()
+
+
+def _guard(signum: int, frame: Any) -> None:
+    if os.getpid() == _SERVER:
+        return
+    signal.signal(signum, signal.SIG_DFL)  # a forked process that kept this handler: as without ddprun
+    os.kill(os.getpid(), signum)
+
+
+def install(environ: Mapping[str, str]) -> tuple[int, ...]:
+    """Guard the forkserver against the job's preemption signals (``DDPRUN_PREEMPT_SIGNALS``) and
+    unblock them; the signals guarded. Never raises: an error here would end the forkserver."""
+    blocked: set[int] = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP}  # the default set
+    sigs: tuple[int, ...] = ()
+    try:
+        from ddprun.protocol import env as wenv
+        from ddprun.protocol.preempt import parse_signals
+
+        asked = parse_signals(environ.get(wenv.PREEMPT_SIGNALS, ""), wenv.PREEMPT_SIGNALS)
+        blocked |= set(asked)
+        sigs = tuple(s for s in asked if s != signal.SIGINT)  # the forkserver ignores SIGINT itself
+        for sig in sigs:
+            signal.signal(sig, _guard)
+    except Exception:  # noqa: BLE001
+        pass
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
+    return sigs
+
+
+install(os.environ)
