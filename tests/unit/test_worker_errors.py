@@ -51,3 +51,32 @@ def test_a_peers_death_seen_in_a_torch_collective_waits_for_the_first_hand_recor
     bootstrap._on_error(raised(scope["collective"]), channel(waited))
     err = capsys.readouterr().err
     assert waited == [defaults.ECHO_WAIT_S] and "a peer went away" in err and "Traceback" not in err
+
+
+def test_what_counts_as_raised_in_torch():
+    scope: dict = {}
+    exec(compile(TORCH_FRAME, "/site-packages/torch/distributed/fake.py", "exec"), scope)
+    from_torch = raised(scope["collective"])
+    assert bootstrap.raised_in_torch(from_torch)
+
+    def wait_on_work():  # Work.wait() raises from C++: no torch frame, the backend's words
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+
+    assert bootstrap.raised_in_torch(raised(wait_on_work))
+
+    def wrapped():  # the user's wrapper around a collective
+        try:
+            scope["collective"]()
+        except RuntimeError as inner:
+            raise ValueError("step failed: Connection reset by peer") from inner
+
+    assert bootstrap.raised_in_torch(raised(wrapped))
+
+    def through_a_module():  # the user's client called in forward: torch frames outside, the client's inside
+        exec(compile("def forward():\n    client()\n", "/site-packages/torch/nn/modules/module.py", "exec"), scope)
+        scope["client"] = lambda: (_ for _ in ()).throw(ConnectionRefusedError(111, "Connection refused"))
+        scope["forward"]()
+
+    assert not bootstrap.raised_in_torch(raised(through_a_module))
+    loader = RuntimeError("Caught ConnectionRefusedError in DataLoader worker process 0.\nConnection refused")
+    assert not bootstrap.raised_in_torch(loader)

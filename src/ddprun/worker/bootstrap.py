@@ -111,20 +111,33 @@ def _open_channel(argv: list[str], wenv: WorkerEnv | None) -> JobChannel | None:
     return channel
 
 
+BACKEND_MARKS = ("[gloo]", "gloo/transport", "NCCL", "c10d", "ProcessGroup")
+"""Words of torch's collective backends in an error (a Work.wait() the user called raises from C++)."""
+
+
 def raised_in_torch(e: BaseException) -> bool:
-    """Whether ``e`` came out of torch (a collective, DDP's hooks, autograd running them): only then
-    can an error text like "Connection refused" be a peer's death seen from here. The same text
-    from the user's own client (a metrics server, a data service) is this rank's error."""
+    """Whether ``e`` (or an error it was raised from) came out of torch's distributed machinery: a
+    torch.distributed DistError, a backend's words, or torch's code where it was raised (a collective,
+    DDP's hooks, autograd running them). Only then can "Connection refused" be a peer's death seen
+    from here; the same words from the user's own client (a metrics server, a data service, also
+    through a DataLoader worker) are this rank's error."""
     dist = sys.modules.get("torch.distributed")
     dist_error = getattr(dist, "DistError", None)
-    if dist_error is not None and isinstance(e, dist_error):
-        return True
-    marker = f"{os.sep}torch{os.sep}"
-    tb = e.__traceback__
-    while tb is not None:
-        if marker in tb.tb_frame.f_code.co_filename:
+    seen: set[int] = set()
+    err: BaseException | None = e
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        text = str(err)
+        if "in DataLoader worker process" in text:
+            return False
+        if (dist_error is not None and isinstance(err, dist_error)) or any(m in text for m in BACKEND_MARKS):
             return True
-        tb = tb.tb_next
+        tb = err.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is not None and f"{os.sep}torch{os.sep}" in tb.tb_frame.f_code.co_filename:
+            return True
+        err = err.__cause__ or err.__context__
     return False
 
 
