@@ -93,6 +93,8 @@ class AgentFailures:
         between SIGTERM and SIGKILL when this thread stops the workers (--stop-grace)."""
         self.run_dir, self.host, self.out = run_dir, host, out
         self._stop_grace = stop_grace_s
+        self._kill_later: threading.Timer | None = None
+        """The SIGKILL of the workers a lost store stopped (:meth:`_store_lost`), until a new attempt."""
         self._relay = relay
         self._alarm = -1
         """The job's alarm counter as last read: -1 reads everything at the first beat."""
@@ -145,6 +147,9 @@ class AgentFailures:
             self._local.clear()
             self._cache.clear()
             self.lost, self.stopping_for = None, None
+            if self._kill_later is not None:  # the last attempt's workers are gone; their pids may be reused
+                self._kill_later.cancel()
+                self._kill_later = None
         if self._relay is not None:
             self._relay.begin(self._keys, list(workers))
         if self._thread is None:
@@ -405,9 +410,9 @@ class AgentFailures:
             except OSError:
                 pass
         # torch's agent sees nothing wrong while they run: a worker that ignores SIGTERM is killed here
-        later = threading.Timer(self._stop_grace, kill_children, args=(pids, signal.SIGKILL))
-        later.daemon = True
-        later.start()
+        self._kill_later = threading.Timer(self._stop_grace, kill_children, args=(pids, signal.SIGKILL))
+        self._kill_later.daemon = True
+        self._kill_later.start()
 
     def on_signal(self, sig: int, why: str | None = None) -> None:
         """This agent got ``sig`` (or, ``why``, stops its workers with it for a reason of its own): say
