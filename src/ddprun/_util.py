@@ -3,7 +3,27 @@
 from __future__ import annotations
 
 import os
+import signal
+import sys
 from collections.abc import Iterable
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (Linux: PR_SET_PDEATHSIG): a worker never outlives
+    its agent, a forkserver never its rank. A parent already gone (reparented to 1) ends it now."""
+    if not sys.platform.startswith("linux"):
+        return  # the worker's monitor thread checks its parent on other platforms
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the call: nothing would deliver the signal
+        os._exit(1)
 
 
 def cpu_count() -> int:

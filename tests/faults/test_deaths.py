@@ -6,10 +6,11 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.faults.conftest import assert_nothing_left, describe
+from tests.faults.conftest import Nodes, assert_nothing_left, describe
 
 pytestmark = pytest.mark.faults
 
@@ -77,6 +78,22 @@ def test_a_worker_killed_on_a_node_of_two_leaves_its_sibling_stopped_not_failed_
         log = (tmp_path / "runs" / "fault" / "logs" / f"rank-{rank}.log").read_text()
         assert "asking every rank to stop" not in log, f"rank {rank} took its stop for a preemption:\n{log}"
     assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_rank_of_fit_leaves_no_dataloader_worker_or_forkserver(tmp_path):
+    """A rank of ddprun.fit with DataLoader workers is SIGKILLed (the OOM killer): its forkserver and
+    their workers end with it (they hold each other up: torch's worker waits while its parent, the
+    forkserver, lives, and the forkserver while a worker holds its pipe)."""
+    fit = str(Path(__file__).parents[1] / "multiprocess" / "scripts" / "fit_restart.py")
+    job = Nodes(tmp_path, 2, 1, ["--out", str(tmp_path / "out"), "--steps", "60", "--step-sleep", "0.1",
+                                 "--kill-rank", "1", "--kill-step", "3", "--num-workers", "1"],
+                extra=["--log-dir", str(tmp_path / "runs")], script=fit)
+    ended = job.finish(timeout=60)
+    assert all(e.returncode == 1 for e in ended), describe(ended)
+    for e in ended:
+        assert re.fullmatch(r"rank 1 \(node \d, \S+\) was killed by SIGKILL", cause_line(e.output)), describe(ended)
+    assert_nothing_left(tmp_path, within_s=10)  # a worker notices its forkserver's end within 5 s
 
 
 @pytest.mark.timeout(90)

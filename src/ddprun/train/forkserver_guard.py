@@ -17,6 +17,8 @@ import signal
 from collections.abc import Mapping
 from typing import Any
 
+from ddprun._util import die_with_parent
+
 _SERVER = os.getpid()
 
 
@@ -48,3 +50,6 @@ def install(environ: Mapping[str, str]) -> tuple[int, ...]:
 
 
 install(os.environ)
+# its rank's end (SIGKILL, the OOM killer) must end it: its DataLoader workers keep its alive-pipe open
+# and wait as long as it lives, so neither would ever exit (torch's worker watchdog watches its parent)
+die_with_parent()

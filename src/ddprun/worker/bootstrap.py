@@ -15,11 +15,10 @@ every rank raises alike (:mod:`ddprun.mismatch`) is one line, no traceback.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import sys
 
+from ddprun._util import die_with_parent
 from ddprun.errors import ConfigError
 from ddprun.preempt import PREEMPT, Preempted
 from ddprun.protocol import defaults
@@ -28,20 +27,10 @@ from ddprun.protocol.env import MERGE_STDERR, WorkerEnv
 from ddprun.worker import exit as ddp_exit
 from ddprun.worker.channel import JobChannel, JobRefused
 
-PR_SET_PDEATHSIG = 1
-
 
 def die_with_agent() -> None:
     """SIGKILL this process when its parent (the agent) dies, so a worker never outlives its agent."""
-    if not sys.platform.startswith("linux"):
-        return  # the monitor thread's parent check covers other platforms
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # the agent died before the call: nothing would deliver the signal
-        os._exit(1)
+    die_with_parent()
 
 
 def _merge_stderr_into_stdout() -> None:
