@@ -1,6 +1,7 @@
 """Two `ddprun run` agents on 127.0.0.1 as two nodes: what each worker saw, and how it ends."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -64,9 +65,10 @@ def test_a_failing_worker_fails_both_nodes_fast_and_is_named(tmp_path):
     assert max(r.wall_s for r in results) < 60, describe(results)
     both = "\n".join(r.output for r in results)
     assert "rank 3" in both and "RuntimeError: injected failure on rank 3" in both, describe(results)
-    # the node that did not host rank 3 names it as the cause
-    other = [r for r in results if "stopped because rank 3" in r.output]
-    assert other, describe(results)
+    # every node names it as the cause; the node that did not host rank 3 says its ranks were stopped by it
+    # (a rank's own "stopped because" line is not certain: its agent may stop it first, as torch does)
+    assert all("ddprun: the job failed: rank 3 (node " in r.output for r in results), describe(results)
+    assert re.search(r"rank\(s\) 0, 1 on \S+ were stopped because of it", both), describe(results)
     assert "ddprun: the job failed." in both
 
 
