@@ -306,7 +306,7 @@ def use_training_timeout() -> None:
 def use_init_timeout() -> None:
     """Back to the generous timeout, locally, before work one rank does while the others wait
     (the final checkpoint save). No collective: each rank's own waits use its own timeout."""
-    if _state is not None and _state.tightened and not _state.users_group and _set_timeout(_state.init_timeout_s):
+    if _state is not None and _state.tightened and _set_timeout(_state.init_timeout_s):
         _state.tightened = False
 
 
