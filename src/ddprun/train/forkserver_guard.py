@@ -18,6 +18,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from ddprun._util import die_with_parent
+from ddprun.protocol import defaults
+from ddprun.protocol import env as wenv
+from ddprun.protocol.preempt import parse_signals
 
 _SERVER = os.getpid()
 
@@ -32,12 +35,9 @@ def _guard(signum: int, frame: Any) -> None:
 def install(environ: Mapping[str, str]) -> tuple[int, ...]:
     """Guard the forkserver against the job's preemption signals (``DDPRUN_PREEMPT_SIGNALS``) and
     unblock them; the signals guarded. Never raises: an error here would end the forkserver."""
-    blocked: set[int] = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP}  # the default set
+    blocked = set(parse_signals(defaults.PREEMPT_SIGNALS))  # start_forkserver blocked the job's, these by default
     sigs: tuple[int, ...] = ()
     try:
-        from ddprun.protocol import env as wenv
-        from ddprun.protocol.preempt import parse_signals
-
         asked = parse_signals(environ.get(wenv.PREEMPT_SIGNALS, ""), wenv.PREEMPT_SIGNALS)
         blocked |= set(asked)
         sigs = tuple(s for s in asked if s != signal.SIGINT)  # the forkserver ignores SIGINT itself
