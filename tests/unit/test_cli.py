@@ -77,6 +77,7 @@ def test_the_defaults_are_the_ones_the_readme_tables():
     assert (c.preempt_signals, c.preempt_grace, c.spot_notice, c.requeue) == ("TERM,INT,USR1,USR2,HUP", None, "off", False)
     assert (c.telemetry_window, c.monitor_interval, c.max_restarts, c.start_method) == (2, 0.1, 0, "spawn")
     assert (c.warm_start, c.allow_uneven_nodes, c.rdzv_conf, c.log_dir, c.run_dir) == ("auto", False, {}, None, None)
+    assert (c.straggler_margin, c.straggler_windows) == (0.2, 3)  # README, "Stragglers": 20%, 3 windows
 
 
 @pytest.mark.parametrize("raw, what", [("read_timeout=1.5", "whole number"), ("last_call_timeout=0", "whole number"),

@@ -34,3 +34,30 @@ def test_nodes_that_came_to_join_are_counted_while_they_beat():
     a.last = a._read()
     assert a.last.joined == ["node-a pid 11"]
     assert a.timeout_message() == "1/2 nodes joined (node-a pid 11); 1 missing"
+
+
+def test_a_progress_line_comes_every_interval_with_the_seconds_left():
+    import inspect
+    import re
+
+    from ddprun.protocol import defaults
+
+    assert inspect.signature(JoinWatcher).parameters["interval_s"].default == defaults.JOIN_PROGRESS_S == 3.0
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    out = io.StringIO()
+    me = Newcomer(f"127.0.0.1:{store.port}", "ddprun", "", False, "p")
+    t0 = time.monotonic()
+    w = JoinWatcher("127.0.0.1", store.port, "ddprun", me, 2, 60, out, ("node-a", 11), interval_s=1.0).start()
+    seen = []  # (seconds since the start, the line) as each line appears
+    while len(seen) < 2 and time.monotonic() - t0 < 10:
+        lines = out.getvalue().splitlines()
+        seen += [(time.monotonic() - t0, line) for line in lines[len(seen):]]
+        time.sleep(0.05)
+    w.stop()
+    w._thread.join(timeout=5)
+    assert len(seen) == 2 and len(out.getvalue().splitlines()) <= 3
+    for k, (at, line) in enumerate(seen, start=1):
+        m = re.fullmatch(r"ddprun: 1/2 nodes joined \(node-a pid 11\); waiting up to 60 s \((\d+) s left\)", line)
+        assert m, line
+        assert at >= k * 1.0  # never before its interval
+        assert 60 - at - 1 <= int(m.group(1)) <= 60 - k  # the seconds left when it was written

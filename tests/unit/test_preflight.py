@@ -1,5 +1,7 @@
 """Preflight checks over node facts: each inconsistency is named with its nodes and values."""
 
+import pytest
+
 from ddprun.worker.preflight import check
 
 
@@ -61,3 +63,37 @@ def test_uneven_nodes_pass_only_when_every_node_allows_them():
     partial = [f.message for f in check([node(0, 2, True), node(1, 1, False)], 3) if f.level == "error"]
     assert any("--allow-uneven-nodes is given on some nodes only: node 0 (h0) with, node 1 (h1) without" in m
                for m in partial)
+
+
+def test_a_rank_started_twice_stops_with_its_node_and_a_hint(monkeypatch, capsys):
+    from ddprun.protocol import failure as fr
+    from ddprun.protocol.env import WorkerEnv
+    from ddprun.worker import exit as worker_exit
+    from ddprun.worker.channel import JobChannel
+    from ddprun.worker.preflight import announce
+
+    class CountingStore:
+        def __init__(self):
+            self.counts, self.data = {}, {}
+
+        def add(self, key, n):
+            self.counts[key] = self.counts.get(key, 0) + n
+            return self.counts[key]
+
+        def set(self, key, value):
+            self.data[key] = value
+
+    environ = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "GROUP_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": "1", "TORCHELASTIC_RUN_ID": "a", "DDPRUN_ATTEMPT": "0"}
+    store = CountingStore()
+    ch = JobChannel(environ, WorkerEnv(run_dir="/nonexistent"), connect=lambda: store)
+    store.add(ch.keys.rank_count(3), 1)  # the other node that claims node rank 1 published rank 3 first
+    recorded = []
+    monkeypatch.setattr(worker_exit, "record", lambda rec, channel: recorded.append(rec))
+    with pytest.raises(SystemExit) as stop:
+        announce(ch)
+    assert stop.value.code == 1 and ch.keys.rank(3) not in store.data  # its row never overwrote the first's
+    err = capsys.readouterr().err
+    assert err.startswith(f"ddprun: preflight: global rank 3 was started twice (this one on {ch.host}, node rank 1): "
+                          "two nodes share a node rank. HINT: give each node its own --node-rank")
+    assert [(r.kind, r.rank, r.node_rank) for r in recorded] == [(fr.PREFLIGHT, 3, 1)]

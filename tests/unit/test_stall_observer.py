@@ -73,3 +73,15 @@ def test_a_failing_poll_is_said_once_then_the_watch_goes_on_until_a_bounded_give
     ]
     logged = (tmp_path / "logs" / "monitor-rank-1.log").read_text().splitlines()
     assert [line.split(" ", 2)[2] for line in logged] == [e.removeprefix("ddprun: ") for e in err]
+
+
+def test_stall_timeout_0_turns_the_watch_off_and_only_the_first_and_last_ranks_observe():
+    environ = {"LOCAL_RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
+               "TORCHELASTIC_RUN_ID": "a", "DDPRUN_ATTEMPT": "0"}
+
+    def observer(rank, stall_timeout):
+        wenv = WorkerEnv(run_dir="/nonexistent", stall_timeout=stall_timeout)
+        return monitor_mod.Monitor(JobChannel({**environ, "RANK": str(rank)}, wenv, connect=object)).observer
+
+    assert [observer(r, 0) for r in range(4)] == [None] * 4
+    assert [observer(r, 300) is not None for r in range(4)] == [True, False, False, True]
