@@ -201,3 +201,77 @@ def test_a_peer_stopped_by_its_grace_is_this_nodes_forced_stop_and_any_other_fai
     assert pre.forced_line(peer).startswith("ddprun: the preemption grace of 3 s (--preempt-grace) ended before")
     assert pre.forced_why() == ("its preemption grace of 3 s (--preempt-grace) ended before its ranks stopped at "
                                 "the agreed step, and it stopped its workers")
+
+
+@pytest.fixture
+def rank_1(tmp_path, monkeypatch):
+    """Rank 1's monitor (never started) on a real store, with its own preemption state."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from ddprun.protocol.env import WorkerEnv
+    from ddprun.worker import monitor as monitor_mod
+    from ddprun.worker.channel import JobChannel
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    state = preempt.PreemptState(signals=(signal.SIGUSR1, signal.SIGTERM))
+    monkeypatch.setattr(monitor_mod, "PREEMPT", state)
+    environ = {"RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "GROUP_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(store.port), "TORCHELASTIC_RUN_ID": "a", "DDPRUN_ATTEMPT": "0"}
+    mon = monitor_mod.Monitor(JobChannel(environ, WorkerEnv(run_dir=str(tmp_path)), connect=lambda: store))
+    return mon, store, state, monitor_mod
+
+
+def test_a_first_signal_asks_the_job_to_stop_and_a_second_stops_the_rank_at_once(rank_1, monkeypatch, capsys):
+    mon, store, state, monitor_mod = rank_1
+    keys = mon.ch.keys
+    mon._signals(store, [signal.SIGUSR1])
+    req = pp.Request.parse(store.get(keys.preempt))
+    assert state.signum == signal.SIGUSR1 and (req.signal, req.by, req.node) == ("SIGUSR1", "rank 1", 1)
+    assert int(store.add(keys.alarm, 0)) == 1  # every rank reads the request at its next poll
+    assert capsys.readouterr().err == ("ddprun: rank 1 got SIGUSR1: asking every rank to stop at one step "
+                                       "(a second signal stops this rank at once)\n")
+    recorded = []
+    monkeypatch.setattr(monitor_mod, "record", lambda rec, ch: recorded.append(rec))
+
+    def exit_now(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(monitor_mod.os, "_exit", exit_now)
+    with pytest.raises(SystemExit) as ended:
+        mon._signals(store, [signal.SIGTERM])
+    assert ended.value.code == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.startswith("ddprun: rank 1 stopped by a second SIGTERM at step ")
+    assert [(r.rank, r.exit_code) for r in recorded] == [(1, 143)] and "second SIGTERM" in recorded[0].summary
+
+
+@pytest.mark.parametrize("consumer", ["none", "fit", "on_preempt"])
+def test_a_signal_with_nothing_to_stop_at_a_step_ends_the_rank_at_once_else_a_step_is_agreed(rank_1, monkeypatch,
+                                                                                             consumer):
+    mon, store, state, _ = rank_1
+    died = []
+    monkeypatch.setattr(preempt, "die_by", died.append)
+    state.fit_active = consumer == "fit"
+    if consumer == "on_preempt":
+        state.callbacks.append(lambda step: None)
+    mon._signals(store, [signal.SIGTERM])
+    mon._watch_preemption(store)
+    agreed = store.get(mon.ch.keys.preempt_stop).decode()
+    assert state.requested
+    if consumer == "none":  # neither ddprun.fit nor an on_preempt callback: SIGTERM does what it always did
+        assert agreed == pp.NO_STEP and died == [signal.SIGTERM] and state.stop_step is None
+    else:
+        assert died == [] and state.stop_step == int(agreed) >= 2
+
+
+def test_a_rank_that_got_no_signal_learns_of_no_step_and_ends_as_a_peer_of_the_signalled_ones(rank_1, monkeypatch):
+    mon, store, state, _ = rank_1
+    died = []
+    monkeypatch.setattr(preempt, "die_by", died.append)
+    req = pp.Request("SIGTERM", "rank 0", 0, "host-a", 1.0)
+    store.set(mon.ch.keys.preempt, req.to_json())
+    store.set(mon.ch.keys.preempt_stop, pp.NO_STEP)
+    state.fit_active = True
+    mon._watch_preemption(store)
+    assert state.requested and state.signame == "SIGTERM" and state.stop_step is None and died == []

@@ -56,3 +56,30 @@ def test_the_error_file_is_replaced_whole_never_rewritten_in_place(tmp_path, mon
     data = json.loads(path.read_text())
     assert data["message"]["message"] == "rank 1 failed" and data["message"]["extraInfo"]["ddprun"]["rank"] == 1
     assert os.stat(path).st_ino != before and [p.name for p in tmp_path.iterdir()] == ["rank-1.error.json"]
+
+
+HEALTHY = """
+import atexit, sys
+from ddprun.worker.exit import hard_exit
+
+class Teardown:
+    def __del__(self):  # interpreter finalization: where healthy gloo/NCCL workers abort
+        print("finalized", flush=True)
+
+keep = Teardown()
+out = open(sys.argv[1], "w")
+out.write("buffered, never flushed by the script")
+atexit.register(print, "handler 1", flush=True)
+atexit.register(print, "handler 2", flush=True)
+hard_exit(3)
+"""
+
+
+@pytest.mark.parametrize("soft", [False, True], ids=["hard", "DDPRUN_SOFT_EXIT=1"])
+def test_a_healthy_exit_runs_atexit_handlers_flushes_files_and_skips_finalization_unless_soft(tmp_path, soft):
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path), **({"DDPRUN_SOFT_EXIT": "1"} if soft else {})}
+    r = subprocess.run([sys.executable, "-c", HEALTHY, str(tmp_path / "out.txt")], capture_output=True, text=True,
+                       timeout=30, env=env)
+    assert r.returncode == 3, r.stderr
+    assert r.stdout.splitlines() == ["handler 2", "handler 1", *(["finalized"] if soft else [])], r.stdout + r.stderr
+    assert (tmp_path / "out.txt").read_text() == "buffered, never flushed by the script"
