@@ -119,3 +119,29 @@ def test_the_run_root_is_checked_without_creating_anything(tmp_path):
         with pytest.raises(ConfigError, match=f"{tmp_path / 'file'} is not a directory") as e:
             check_run_root(cfg)
         assert f"Seen: {flag} {tmp_path / 'file'}" in str(e.value) and "HINT" in str(e.value)
+
+
+def test_standalone_is_one_node_on_loopback_on_a_free_port_over_what_the_environment_says():
+    for environ in ({}, {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}):
+        spec = resolve(LaunchConfig(standalone=True, nproc_per_node=2), environ, CPU_NODE, launcher=True)
+        assert (spec.min_nodes, spec.max_nodes, spec.master_addr, spec.master_port, spec.rdzv_backend) == \
+            (1, 1, "127.0.0.1", 0, "c10d"), environ
+        assert spec.sources["master_port"] == "--standalone (a free port)"
+
+
+def test_the_job_token_comes_from_the_user_then_the_scheduler_then_is_random_on_one_node_only():
+    import re
+
+    from ddprun.agent.run import job_token
+    from ddprun.protocol.rundir import new_run_id
+
+    one, two = resolve(LaunchConfig(), {}, CPU_NODE), resolve(LaunchConfig(nnodes="2", rdzv_endpoint="h:1"), {}, CPU_NODE)
+    assert job_token({"DDPRUN_JOB_TOKEN": "t0k", "SLURM_JOB_ID": "9"}, two) == "t0k"
+    assert job_token({"SLURM_JOB_ID": "9"}, two) == "SLURM_JOB_ID=9"
+    assert job_token({"TRAINING_JOB_NAME": "sm-1"}, two) == "TRAINING_JOB_NAME=sm-1"
+    assert job_token({}, two) == ""  # multi-node: every node must agree, so nothing random
+    assert re.fullmatch(r"[0-9a-f]{32}", job_token({}, one)) and job_token({}, one) != job_token({}, one)
+    run_id = new_run_id()
+    later = new_run_id()
+    assert re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{6}", run_id) and later != run_id
+    assert later[:15] >= run_id[:15]  # date-time first: run directories sort by when they were made
