@@ -245,3 +245,30 @@ def test_two_nodes_that_disagree_are_both_named_without_a_majority(nvml, tmp_pat
     facts = [node(0, nvml, tmp_path, [h100(0)], nproc=1), node(1, nvml, tmp_path, [h100(1)], nproc=1, driver="535.1")]
     (msg,) = messages(gpufacts.check(facts), "warning")
     assert msg.startswith("NVIDIA driver differs between nodes: node 0 (h0) has '550.54.15', node 1 (h1) has '535.1'.")
+
+
+def test_pending_page_retirement_is_an_error_and_nvml_is_given_20_s_by_default(nvml, tmp_path):
+    import inspect
+
+    found = gpufacts.check([node(0, nvml, tmp_path, [h100(0), h100(1, retired_pending=1)])])
+    (msg,) = messages(found, "error")
+    assert msg.startswith("node 0 (h0) local rank 1 (GPU 1, GPU-0001): gpu.retired_pages_pending = true") and "HINT:" in msg
+    assert gpufacts.NVML_TIMEOUT_S == 20.0  # README: an NVML "that does not answer within 20 s is given up on"
+    assert inspect.signature(gpufacts.bounded_gpu_facts).parameters["timeout_s"].default == gpufacts.NVML_TIMEOUT_S
+
+
+def test_a_node_with_another_nccl_config_file_or_network_plugin_is_named(nvml, tmp_path):
+    for rank in range(3):
+        conf = tmp_path / f"root{rank}" / "etc"
+        conf.mkdir(parents=True)
+        (conf / "nccl.conf").write_text("NCCL_IB_DISABLE=1\n" if rank == 1 else "NCCL_IB_DISABLE=0\n")
+    plugins = tmp_path / "root2" / "usr/lib/x86_64-linux-gnu"
+    plugins.mkdir(parents=True)
+    (plugins / "libnccl-net-ofi.so").write_text("")
+    facts = [node(r, nvml, tmp_path, [h100(2 * r), h100(2 * r + 1)]) for r in range(3)]
+    warns = messages(gpufacts.check(facts), "warning")
+    assert any(m.startswith("NCCL config files (sha256) differs between nodes: most have ") and "node 1 (h1) has" in m
+               and "HINT: /etc/nccl.conf and ~/.nccl.conf set NCCL variables too" in m for m in warns), warns
+    assert ("NCCL network plugin differs between nodes: most have 'none', node 2 (h2) has 'libnccl-net-ofi.so'. "
+            "HINT: nodes on different NCCL transports can hang after init; install the same plugin everywhere.") in warns
+    assert len(warns) == 2
