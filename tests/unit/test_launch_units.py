@@ -145,3 +145,29 @@ def test_the_job_token_comes_from_the_user_then_the_scheduler_then_is_random_on_
     later = new_run_id()
     assert re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{6}", run_id) and later != run_id
     assert later[:15] >= run_id[:15]  # date-time first: run directories sort by when they were made
+
+
+def test_the_agent_log_takes_fd_2_and_is_appended_to_and_a_launcher_error_reaches_the_console(tmp_path, capfd,
+                                                                                              monkeypatch):
+    import logging
+    import os
+
+    from ddprun.agent.run import AgentLog
+
+    for name in ("torch.distributed", "torch.distributed.elastic", "ddprun.agent"):  # AgentLog reroutes them
+        lg = logging.getLogger(name)
+        monkeypatch.setattr(lg, "handlers", list(lg.handlers))
+        monkeypatch.setattr(lg, "propagate", lg.propagate)
+        monkeypatch.setattr(lg, "level", lg.level)
+    path = str(tmp_path / "agent-h.log")
+    with AgentLog(path):
+        os.write(2, b"C++ warning of launch 1\n")
+    with pytest.raises(RuntimeError), AgentLog(path) as log:
+        os.write(2, b"C++ warning of launch 2\n")
+        print("to the console", file=log.console, flush=True)
+        raise RuntimeError("boom")
+    os.write(2, b"fd 2 is the console again\n")
+    with open(path) as f:
+        assert f.read() == "C++ warning of launch 1\nC++ warning of launch 2\n"
+    err = capfd.readouterr().err
+    assert err == f"to the console\nddprun: the launcher failed: RuntimeError: boom\nSee {path}\nfd 2 is the console again\n"
