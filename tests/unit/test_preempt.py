@@ -40,8 +40,17 @@ def test_records_round_trip_and_bad_values_are_no_record():
     assert pp.Request.parse(req.to_json()) == req and req.where() == "rank 3 (node 1, host-b)"
     saved = pp.Saved(40, 140, "/ck/step-00000140.pt", 2.1, "fit")
     assert pp.Saved.parse(saved.to_json().encode()) == saved
-    for bad in (None, b"", b"{", b'{"step": "x"}', b"[1, 2]", b'"text"'):
+    import pickle
+
+    class Boom:  # never unpickled: a store value is JSON or nothing (SECURITY.md)
+        def __reduce__(self):
+            return (open, ("/nonexistent/ddprun-pickle-ran", "w"))
+
+    for bad in (None, b"", b"{", b'{"step": "x"}', b"[1, 2]", b'"text"', pickle.dumps(Boom())):
         assert pp.Request.parse(bad) is None and pp.Saved.parse(bad) is None
+    from ddprun.worker.monitor import parse_int  # how a rank reads the agreed stop step
+
+    assert parse_int(pickle.dumps(Boom())) is None and parse_int(b"12") == 12
 
 
 @pytest.mark.parametrize(("environ", "seconds", "source"), [
