@@ -16,16 +16,19 @@ pytestmark = pytest.mark.timeout(120)
 SCRIPT = str(Path(__file__).resolve().parent / "scripts" / "fit_collectives.py")
 
 
+@pytest.mark.parametrize("hook", [False, True], ids=["plain", "on_checkpoint"])
 def test_fit_issues_no_collective_per_step_one_barrier_after_the_first_and_a_gather_and_barrier_per_checkpoint(
-        tmp_path):
+        tmp_path, hook):
     r = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2", SCRIPT, str(tmp_path / "run"), "10",
-                        str(tmp_path)],
+                        str(tmp_path), *(["hook"] if hook else [])],
                        capture_output=True, text=True, timeout=100, env=job_env(PYTHONPATH=":".join(sys.path)))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
-    checkpoint = ["all_gather_object", "barrier"]  # every rank's RNG states, then the write's barrier
+    # every rank's RNG states, then the write's barrier; after on_checkpoint a barrier back to the training timeout
+    checkpoint = ["all_gather_object", "barrier", *(["barrier"] if hook else [])]
     for d in ranks:
         assert (d["world"], d["steps"], d["model"]) == (2, 30, "Sequential")  # DDP unwrapped for the user
         # keys: the step the collectives came before; steps 3-10, 12-20, 22-30 had none
         assert d["before_step"] == {"2": ["barrier"], "11": checkpoint, "21": checkpoint}, d
+        assert d["loose_at"] == [1], d  # the init timeout only for the first step, also after on_checkpoint
     assert ranks[0]["params"] == ranks[1]["params"]  # different shards, one model: DDP's all-reduce ran

@@ -708,12 +708,15 @@ class _Loop:
 
     def _on_checkpoint(self, saved: CheckpointSaved) -> None:
         """The user's on_checkpoint (an upload, say): a declared phase for the stall watchdog, and the
-        other ranks' next collective waits for it with the generous timeout, as for a checkpoint write."""
+        other ranks wait for it with the generous timeout, as for a checkpoint write; then (every rank
+        is here at the same step) a barrier and the training timeout again."""
         if self.o.on_checkpoint is None:
             return
         runtime.use_init_timeout()
         with busy("on_checkpoint"):
             self.o.on_checkpoint(saved)
+        if not saved.final:
+            runtime.use_training_timeout()
 
     def _flush_window(self) -> None:
         info, w = self.p.info, self.window
