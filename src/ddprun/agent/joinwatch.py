@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TextIO
 
+from ddprun.protocol.defaults import JOIN_PROGRESS_S
+
 if TYPE_CHECKING:  # annotations only: torch.distributed is imported where the store is made
     from torch.distributed import TCPStore
 
@@ -63,7 +65,7 @@ class JoinWatcher:
     """Prints join progress for a c10d rendezvous until :meth:`stop` (called when workers start)."""
 
     def __init__(self, host: str, port: int, run_id: str, me: Newcomer, nnodes: int, join_timeout: float,
-                 out: TextIO, agent: tuple[str, int], interval_s: float = 3.0, stale_s: float = STALE_S,
+                 out: TextIO, agent: tuple[str, int], interval_s: float = JOIN_PROGRESS_S, stale_s: float = STALE_S,
                  hosted: bool = False):
         """``hosted``: this agent hosts the endpoint's store; left out, it keeps serving it (below)."""
         self._hosted = hosted
