@@ -217,6 +217,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     if doctor:
         entry = Entry(target="ddprun.worker.doctor_job", is_module=True)
     check_numbers(args)
+    check_standalone(args)
     stall = getattr(args, "stall_timeout", DEFAULT_STALL_TIMEOUT_S)
     margin, windows = getattr(args, "straggler_margin", 0.2), getattr(args, "straggler_windows", 3)
     return LaunchConfig(
@@ -275,6 +276,25 @@ def check_numbers(args: argparse.Namespace) -> None:
     if getattr(args, "master_port", None) is not None and not 0 <= args.master_port <= 65535:
         raise ConfigError("--master-port takes a TCP port 1-65535 (0: a free one, single node only).",
                           seen=f"--master-port {args.master_port}", hint="e.g. --master-port 29500.")
+
+
+STANDALONE_CONFLICTS = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint",
+                        "hostfile")
+"""Flags that say where the job's nodes meet: --standalone says it itself (one node, loopback, a free port)."""
+
+
+def check_standalone(args: argparse.Namespace) -> None:
+    """--standalone with a flag that places the job elsewhere is a usage error, not one silently winning."""
+    if not getattr(args, "standalone", False):
+        return
+    given = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in STANDALONE_CONFLICTS
+             if getattr(args, name, None) not in (None, False)]
+    if args.nnodes in ("1", "1:1"):  # says the same as --standalone
+        given = [g for g in given if not g.startswith("--nnodes ")]
+    if given:
+        raise ConfigError("--standalone (one node, rendezvous on 127.0.0.1 and a free port) contradicts "
+                          f"{', '.join(g.split()[0] for g in given)}.", seen=f"--standalone {' '.join(given)}",
+                          hint="Drop --standalone for a multi-node job, or drop the other flags for one node.")
 
 
 def _plan_network(spec, cfg: LaunchConfig, environ: Mapping[str, str]):

@@ -96,3 +96,12 @@ def test_a_join_timeout_under_a_second_is_refused_and_fractions_round_up_for_tor
     with pytest.raises(ConfigError, match="at least 1 second"):
         check_numbers(build_parser().parse_args(["run", "--join-timeout", "0.5", "t.py"]))
     check_numbers(build_parser().parse_args(["run", "--join-timeout", "1.5", "t.py"]))
+
+
+@pytest.mark.parametrize("extra", [["--nnodes", "2"], ["--rdzv-endpoint", "h:29500"], ["--master-port", "29500"],
+                                   ["--node-rank", "1"], ["--master-addr", "10.0.0.1", "--nnodes", "1:2"]])
+def test_standalone_with_a_flag_that_places_the_job_elsewhere_is_a_usage_error_naming_both(extra):
+    with pytest.raises(ConfigError, match="--standalone .* contradicts") as e:
+        cfg("--standalone", *extra, "t.py")
+    assert " ".join(extra[:2]) in str(e.value) and "HINT" in str(e.value)
+    assert cfg("--standalone", "--nnodes", "1", "t.py").standalone  # one node says the same

@@ -122,11 +122,13 @@ def test_the_run_root_is_checked_without_creating_anything(tmp_path):
 
 
 def test_standalone_is_one_node_on_loopback_on_a_free_port_over_what_the_environment_says():
-    for environ in ({}, {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}):
+    slurm_batch_script = {"SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "a[1-2]", "SLURM_NODEID": "0"}
+    for environ in ({}, {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}, slurm_batch_script):
         spec = resolve(LaunchConfig(standalone=True, nproc_per_node=2), environ, CPU_NODE, launcher=True)
         assert (spec.min_nodes, spec.max_nodes, spec.master_addr, spec.master_port, spec.rdzv_backend) == \
             (1, 1, "127.0.0.1", 0, "c10d"), environ
         assert spec.sources["master_port"] == "--standalone (a free port)"
+        assert spec.environment == "local" and ("SLURM_JOB_ID" not in environ or "the slurm job" in spec.notes[0])
 
 
 def test_the_job_token_comes_from_the_user_then_the_scheduler_then_is_random_on_one_node_only():

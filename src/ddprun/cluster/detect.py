@@ -49,8 +49,10 @@ def detect(environ: Mapping[str, str], order: Sequence[type[ClusterEnvironment]]
 
 
 def choose(cfg: LaunchConfig, environ: Mapping[str, str]) -> tuple[ClusterEnvironment, list[str]]:
-    """The environment to read, and notes on what it overrode: torchrun > --hostfile > detect()."""
+    """The environment to read, and notes on what it overrode: torchrun > --standalone > --hostfile > detect()."""
     found = detect(environ)
+    if cfg.standalone and found.name not in ("local", "torchrun"):  # one node on this machine, as torchrun's
+        return LocalEnvironment(), [f"--standalone: one node on this machine; the {found.name} job around it is not read."]
     if not cfg.hostfile:
         return found, []
     if found.name == "torchrun":
