@@ -5,6 +5,7 @@ closures, or defined in a ``__main__`` namespace, so they can only reach the wor
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -103,17 +104,27 @@ def test_a_failing_rank_is_named_with_its_own_error_and_the_launch_ends(tmp_path
 
 @pytest.mark.timeout(60)
 def test_the_timeout_ends_a_hung_launch(tmp_path, quiet_env):
+    entered = str(tmp_path / "entered")
+
     def hang():
+        import os
         import time
 
+        open(f"{entered}-{os.environ['RANK']}", "w").close()
         time.sleep(300)
 
     t0 = time.monotonic()
-    with pytest.raises(LaunchTimeout, match="timeout of 4 s"):
-        ddprun.launch(hang, nproc_per_node=2, run_dir=str(tmp_path / "run"), timeout=4)
+    with pytest.raises(LaunchTimeout, match="timeout of 6 s"):
+        ddprun.launch(hang, nproc_per_node=2, run_dir=str(tmp_path / "run"), timeout=6)
     wall = time.monotonic() - t0
-    assert wall < 25, f"the timeout of 4 s took {wall:.1f} s"
-    assert "in hang" in (tmp_path / "run" / "logs" / "rank-0.log").read_text()  # its stack, for the why
+    assert wall < 25, f"the timeout of 6 s took {wall:.1f} s"
+    for rank in (0, 1):  # every rank's stacks in its log, for the why
+        log = (tmp_path / "run" / "logs" / f"rank-{rank}.log").read_text()
+        assert "timeout of 6 s reached; this rank was still running (stacks in its log)" in log, log
+        assert "Current thread" in log and "(most recent call first)" in log, log
+        # the timeout counts from the call: a rank still starting when it struck is not in hang yet
+        if os.path.exists(f"{entered}-{rank}"):
+            assert "in hang" in log, log
 
 
 REPL = """
