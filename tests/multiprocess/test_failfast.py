@@ -69,6 +69,11 @@ def test_second_job_on_the_same_endpoint_is_refused_and_the_first_unharmed(tmp_p
         assert a2.returncode == 0, describe([a2])
         out, _ = node_a.communicate(timeout=30)
         assert node_a.returncode == 0, out
+        # the refused job left nothing: no run directory of its own, no trace in the first job's
+        files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+        assert [f for f in files if not f.startswith("runs/jobA/")] == [], files
+        assert {"runs/jobA/logs/rank-0.log", "runs/jobA/logs/rank-1.log", "runs/jobA/plan.json"} <= set(files)
+        assert not [f for f in files if "jobB" in (tmp_path / f).read_text(errors="replace")], files
     finally:
         if node_a.poll() is None:
             node_a.kill()
