@@ -2,10 +2,11 @@
 
 torch does the rendezvous, the worker processes and their supervision (agent/torch_agent.py, torch's
 LocalElasticAgent); this module decides what to launch and where its output goes, and says on the
-console how it ended. The steps of :func:`launch`: the network plan, the run (id, directory, token,
-worker environment), torch's logging and C++ stderr into the agent log (:class:`AgentLog`), the
-endpoint claim, the agent with ddprun's failure hooks (agent/failures.py), and one line or summary
-per way it can end (:func:`ending`).
+console how it ended. The steps of :func:`launch`: the network plan, the run (a proposed id,
+directory, token, worker environment), the standbys, admission (the endpoint claim and the agreed
+run id, agent/admission.py), the node store (agent/noderelay.py), torch's logging and C++ stderr
+into the agent log (:class:`AgentLog`), the agent with ddprun's failure hooks (agent/failures.py),
+and one line or summary per way it can end (:func:`ending`).
 """
 
 from __future__ import annotations
@@ -373,8 +374,8 @@ def _announce(run: _Run, console: TextIO) -> None:
 
 
 def supervise(run: _Run, tee: set[int], console: TextIO, err: TextIO, relay: Any = None) -> Outcome:
-    """Claim the endpoint, run torch's agent with ddprun's hooks, and say how it ended. ``relay``: the
-    node store (agent/noderelay.py) whose address is in ``run.wenv``."""
+    """Run torch's agent with ddprun's hooks (the endpoint is claimed already, :func:`admit_run`) and
+    say how it ended. ``relay``: the node store (agent/noderelay.py) whose address is in ``run.wenv``."""
     from ddprun.agent.joinwatch import JoinWatcher
     from ddprun.agent.logs import LogFollower, remove_empty_early_logs
 
