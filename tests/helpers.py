@@ -20,8 +20,36 @@ TORCHRUN = str(BIN / "torchrun")
 EXAMPLE = str(REPO / "examples" / "torchrun_style.py")
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port free now, below the kernel's ephemeral range: a job binds it seconds later (after
+    its imports), and meanwhile no connecting socket can autobind it (a port 0 pick could be)."""
+    import random
+
+    low = _ephemeral_low()
+    rng = random.Random(os.getpid() * 1_000_003 + time.monotonic_ns())
+    for _ in range(500 if low > 20000 else 0):  # a machine whose ephemeral range starts low: the kernel's pick
+        port = rng.randrange(20000, low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # every pick taken: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -33,6 +33,7 @@ def main() -> None:
     n_val = 16  # per rank 8 samples (2 ranks): each sleeps val_s / 8
     res = ddprun.fit(nn.Linear(8, 1), TensorDataset(x, x[:, :1]), val_data=Slow(n_val, args.val_s / (n_val // 2)),
                      batch_size=8, epochs=1, loss_fn=nn.functional.mse_loss, log_every=100,
+                     num_workers=0,  # the pass is the slow batch alone, not the DataLoader workers' start too
                      optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01))
     print(f"validated: val_loss {res.val_metrics['val_loss']:.4f}", flush=True)
 

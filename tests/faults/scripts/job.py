@@ -37,14 +37,18 @@ def phase(args: argparse.Namespace, rank: int) -> None:
     """A phase without optimizer steps: evaluation (collectives) or a user phase with heartbeats."""
     end = time.monotonic() + max(args.eval_s, args.beat_s)
     n = 0
-    while time.monotonic() < end:
-        if args.eval_s:
-            t = torch.ones(1)
-            dist.all_reduce(t)
-        else:
+    while True:
+        if args.eval_s:  # the collective carries the decision: every rank stops after the same one
+            go = torch.tensor([1.0 if time.monotonic() < end else 0.0])
+            dist.all_reduce(go, op=dist.ReduceOp.MIN)
+            if not go.item():
+                break
+        elif time.monotonic() < end:
             import ddprun
 
             ddprun.heartbeat("user phase")
+        else:
+            break
         time.sleep(0.2)
         n += 1
     print(f"rank {rank}: phase of {n} iterations done", flush=True)
