@@ -131,10 +131,11 @@ def test_a_stranger_at_an_elastic_job_with_room_is_refused(nodes, tmp_path):
 
 @pytest.mark.timeout(150)
 def test_a_late_node_of_the_same_elastic_job_is_taken_in(nodes, tmp_path):
-    job = nodes(2, 1, ["--steps", "120", "--step-s", "0.05"], rdzv_id=None, nnodes="1:3", extra=ELASTIC)
+    # the job trains until the late node is in (its workers restart with WORLD_SIZE 3), however long it takes
+    args = ["--steps", "60", "--step-s", "0.05", "--min-world", "3"]
+    job = nodes(2, 1, args, rdzv_id=None, nnodes="1:3", extra=ELASTIC)
     job.worker_pids(range(2))
-    late = nodes(1, 1, ["--steps", "120", "--step-s", "0.05"], rdzv_id=None, nnodes="1:3", extra=ELASTIC,
-                 port=job.port, name="late")
+    late = nodes(1, 1, args, rdzv_id=None, nnodes="1:3", extra=ELASTIC, port=job.port, name="late")
     ended = job.finish(timeout=90) + late.finish(timeout=30)
     assert [e.returncode for e in ended] == [0, 0, 0], describe(ended)
     both = "".join(e.output for e in ended)
@@ -148,8 +149,14 @@ def test_a_late_node_of_the_same_elastic_job_is_taken_in(nodes, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_of_three_launches_racing_for_a_two_node_job_the_one_left_out_says_so(nodes, tmp_path):
-    job = nodes(3, 1, ["--steps", "60", "--step-s", "0.05"], rdzv_id=None, nnodes="2")
-    ended = job.finish(timeout=90)
+    # the job trains until the node left out has said so: it checks while the job is alive
+    until = tmp_path / "said"
+    job = nodes(3, 1, ["--steps", "20", "--step-s", "0.05", "--until", str(until)], rdzv_id=None, nnodes="2")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any("Refused" in o.read_text(errors="replace") for o in job.outs):
+        time.sleep(0.2)
+    until.touch()
+    ended = job.finish(timeout=60)
     codes = sorted(e.returncode for e in ended)
     assert codes == [0, 0, 1], describe(ended)
     (out,) = [e for e in ended if e.returncode == 1]

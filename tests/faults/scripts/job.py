@@ -30,6 +30,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--beat-s", type=float, default=0.0, help="after step 3: ddprun.heartbeat() only for this long")
     p.add_argument("--manual-sgd", action="store_true", help="update parameters by hand (no torch.optim)")
     p.add_argument("--write-mb", type=float, default=0.0, help="each step, print this many MB (a full disk)")
+    p.add_argument("--until", default=None, help="after --steps, go on until this file exists (on any rank)")
+    p.add_argument("--min-world", type=int, default=0,
+                   help="count steps only while WORLD_SIZE is at least this (a job that waits for a late node)")
     return p.parse_args()
 
 
@@ -54,6 +57,16 @@ def phase(args: argparse.Namespace, rank: int) -> None:
     print(f"rank {rank}: phase of {n} iterations done", flush=True)
 
 
+def done(step: int, steps: int, until: str | None) -> bool:
+    """Past ``steps`` and, with ``until``, that file seen by some rank (agreed by a collective: every
+    rank stops after the same step)."""
+    if step < steps or until is None:
+        return step >= steps
+    seen = torch.tensor([1.0 if os.path.exists(until) else 0.0])
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    return bool(seen.item())
+
+
 def main() -> None:
     args = parse()
     if args.ignore_sigterm:
@@ -65,7 +78,10 @@ def main() -> None:
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    for step in range(1, args.steps + 1):
+    steps = args.steps if dist.get_world_size() >= args.min_world else 10**9  # ended by a restart or the test
+    step = 0
+    while not done(step, steps, args.until):
+        step += 1
         loss = model(torch.randn(16, 8)).pow(2).mean()
         loss.backward()
         if args.manual_sgd:
@@ -90,7 +106,7 @@ def main() -> None:
                 print("x" * 99)
             sys.stdout.flush()
         time.sleep(args.step_s)
-    print(f"rank {rank}: done after {args.steps} steps", flush=True)
+    print(f"rank {rank}: done after {step} steps", flush=True)
 
 
 if __name__ == "__main__":
