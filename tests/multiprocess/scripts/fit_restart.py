@@ -94,7 +94,15 @@ def main():
     p.add_argument("--num-workers", type=int, default=None, help="fit's num_workers (DataLoader worker processes)")
     p.add_argument("--slow-checkpoint", type=float, default=0.0)
     p.add_argument("--timeline", help="rank 0 appends '<event> <pid> <unix time>' per training_step call and step")
+    p.add_argument("--wait-world", type=int, default=0,
+                   help="while WORLD_SIZE is below this and --wait-unless does not exist, wait for the restart a "
+                        "joining node brings (an elastic round formed before every node arrived)")
+    p.add_argument("--wait-unless")
     args = p.parse_args()
+    if int(os.environ.get("WORLD_SIZE", "1")) < args.wait_world and not (
+            args.wait_unless and os.path.exists(args.wait_unless)):
+        time.sleep(120)  # torch's agent restarts this group when the late node waits to join
+        raise SystemExit(f"no node joined within 120 s (WORLD_SIZE {os.environ.get('WORLD_SIZE')})")
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     os.makedirs(args.out, exist_ok=True)
     first = args.marker is None or not os.path.exists(args.marker)
