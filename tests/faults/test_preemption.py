@@ -107,7 +107,8 @@ def test_a_signal_to_one_agent_stops_every_rank_at_one_step(tmp_path, name):
 @pytest.mark.timeout(120)
 def test_a_second_signal_to_an_agent_stops_its_workers_at_once(tmp_path):
     job = Nodes(tmp_path, 2, 1, [*SLOW, "--out", str(tmp_path / "out"), "--signal-step", "5", "--signal-rank", "0",
-                                 "--send-signal", "USR1", "--signal-to", "agent", "--marker", str(tmp_path / "signalled")],
+                                 "--send-signal", "USR1", "--signal-to", "agent", "--marker", str(tmp_path / "signalled"),
+                                 "--hold-after-signal", "60"],  # no rank reaches the stop step before the 2nd signal
                 extra=["--log-dir", str(tmp_path / "runs")], script=FIT)
     deadline = time.monotonic() + 60
     # every agent knows the agreed stop step (seconds ahead), so the other node knows its workers end

@@ -93,6 +93,8 @@ def main():
                    help="tree: the agent and every process below it (DataLoader workers too), as SLURM signals a step")
     p.add_argument("--num-workers", type=int, default=None, help="fit's num_workers (DataLoader worker processes)")
     p.add_argument("--slow-checkpoint", type=float, default=0.0)
+    p.add_argument("--hold-after-signal", type=float, default=0.0,
+                   help="the signalling rank then waits this long in its step: no rank reaches the stop step")
     p.add_argument("--timeline", help="rank 0 appends '<event> <pid> <unix time>' per training_step call and step")
     p.add_argument("--wait-world", type=int, default=0,
                    help="while WORLD_SIZE is below this and --wait-unless does not exist, wait for the restart a "
@@ -158,6 +160,7 @@ def main():
             fail_now("raise")
         if first and rank == args.signal_rank and step == args.signal_step:
             send_signal()
+            time.sleep(args.hold_after_signal)
         several_nodes = int(os.environ.get("WORLD_SIZE", "1")) > int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         if first and local_rank == 0 and several_nodes and step == args.kill_node_step:
             fail_now("node")
