@@ -192,3 +192,18 @@ def test_the_endpoint_beat_never_waits_on_a_gone_endpoint():
     t0 = _time.monotonic()
     beat(0, 2)  # within 5 s of the failure: not tried again
     assert _time.monotonic() - t0 < 0.1 and beat._store is None
+
+
+def test_a_live_job_is_seen_alive_as_soon_as_every_beat_moved_even_when_one_is_held_up(store):
+    store.set(keys.job_beat_key(0), "1")
+    store.set(keys.job_beat_key(1), "1")
+    threading.Timer(0.3, lambda: store.set(keys.job_beat_key(0), "2")).start()
+    threading.Timer(2.0, lambda: store.set(keys.job_beat_key(1), "2")).start()  # a loaded node's beat, late
+    t0 = time.monotonic()
+    assert admission.job_alive(store, job())
+    assert 2.0 <= time.monotonic() - t0 < 2.9  # not before the late beat, not the whole wait
+    store.set(keys.job_beat_key(1), "3")
+    threading.Timer(0.3, lambda: store.set(keys.job_beat_key(0), "3")).start()
+    t0 = time.monotonic()
+    assert not admission.job_alive(store, job(), wait_s=1.0)  # node 1 stands still: not alive
+    assert 1.0 <= time.monotonic() - t0 < 2.0

@@ -220,9 +220,10 @@ def publish_end(store: Any, job: JobRecord) -> None:
         pass
 
 
-def job_alive(store: Any, job: JobRecord, wait_s: float = 1.5) -> bool:
-    """Whether every node of the job's round is alive: its agent's beat (:class:`EndpointBeat`) moves
-    within ``wait_s`` (two batched reads)."""
+def job_alive(store: Any, job: JobRecord, wait_s: float = 3.0, poll_s: float = 0.25) -> bool:
+    """Whether every node of the job's round is alive: its agent's beat (:class:`EndpointBeat`, every
+    0.5 s) moves within ``wait_s``. One batched read every ``poll_s``; True as soon as every beat
+    moved (about half a second), so a beat held up by a loaded node is waited for, not taken for dead."""
     names = [keys.job_beat_key(n) for n in range(job.nnodes)]
 
     def beats() -> list[bytes] | None:
@@ -231,9 +232,17 @@ def job_alive(store: Any, job: JobRecord, wait_s: float = 1.5) -> bool:
     before = beats()
     if before is None:
         return False
-    time.sleep(wait_s)
-    after = beats()
-    return after is not None and all(a != b for a, b in zip(before, after))
+    moved = [False] * len(names)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        time.sleep(poll_s)
+        now = beats()
+        if now is None:
+            return False
+        moved = [m or a != b for m, a, b in zip(moved, before, now)]
+        if all(moved):
+            return True
+    return False
 
 
 class EndpointBeat:
