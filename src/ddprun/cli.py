@@ -205,7 +205,25 @@ def parse_rdzv_conf(raw: str) -> dict[str, str]:
             raise ConfigError(f"--rdzv-conf {key} takes a boolean.", seen=f"--rdzv-conf {raw!r}",
                               hint=f"e.g. --rdzv-conf {key}=true ({', '.join(BOOL_WORDS)})")
         out[key] = value
+    check_keep_alive(out, raw)
     return out
+
+
+def check_keep_alive(conf: dict[str, str], raw: str) -> None:
+    """torch's rendezvous drops a node whose keep-alive is older than interval x max_attempt, and a
+    healthy node's can be about 2 x interval + 1 s old when a round completes (its join loop beats
+    only every interval, its polls are 1 s apart, then its keep-alive thread waits one interval):
+    below that, torch drops healthy nodes while their workers train."""
+    interval = int(conf.get("keep_alive_interval", "5"))  # torch's defaults: 5 s x 3
+    attempts = int(conf.get("keep_alive_max_attempt", "3"))
+    if interval * attempts < 2 * interval + 3:
+        need = math.ceil((2 * interval + 3) / interval)
+        raise ConfigError(
+            f"--rdzv-conf keep_alive_interval x keep_alive_max_attempt ({interval} s x {attempts}) is too short: "
+            f"a healthy node's keep-alive can be {2 * interval + 1} s old when a round completes, and torch's "
+            "rendezvous then drops it while its workers train (another group can form beside them).",
+            seen=f"--rdzv-conf {raw!r}",
+            hint=f"keep_alive_max_attempt={need} or more with keep_alive_interval={interval} (torch's defaults: 5 x 3).")
 
 
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:

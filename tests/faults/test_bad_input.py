@@ -33,8 +33,10 @@ def ddprun(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Complet
     (["--join-timeout", "0.5"], ["--join-timeout", "0.5", "at least 1 second"]),
     (["--rdzv-conf", "join_timeout=5m"], ["join_timeout", "'join_timeout=5m'", "whole number"]),
     (["--log-dir", "/dev/null/runs"], ["--log-dir", "/dev/null/runs", "/dev/null is not a directory"]),
+    (["--rdzv-conf", "keep_alive_interval=1,keep_alive_max_attempt=2"], ["keep_alive_max_attempt=5 or more"]),
+    (["--standalone", "--nnodes", "2"], ["--standalone", "--nnodes 2", "contradicts"]),
 ], ids=["tee", "redirects", "join-inf", "stall-nan", "restarts", "port-range", "port-0-multinode", "no-such-host",
-        "join-subsecond", "rdzv-conf-int", "log-dir-unmakeable"])
+        "join-subsecond", "rdzv-conf-int", "log-dir-unmakeable", "keep-alive-too-short", "standalone-multinode"])
 def test_a_bad_flag_is_one_message_with_its_value_and_a_hint(tmp_path, flags, names):
     r = ddprun("run", *flags, SCRIPT, "--pids", str(tmp_path), cwd=tmp_path)
     assert r.returncode == 2, r.stdout + r.stderr

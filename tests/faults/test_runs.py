@@ -194,3 +194,50 @@ def test_a_node_restarted_after_its_agent_died_is_taken_back_by_a_job_with_resta
     assert all("restarting the workers (restart 1 of 1)" in e.output for e in ended[:2]), describe(ended)
     assert len(run_ids(ended)) == 1, describe(ended)  # the same run, agreed again
     assert_nothing_left(tmp_path)
+
+
+def drop_from_rendezvous(port: int) -> int:
+    """What torch's sanitizer does to a node whose keep-alive went stale (another node's view of a
+    frozen agent): remove it from the round's participants; with none left, the next round. Returns
+    the round the state moves to."""
+    import base64
+    import pickle
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+    key = "torch.rendezvous.ddprun"
+    raw = store.get(key)
+    state = pickle.loads(base64.b64decode(raw))  # torch's own state: this test's process plays torch's part
+    state.participants.clear()
+    state.last_heartbeats.clear()
+    state.complete, state.round = False, state.round + 1
+    assert store.compare_set(key, raw, base64.b64encode(pickle.dumps(state))) != raw
+    return state.round
+
+
+@pytest.mark.timeout(120)
+def test_a_node_the_rendezvous_dropped_says_so_and_joins_again_instead_of_training_outside_the_job(nodes, tmp_path):
+    """torch's rendezvous drops a participant whose keep-alive went stale (its agent frozen or starved
+    past keep_alive_interval x keep_alive_max_attempt); another node may then form a round without
+    it, while its own workers train on: torch's agent never notices. Here the state is edited as the
+    other node's sanitizer would; the dropped node says so, restarts its workers into a new round, and
+    ends normally."""
+    until = tmp_path / "enough"
+    a = nodes(1, 1, ["--steps", "20", "--step-s", "0.05", "--until", str(until)], rdzv_id=None, nnodes="1:2",
+              extra=["--rdzv-conf", "last_call_timeout=1"])
+    a.worker_pids(range(1))
+    new_round = drop_from_rendezvous(a.port)
+    deadline = time.monotonic() + 30
+    while a.outs[0].read_text().count("ddprun: 1/1 ranks on 1 node(s)") < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    until.touch()
+    (ended,) = a.finish(timeout=40)
+    assert ended.returncode == 0, describe([ended])
+    assert "ddprun: this node was dropped from the job's rendezvous: its agent missed torch's keep-alive for more " \
+           "than keep_alive_interval 5 s x keep_alive_max_attempt 3" in ended.output, describe([ended])
+    assert ended.output.count("ddprun: 1/1 ranks on 1 node(s)") == 2, describe([ended])  # in the new round
+    log = next((tmp_path / "runs").glob("*/logs/agent-*.log")).read_text()
+    assert f"has joined round {new_round} of the rendezvous" in log, log[-2000:]
+    assert_nothing_left(tmp_path)

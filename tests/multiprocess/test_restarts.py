@@ -93,7 +93,7 @@ def test_a_lost_node_under_elastic_nnodes_leaves_the_job_running_on_the_other(tm
     lost_marker = str(tmp_path / "lost")
 
     def node(is_host: bool, *more: str) -> list[str]:
-        conf = f"is_host={str(is_host).lower()},last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"
+        conf = f"is_host={str(is_host).lower()},last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=5"
         # a first round that formed before the other node arrived (a slow start) waits for it, not trains alone
         return [DDPRUN, "run", "--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
                 "--rdzv-id", "rsel", "--rdzv-conf", conf, "--max-restarts", "2", "--log-dir", str(tmp_path / "runs"),

@@ -105,3 +105,13 @@ def test_standalone_with_a_flag_that_places_the_job_elsewhere_is_a_usage_error_n
         cfg("--standalone", *extra, "t.py")
     assert " ".join(extra[:2]) in str(e.value) and "HINT" in str(e.value)
     assert cfg("--standalone", "--nnodes", "1", "t.py").standalone  # one node says the same
+
+
+@pytest.mark.parametrize("conf, need", [("keep_alive_interval=1,keep_alive_max_attempt=2", 5),
+                                        ("keep_alive_max_attempt=2", 3), ("keep_alive_interval=2", 4)])
+def test_a_keep_alive_torch_would_let_expire_on_a_healthy_node_is_refused(conf, need):
+    with pytest.raises(ConfigError, match="keep_alive_interval x keep_alive_max_attempt") as e:
+        parse_rdzv_conf(conf)
+    assert f"HINT: keep_alive_max_attempt={need} or more" in str(e.value) and repr(conf) in str(e.value)
+    for fine in ("", "keep_alive_interval=1,keep_alive_max_attempt=5", "keep_alive_interval=10"):
+        parse_rdzv_conf(fine)  # torch's defaults (5 s x 3), and enough attempts for a short interval

@@ -19,3 +19,34 @@ def test_the_node_is_marked_stopping_before_the_first_close_of_its_workers_only(
     assert said == ["exits", "stopping"] and closes == [()]
     agent._pcontext.close(15, 30)
     assert said == ["exits", "stopping"] and closes == [(), (15, 30)]
+
+
+def test_a_node_the_rendezvous_dropped_is_reported_as_waiting_once_then_rejoins_under_its_own_line(monkeypatch):
+    """torch's c10d state removes a participant whose keep-alive went stale (a frozen agent) and may
+    form a round without it, while its workers still train: torch's agent never notices. Its healthy
+    check (num_nodes_waiting) answers 1 then, once, and the restart is announced as a drop."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from ddprun.agent.torch_agent import dropped_from_round
+
+    me, other = object(), object()
+    state = SimpleNamespace(participants={me: 0, other: 1}, wait_list=set())
+    handler = SimpleNamespace(_this_node=me, _state_holder=SimpleNamespace(state=state),
+                              num_nodes_waiting=lambda: len(state.wait_list))
+    said = []
+    agent = DdprunAgent.__new__(DdprunAgent)
+    agent._hooks = AgentHooks(on_dropped=lambda: said.append("dropped"),
+                              on_membership_change=lambda: said.append("a node waits"))
+    agent._dropped = False
+    agent._watch_dropped(handler)
+    agent._watch_dropped(handler)  # every rendezvous: wrapped once
+    assert handler.num_nodes_waiting() == 0 and not dropped_from_round(handler)
+    state.participants = {other: 0}  # the others' sanitizer removed it; a round went on without it
+    assert dropped_from_round(handler)
+    assert handler.num_nodes_waiting() == 1 and handler.num_nodes_waiting() == 0  # once: torch restarts now
+    monkeypatch.setattr(LocalElasticAgent, "_restart_workers", lambda self, group: said.append("restart"))
+    agent._restart_workers(SimpleNamespace(state=WorkerState.HEALTHY))
+    agent._restart_workers(SimpleNamespace(state=WorkerState.HEALTHY))  # a later one: a node joining
+    assert said == ["dropped", "restart", "a node waits", "restart"]
+    assert not dropped_from_round(SimpleNamespace())  # a handler without that state (static): never

@@ -451,6 +451,15 @@ class _AgentRun:
               "counted against --max-restarts)", file=self.failures.out, flush=True)
         self._reforming()
 
+    def _dropped(self) -> None:
+        conf = self.run_.cfg.rdzv_conf
+        interval, attempts = conf.get("keep_alive_interval", "5"), conf.get("keep_alive_max_attempt", "3")
+        print(f"ddprun: this node was dropped from the job's rendezvous: its agent missed torch's keep-alive for "
+              f"more than keep_alive_interval {interval} s x keep_alive_max_attempt {attempts} (the agent was "
+              "frozen or starved of CPU), and the rendezvous went on without it; stopping its workers and joining "
+              "again, so that two groups never train one run", file=self.failures.out, flush=True)
+        self._reforming()
+
     def _restarting(self, left: int, most: int) -> None:
         self._reforming()  # before the restart line, which may wait for a first-hand record
         self.failures.on_restarting(left, most)
@@ -478,6 +487,7 @@ class _AgentRun:
 
         hooks = AgentHooks(on_worker_exit=self.failures.on_worker_exit, on_workers_started=self._started,
                            on_restarting=self._restarting, on_membership_change=self._membership_change,
+                           on_dropped=self._dropped,
                            on_rendezvous=self.attempts.set_round,
                            on_signal=self._on_signal, exit_barrier_done=self.failures.exit_barrier_done,
                            stop_grace_s=self.run_.cfg.stop_grace, preempt_signals=self.preemption.signals,

@@ -8,6 +8,11 @@ the hooks ddprun needs and torch does not offer:
 * ``on_workers_started(worker_group, pids, restarts_left)``: after each (re)start of the worker group.
 * ``on_restarting(left, most)``: a failed group is about to be restarted (not a restart because a
   node joined): the agent says on its console which rank failed and how, every time.
+* ``on_dropped()``: torch's rendezvous no longer counts this node among its round's participants
+  (the others' sanitizer removed it when its keep-alive went stale: the agent was frozen or
+  starved), while its workers still train: a second group may form without it. torch's agent would
+  not notice; its healthy-group check then reports a waiting node, so torch restarts the group and
+  it joins again (:func:`dropped_from_round`).
 * ``on_signal(sig)``: the agent got a death signal; called before torch stops the workers, so the
   record of why reaches the other nodes before the echoes of the stopped workers do.
 * node 0 shares the workers' store address in every rendezvous round (:func:`share_bootstrap`:
@@ -54,6 +59,8 @@ class AgentHooks:
     """A rendezvous completed: its round (agent/attempt.py handler_round), before the workers start."""
     on_membership_change: Callable[[], None] = lambda: None
     """torch restarts a healthy group because a node waits to join (an elastic job with room)."""
+    on_dropped: Callable[[], None] = lambda: None
+    """torch restarts a healthy group because the rendezvous dropped this node (module docstring)."""
     on_signal: Callable[[int], None] = lambda sig: None
     """This agent got a death signal (SIGTERM, SIGINT, ...): called before torch stops the workers."""
     exit_barrier_done: Callable[[], bool] = lambda: False
@@ -85,6 +92,7 @@ class DdprunAgent(LocalElasticAgent):
         self._hooks = hooks
         self._hooks_said_signal: int | None = None
         self._preempt_said: int | None = None
+        self._dropped = False
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         pool, self._hooks.standby = self._hooks.standby, None
@@ -161,6 +169,9 @@ class DdprunAgent(LocalElasticAgent):
         # torch restarts a FAILED/UNHEALTHY group (one restart spent) or a HEALTHY one (a node joined)
         if worker_group.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
             self._hooks.on_restarting(self._remaining_restarts, worker_group.spec.max_restarts)
+        elif self._dropped:
+            self._dropped = False
+            self._hooks.on_dropped()
         else:
             self._hooks.on_membership_change()
         super()._restart_workers(worker_group)
@@ -177,7 +188,25 @@ class DdprunAgent(LocalElasticAgent):
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)
+        self._watch_dropped(worker_group.spec.rdzv_handler)
         self._hooks.on_rendezvous(handler_round(worker_group.spec.rdzv_handler))
+
+    def _watch_dropped(self, handler: Any) -> None:
+        """torch asks ``num_nodes_waiting()`` every monitor interval while the group is healthy (after
+        syncing the rendezvous state): it also answers 1 when that state dropped this node, once."""
+        if getattr(handler, "_ddprun_watches_drop", False) or not hasattr(handler, "num_nodes_waiting"):
+            return
+        waiting = handler.num_nodes_waiting
+
+        def num_nodes_waiting() -> int:
+            n = int(waiting())
+            if n == 0 and not self._dropped and not self._hooks.preempting() and dropped_from_round(handler):
+                self._dropped = True
+                return 1
+            return n
+
+        handler.num_nodes_waiting = num_nodes_waiting
+        handler._ddprun_watches_drop = True
 
     def _assign_worker_ranks(self, store: Any, group_rank: int, group_world_size: int,  # type: ignore[override]
                              spec: WorkerSpec) -> Any:
@@ -207,6 +236,15 @@ class DdprunAgent(LocalElasticAgent):
                 time.sleep(0.1)
         except Exception:  # noqa: BLE001 - the store host ended first: nothing left to wait for
             pass
+
+
+def dropped_from_round(handler: Any) -> bool:
+    """Whether torch's c10d rendezvous state (as the handler last synced it) no longer counts this
+    node among the participants of its round. False for a handler that keeps no such state."""
+    try:
+        return handler._this_node not in handler._state_holder.state.participants
+    except (AttributeError, TypeError):
+        return False
 
 
 def share_bootstrap(store: Any, handler: Any) -> None:
