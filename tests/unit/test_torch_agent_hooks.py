@@ -21,32 +21,36 @@ def test_the_node_is_marked_stopping_before_the_first_close_of_its_workers_only(
     assert said == ["exits", "stopping"] and closes == [(), (15, 30)]
 
 
-def test_a_node_the_rendezvous_dropped_is_reported_as_waiting_once_then_rejoins_under_its_own_line(monkeypatch):
-    """torch's c10d state removes a participant whose keep-alive went stale (a frozen agent) and may
-    form a round without it, while its workers still train: torch's agent never notices. Its healthy
-    check (num_nodes_waiting) answers 1 then, once, and the restart is announced as a drop."""
+def test_a_node_whose_round_the_rendezvous_moved_past_restarts_once_under_its_own_line(monkeypatch):
+    """torch's c10d state removes a participant whose keep-alive went stale (a frozen agent); when
+    that empties its round, the round number moves on and a new round may form without it, while its
+    workers still train: torch's agent never notices. Its healthy check (num_nodes_waiting) answers 1
+    then, once, and the restart is announced as a drop. A drop that leaves others in the round (only
+    the record changed; one group still trains) restarts nothing."""
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    from ddprun.agent.torch_agent import dropped_from_round
+    from ddprun.agent.torch_agent import round_moved_on
 
     me, other = object(), object()
-    state = SimpleNamespace(participants={me: 0, other: 1}, wait_list=set())
+    state = SimpleNamespace(participants={me: 0, other: 1}, wait_list=set(), round=4)
     handler = SimpleNamespace(_this_node=me, _state_holder=SimpleNamespace(state=state),
                               num_nodes_waiting=lambda: len(state.wait_list))
     said = []
     agent = DdprunAgent.__new__(DdprunAgent)
     agent._hooks = AgentHooks(on_dropped=lambda: said.append("dropped"),
                               on_membership_change=lambda: said.append("a node waits"))
-    agent._dropped = False
+    agent._dropped, agent._joined_round = False, 4
     agent._watch_dropped(handler)
     agent._watch_dropped(handler)  # every rendezvous: wrapped once
-    assert handler.num_nodes_waiting() == 0 and not dropped_from_round(handler)
-    state.participants = {other: 0}  # the others' sanitizer removed it; a round went on without it
-    assert dropped_from_round(handler)
+    assert handler.num_nodes_waiting() == 0 and not round_moved_on(handler, 4)
+    state.participants = {other: 1}  # dropped from the record, the round goes on with the other node
+    assert handler.num_nodes_waiting() == 0
+    state.participants, state.round = {}, 5  # the round emptied: the next one can form without it
+    assert round_moved_on(handler, 4)
     assert handler.num_nodes_waiting() == 1 and handler.num_nodes_waiting() == 0  # once: torch restarts now
     monkeypatch.setattr(LocalElasticAgent, "_restart_workers", lambda self, group: said.append("restart"))
     agent._restart_workers(SimpleNamespace(state=WorkerState.HEALTHY))
     agent._restart_workers(SimpleNamespace(state=WorkerState.HEALTHY))  # a later one: a node joining
     assert said == ["dropped", "restart", "a node waits", "restart"]
-    assert not dropped_from_round(SimpleNamespace())  # a handler without that state (static): never
+    assert not round_moved_on(SimpleNamespace(), 4) and not round_moved_on(handler, None)  # static; unknown

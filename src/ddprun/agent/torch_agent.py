@@ -8,11 +8,11 @@ the hooks ddprun needs and torch does not offer:
 * ``on_workers_started(worker_group, pids, restarts_left)``: after each (re)start of the worker group.
 * ``on_restarting(left, most)``: a failed group is about to be restarted (not a restart because a
   node joined): the agent says on its console which rank failed and how, every time.
-* ``on_dropped()``: torch's rendezvous no longer counts this node among its round's participants
-  (the others' sanitizer removed it when its keep-alive went stale: the agent was frozen or
-  starved), while its workers still train: a second group may form without it. torch's agent would
+* ``on_dropped()``: torch's rendezvous moved past this node's round while its workers still train:
+  the sanitizer removed it when its keep-alive went stale (the agent was frozen or starved), the
+  round was left empty, and a new round (a second group) may form without it. torch's agent would
   not notice; its healthy-group check then reports a waiting node, so torch restarts the group and
-  it joins again (:func:`dropped_from_round`).
+  it joins again (:func:`round_moved_on`).
 * ``on_signal(sig)``: the agent got a death signal; called before torch stops the workers, so the
   record of why reaches the other nodes before the echoes of the stopped workers do.
 * node 0 shares the workers' store address in every rendezvous round (:func:`share_bootstrap`:
@@ -93,6 +93,7 @@ class DdprunAgent(LocalElasticAgent):
         self._hooks_said_signal: int | None = None
         self._preempt_said: int | None = None
         self._dropped = False
+        self._joined_round: int | None = None
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         pool, self._hooks.standby = self._hooks.standby, None
@@ -188,19 +189,22 @@ class DdprunAgent(LocalElasticAgent):
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)
+        self._joined_round = handler_round(worker_group.spec.rdzv_handler)
         self._watch_dropped(worker_group.spec.rdzv_handler)
-        self._hooks.on_rendezvous(handler_round(worker_group.spec.rdzv_handler))
+        self._hooks.on_rendezvous(self._joined_round)
 
     def _watch_dropped(self, handler: Any) -> None:
         """torch asks ``num_nodes_waiting()`` every monitor interval while the group is healthy (after
-        syncing the rendezvous state): it also answers 1 when that state dropped this node, once."""
+        syncing the rendezvous state): it also answers 1, once, when that state moved past this node's
+        round (:func:`round_moved_on`)."""
         if getattr(handler, "_ddprun_watches_drop", False) or not hasattr(handler, "num_nodes_waiting"):
             return
         waiting = handler.num_nodes_waiting
 
         def num_nodes_waiting() -> int:
             n = int(waiting())
-            if n == 0 and not self._dropped and not self._hooks.preempting() and dropped_from_round(handler):
+            if n == 0 and not self._dropped and not self._hooks.preempting() and \
+                    round_moved_on(handler, self._joined_round):
                 self._dropped = True
                 return 1
             return n
@@ -238,12 +242,17 @@ class DdprunAgent(LocalElasticAgent):
             pass
 
 
-def dropped_from_round(handler: Any) -> bool:
-    """Whether torch's c10d rendezvous state (as the handler last synced it) no longer counts this
-    node among the participants of its round. False for a handler that keeps no such state."""
+def round_moved_on(handler: Any, joined: int | None) -> bool:
+    """Whether torch's c10d rendezvous state (as the handler last synced it) is past round
+    ``joined``, the one this node's healthy workers train in. A complete round's number moves only
+    when its participants are all gone (``_remove_participant_epilogue``), and a participant leaves
+    only through its own next rendezvous or the sanitizer: so this node was dropped, and a new round
+    can form without it. A drop that leaves others in the round only edits the record (every group
+    still trains together; a newcomer waits, and is seen as waiting): no restart for that. False for
+    a handler that keeps no such state."""
     try:
-        return handler._this_node not in handler._state_holder.state.participants
-    except (AttributeError, TypeError):
+        return joined is not None and int(handler._state_holder.state.round) != joined
+    except (AttributeError, TypeError, ValueError):
         return False
 
 
