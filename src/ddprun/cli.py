@@ -214,8 +214,7 @@ def check_keep_alive(conf: dict[str, str], raw: str) -> None:
     healthy node's can be about 2 x interval + 1 s old when a round completes (its join loop beats
     only every interval, its polls are 1 s apart, then its keep-alive thread waits one interval):
     below that, torch drops healthy nodes while their workers train."""
-    interval = int(conf.get("keep_alive_interval", "5"))  # torch's defaults: 5 s x 3
-    attempts = int(conf.get("keep_alive_max_attempt", "3"))
+    interval, attempts = defaults.keep_alive(conf)
     if interval * attempts < 2 * interval + 3:
         need = math.ceil((2 * interval + 3) / interval)
         raise ConfigError(
@@ -223,7 +222,8 @@ def check_keep_alive(conf: dict[str, str], raw: str) -> None:
             f"a healthy node's keep-alive can be {2 * interval + 1} s old when a round completes, and torch's "
             "rendezvous then drops it while its workers train (another group can form beside them).",
             seen=f"--rdzv-conf {raw!r}",
-            hint=f"keep_alive_max_attempt={need} or more with keep_alive_interval={interval} (torch's defaults: 5 x 3).")
+            hint=f"keep_alive_max_attempt={need} or more with keep_alive_interval={interval} (torch's defaults: "
+                 f"{defaults.TORCH_KEEP_ALIVE_INTERVAL_S} x {defaults.TORCH_KEEP_ALIVE_MAX_ATTEMPT}).")
 
 
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:

@@ -115,3 +115,16 @@ def test_a_keep_alive_torch_would_let_expire_on_a_healthy_node_is_refused(conf, 
     assert f"HINT: keep_alive_max_attempt={need} or more" in str(e.value) and repr(conf) in str(e.value)
     for fine in ("", "keep_alive_interval=1,keep_alive_max_attempt=5", "keep_alive_interval=10"):
         parse_rdzv_conf(fine)  # torch's defaults (5 s x 3), and enough attempts for a short interval
+
+
+def test_the_keep_alive_defaults_ddprun_checks_and_prints_are_the_ones_torch_uses():
+    import inspect
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    from ddprun.protocol import defaults
+
+    torch_defaults = inspect.signature(DynamicRendezvousHandler.from_backend).parameters
+    assert defaults.keep_alive({}) == (torch_defaults["keep_alive_interval"].default,
+                                       torch_defaults["keep_alive_max_attempt"].default)
+    assert defaults.keep_alive({"keep_alive_interval": "2", "keep_alive_max_attempt": "7"}) == (2, 7)

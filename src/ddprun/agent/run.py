@@ -452,8 +452,7 @@ class _AgentRun:
         self._reforming()
 
     def _dropped(self) -> None:
-        conf = self.run_.cfg.rdzv_conf
-        interval, attempts = conf.get("keep_alive_interval", "5"), conf.get("keep_alive_max_attempt", "3")
+        interval, attempts = defaults.keep_alive(self.run_.cfg.rdzv_conf)
         print(f"ddprun: this node was dropped from the job's rendezvous: its agent missed torch's keep-alive for "
               f"more than keep_alive_interval {interval} s x keep_alive_max_attempt {attempts} (the agent was "
               "frozen or starved of CPU), and the rendezvous went on without it; stopping its workers and joining "

@@ -5,6 +5,8 @@ Units are seconds unless a name says otherwise.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 RUNS_ROOT = "runs"
 """Where run directories go (``runs/<run id>``) unless --log-dir or --run-dir says otherwise."""
 
@@ -87,3 +89,16 @@ AGENT_MONITOR_INTERVAL_S = 0.1
 
 START_METHOD = "spawn"
 """How torch's agent starts workers (a fresh interpreter: safe with CUDA and threads)."""
+
+TORCH_KEEP_ALIVE_INTERVAL_S = 5
+"""torch's c10d rendezvous: each node's keep-alive beat, seconds (``--rdzv-conf keep_alive_interval``) ..."""
+
+TORCH_KEEP_ALIVE_MAX_ATTEMPT = 3
+"""... and how many beats it may miss before another node drops it (``keep_alive_max_attempt``)."""
+
+
+def keep_alive(rdzv_conf: Mapping[str, str]) -> tuple[int, int]:
+    """(interval s, max attempts) of torch's keep-alive for these ``--rdzv-conf`` options (values
+    already checked as whole numbers > 0), torch's defaults where unset."""
+    return (int(rdzv_conf.get("keep_alive_interval", TORCH_KEEP_ALIVE_INTERVAL_S)),
+            int(rdzv_conf.get("keep_alive_max_attempt", TORCH_KEEP_ALIVE_MAX_ATTEMPT)))
