@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,64 @@ def run_agents(cmds: list[list[str]], timeout: float, cwd: str | os.PathLike | N
                 out, _ = p.communicate(timeout=10)
                 results[i] = Finished(cmds[i], None, out, time.monotonic() - t0)
     return results  # type: ignore[return-value]
+
+
+class Watched:
+    """One launcher followed line by line while it runs (its own process group): each line with the
+    seconds since its start. ``with`` kills its tree if it is still running at the end."""
+
+    def __init__(self, cmd: list[str], cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None):
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(cmd, cwd=cwd, env=env or job_env(), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines: list[tuple[float, str]] = []
+        self._new_line = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._new_line:
+                self.lines.append((time.monotonic() - self.t0, line))
+                self._new_line.notify_all()
+
+    @property
+    def output(self) -> str:
+        return "".join(line for _, line in list(self.lines))
+
+    def wait_for_line(self, prefix: str, timeout: float) -> float | None:
+        """Seconds since the start when a line starting with ``prefix`` came; None after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        with self._new_line:
+            while True:
+                seen = [t for t, line in self.lines if line.startswith(prefix)]
+                left = deadline - time.monotonic()
+                if seen or left <= 0:
+                    return seen[0] if seen else None
+                self._new_line.wait(left)
+
+    def finish(self, timeout: float) -> tuple[int | None, float]:
+        """Its exit code (None: killed at ``timeout`` s from now) and the seconds from its start to its
+        exit; every line read."""
+        try:
+            rc: int | None = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(self.proc)
+            rc = None
+            self.proc.wait(timeout=10)
+        ended = time.monotonic() - self.t0
+        self._reader.join(timeout=10)
+        return rc, ended
+
+    def __enter__(self) -> Watched:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            kill_tree(self.proc)
+            self.proc.wait(timeout=10)
+        self._reader.join(timeout=10)
 
 
 def kill_tree(p: subprocess.Popen) -> None:

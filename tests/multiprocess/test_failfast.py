@@ -1,47 +1,21 @@
 """Never hang silently: a missing node, a stalled rank, mismatched nodes, a second job."""
 
-import time
-
 import pytest
 
-from tests.helpers import EXAMPLE, ddprun_nodes, describe, free_port, job_env, run_agents
+from tests.helpers import EXAMPLE, Watched, ddprun_nodes, describe, free_port, run_agents
 
 pytestmark = pytest.mark.multiprocess
-
-
-def timed_lines(cmd: list[str], timeout: float, cwd) -> tuple[int | None, list[tuple[float, str]], float]:
-    """Run ``cmd``: its exit code (None: killed at ``timeout``), each output line with the seconds
-    since the start when it came, and the seconds to its exit."""
-    import subprocess
-    import threading
-
-    from tests.helpers import kill_tree
-
-    t0 = time.monotonic()
-    p = subprocess.Popen(cmd, cwd=cwd, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
-    lines: list[tuple[float, str]] = []
-    reader = threading.Thread(target=lambda: lines.extend((time.monotonic() - t0, line) for line in p.stdout))
-    reader.start()
-    try:
-        rc = p.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(p)
-        rc = None
-        p.wait(timeout=10)
-    ended = time.monotonic() - t0
-    reader.join(timeout=10)
-    return rc, lines, ended
 
 
 @pytest.mark.timeout(60)
 def test_missing_node_is_reported_while_waiting_and_named_at_the_join_timeout(tmp_path):
     cmd = ddprun_nodes(2, 1, [EXAMPLE], rdzv_id="tmiss", extra=["--join-timeout", "8"])[0]
-    rc, lines, ended = timed_lines(cmd, timeout=40, cwd=tmp_path)
-    output = "".join(line for _, line in lines)
+    with Watched(cmd, cwd=tmp_path) as node:
+        rc, ended = node.finish(timeout=40)
+    output = node.output
     assert rc == 1, output
     # the join timeout counts from the rendezvous, which starts right after this line (not the imports before)
-    (joining,) = [t for t, line in lines if line.startswith("ddprun: run tmiss:")]
+    (joining,) = [t for t, line in node.lines if line.startswith("ddprun: run tmiss:")]
     assert ended - joining < 8 + 3, (joining, ended, output)
     assert "1/2 nodes joined" in output and "waiting up to 8 s" in output
     assert "not every node joined within 8 s" in output and "1 missing" in output and "HINT" in output
@@ -81,43 +55,20 @@ def test_nodes_with_different_process_counts_are_stopped_before_user_code(tmp_pa
 
 @pytest.mark.timeout(90)
 def test_second_job_on_the_same_endpoint_is_refused_and_the_first_unharmed(tmp_path):
-    import subprocess
-    import threading
-
-    from tests.helpers import kill_tree
-
     port = free_port()
     first = ddprun_nodes(2, 1, [EXAMPLE, "--steps", "10"], rdzv_id="jobA", port=port)
-    node_a = subprocess.Popen(first[0], cwd=tmp_path, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, start_new_session=True)
-    lines: list[str] = []
-    admitted = threading.Event()
-
-    def read() -> None:
-        for line in node_a.stdout:
-            lines.append(line)
-            if line.startswith("ddprun: run jobA:"):  # admitted: jobA holds the endpoint's claim
-                admitted.set()
-
-    reader = threading.Thread(target=read)
-    reader.start()
-    try:
-        assert admitted.wait(30), "".join(lines)
+    with Watched(first[0], cwd=tmp_path) as node_a:
+        # admitted: jobA holds the endpoint's claim
+        assert node_a.wait_for_line("ddprun: run jobA:", timeout=30) is not None, node_a.output
         (b,) = run_agents(ddprun_nodes(2, 1, [EXAMPLE], rdzv_id="jobB", port=port)[:1], timeout=30, cwd=tmp_path)
         # refused, not timed out: the join timeout is 120 s (the time to refuse: benchmarks/detection.py)
         assert b.returncode == 1 and b.wall_s < 20, describe([b])
         assert "refused" in b.output and "run id 'jobA'; this one is 'jobB'" in b.output
         (a2,) = run_agents(first[1:], timeout=45, cwd=tmp_path)
         assert a2.returncode == 0, describe([a2])
-        assert node_a.wait(timeout=30) == 0, "".join(lines)
-        reader.join(timeout=10)
+        assert node_a.finish(timeout=30)[0] == 0, node_a.output
         # the refused job left nothing: no run directory of its own, no trace in the first job's
         files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
         assert [f for f in files if not f.startswith("runs/jobA/")] == [], files
         assert {"runs/jobA/logs/rank-0.log", "runs/jobA/logs/rank-1.log", "runs/jobA/plan.json"} <= set(files)
         assert not [f for f in files if "jobB" in (tmp_path / f).read_text(errors="replace")], files
-    finally:
-        if node_a.poll() is None:
-            kill_tree(node_a)
-            node_a.wait(timeout=10)
-        reader.join(timeout=10)
