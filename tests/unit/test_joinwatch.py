@@ -10,7 +10,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from ddprun.agent.admission import Newcomer
-from ddprun.agent.joinwatch import JoinWatcher
+from ddprun.agent.joinwatch import JoinSnapshot, JoinWatcher
 from ddprun.protocol import store as keys
 
 pytestmark = pytest.mark.timeout(30)
@@ -61,3 +61,13 @@ def test_a_progress_line_comes_every_interval_with_the_seconds_left():
         assert m, line
         assert at >= k * 1.0  # never before its interval
         assert 60 - at - 1 <= int(m.group(1)) <= 60 - k  # the seconds left when it was written
+
+
+def test_the_seconds_left_are_the_nearest_whole_second():
+    me = Newcomer("127.0.0.1:1", "ddprun", "", False, "p")
+    w = JoinWatcher("127.0.0.1", 1, "ddprun", me, 2, 8, io.StringIO(), ("node-a", 11))
+    snap = JoinSnapshot(reachable=True, joined=["node-a pid 11"])
+    for elapsed, left in ((3.0, 5), (3.4, 5), (3.6, 4), (7.9, 0), (9.0, 0)):
+        w._t0 = time.monotonic() - elapsed
+        assert w.line(snap).endswith(f"waiting up to 8 s ({left} s left)"), (elapsed, w.line(snap))
+

@@ -114,7 +114,7 @@ class JoinWatcher:
         return JoinSnapshot(reachable=True, joined=joined)
 
     def line(self, snap: JoinSnapshot) -> str:
-        left = max(0, int(self._timeout - (time.monotonic() - self._t0)))
+        left = max(0, round(self._timeout - (time.monotonic() - self._t0)))  # nearest: 3.0 s into 8 is 5 s left
         if not snap.reachable:
             from ddprun.agent.admission import unreachable_line
 
