@@ -45,13 +45,17 @@ def full_disk(tmp_path):
 
 
 @pytest.mark.timeout(90)
-def test_a_full_disk_under_the_run_directory_is_said_on_the_console(nodes, tmp_path, full_disk):
-    job = nodes(1, 2, ["--steps", "50", "--step-s", "0.01", "--write-mb", "0.1"],
+def test_a_full_disk_under_the_run_directory_is_said_on_every_nodes_console(nodes, tmp_path, full_disk):
+    # every worker's error file is lost with the disk: each agent reads its workers' records (and the
+    # job's first cause) from the store instead of saying that a rank "ended without a Python error"
+    job = nodes(2, 1, ["--steps", "50", "--step-s", "0.01", "--write-mb", "0.1"],
                 extra=["--run-dir", str(full_disk / "run")])
-    (ended,) = job.finish(timeout=60)
-    assert ended.returncode == 1, describe([ended])
-    cause = re.findall(r"^ddprun: the job failed: (.*)$", ended.output, re.M)
-    assert cause and "No space left on device" in cause[0], describe([ended])
+    ended = job.finish(timeout=60)
+    assert [e.returncode for e in ended] == [1, 1], describe(ended)
+    for e in ended:
+        cause = re.findall(r"^ddprun: the job failed: (.*)$", e.output, re.M)
+        assert cause and "No space left on device" in cause[0], describe(ended)
+    assert "without a Python error" not in "".join(e.output for e in ended), describe(ended)
     assert_nothing_left(tmp_path)
 
 

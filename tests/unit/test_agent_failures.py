@@ -202,3 +202,44 @@ def test_a_lost_store_stops_a_worker_that_ignores_sigterm_after_the_stop_grace(t
     assert code == -signal.SIGKILL and 2.0 <= time.monotonic() - t0 < 6, (code, time.monotonic() - t0)
     assert "the job store at 127.0.0.1:1 stopped answering for 1 s; stopping this node's workers" in out.getvalue()
     assert kill_children([worker.pid, 1], signal.SIGKILL) == []  # reaped, and not our child: nothing sent
+
+
+
+def test_a_worker_whose_error_file_was_lost_is_named_by_the_record_it_handed_its_node(tmp_path, store):
+    """A full disk under the run directory loses the worker's error file, and the job store may be
+    gone with its host (node 0 ended first): the copy in the node store is the worker's own record,
+    not the agent's "ended without a Python error"."""
+    from ddprun.agent.noderelay import NodeRelay
+    from ddprun.worker.channel import JobChannel
+
+    relay = NodeRelay(TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5)))
+    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", 1, "job", io.StringIO(), relay=relay,
+                      connect=lambda: (_ for _ in ()).throw(ConnectionError("the job store's host is gone")))
+    a.on_workers_started("r1", 0, 2, {0: (0, 0, ""), 1: (1, 0, "")}, world_size=4,
+                         store=("127.0.0.1", 1), last_attempt=False)
+    try:
+        # the worker side: rank 1's channel hands its record over before the job's store (which is gone)
+        env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
+               "TORCHELASTIC_RUN_ID": "job", "DDPRUN_ATTEMPT": "r1"}
+        ch = JobChannel(env, WorkerEnvStub(), connect=lambda: DeadStore(), connect_node=lambda: relay._store)
+        assert ch.keys.prefix == Keys("ddprun/job/r1/").prefix
+        mine = ch.me(fr.ERROR, "OSError: [Errno 28] No space left on device")
+        ch.record_failure(mine)
+        a.on_worker_exit(1, 1, pid=0, code=1)  # its error file ("") was never written
+        assert a.local_record(1) == mine and a.root_cause() == mine
+        assert not (tmp_path / "failures").exists()  # nothing made up was written for it
+        # a worker that left nothing anywhere is still the agent's own record of its exit code
+        a.on_worker_exit(0, 0, pid=0, code=1)
+        assert a.local_record(0).summary == "the process ended without a Python error"
+        assert a.local_record(0).by == "agent"
+    finally:
+        a.stop()
+
+
+class WorkerEnvStub:
+    run_dir, device_kind, node_store = "", "cpu", ""
+
+
+class DeadStore:
+    def __getattr__(self, name):
+        raise ConnectionError("the job store's host is gone")

@@ -183,7 +183,7 @@ class AgentFailures:
 
     def _on_exit(self, rank: int, local_rank: int, code: int) -> None:
         error_file = self._workers.get(rank, (0, 0, ""))[2]
-        own = worker_record(error_file) if error_file else None
+        own = (worker_record(error_file) if error_file else None) or self._handed_over(rank)
         if own is not None:
             with self._lock:
                 self._local[rank] = own
@@ -198,6 +198,14 @@ class AgentFailures:
         with self._lock:
             self._local[rank] = rec
         self._publish(rec)
+
+    def _handed_over(self, rank: int) -> fr.FailureRecord | None:
+        """The record ``rank`` left in this node's store as it failed: a full disk loses its error
+        file, and a lost job-store host the job's copy, but not this one."""
+        try:
+            return self._relay.own_record(rank) if self._relay is not None else None
+        except Exception:  # noqa: BLE001 - the node store is this process's own; never fail the exit on it
+            return None
 
     def _oom_evidence(self, code: int) -> str:
         if code != -signal.SIGKILL or self._oom0 is None:
@@ -232,7 +240,7 @@ class AgentFailures:
         with self._lock:
             rec = self._local.get(rank)
         if rec is None and rank in self._workers:
-            rec = worker_record(self._workers[rank][2])
+            rec = worker_record(self._workers[rank][2]) or self._handed_over(rank)
         return rec
 
     def root_cause(self) -> fr.FailureRecord | None:

@@ -22,6 +22,7 @@ import json
 import threading
 from typing import Any
 
+from ddprun.protocol import failure as fr
 from ddprun.protocol.store import Keys, present, relay_value
 
 NODE_HOST = "127.0.0.1"
@@ -90,6 +91,15 @@ class NodeRelay:
                 return None
             self._sent = got
         return got
+
+    def own_record(self, rank: int) -> fr.FailureRecord | None:
+        """The failure record this node's rank ``rank`` (global) handed over as it failed
+        (worker/channel.py record_failure), if any; a malformed one is None. Any thread may call this."""
+        keys, _ = self._current()
+        if keys is None or not self._store.check([keys.own_failure(rank)]):
+            return None
+        parsed = fr.parse_many([self._store.get(keys.own_failure(rank))])
+        return parsed[0] if parsed else None
 
     def close(self) -> None:
         """Let the server go (ddprun.launch runs its agent in the caller's process)."""

@@ -90,6 +90,9 @@ AGENT_MONITOR_INTERVAL_S = 0.1
 START_METHOD = "spawn"
 """How torch's agent starts workers (a fresh interpreter: safe with CUDA and threads)."""
 
+NODE_RECORD_TIMEOUT_S = 2.0
+"""A failing worker tries this long to hand its failure record to its agent's node store (127.0.0.1)."""
+
 TORCH_KEEP_ALIVE_INTERVAL_S = 5
 """torch's c10d rendezvous: each node's keep-alive beat, seconds (``--rdzv-conf keep_alive_interval``) ..."""
 

@@ -39,6 +39,8 @@ same prefix, so that the job's store hears from each node, not from each rank:
     timing/<N>         rank N's latest timing window
     relay              ``<beat> <alarm>``: the agent's beat and the job's alarm counter as it last read
                        it, every half second; a worker whose relay stops beating reads the job store
+    own-failure/<N>    rank N's own failure record, written before the job's copy: its agent reads it
+                       when N ends (a full disk loses the error file, a lost store host the job's copy)
 
 and job-wide keys in the rendezvous endpoint's store (agent/admission.py), written before and
 between attempts:
@@ -184,6 +186,10 @@ class Keys:
 
     def failure(self, k: int) -> str:
         return self._k(f"failure/{k}")
+
+    def own_failure(self, r: int) -> str:
+        """In the node store: rank ``r``'s own failure record, for its agent."""
+        return self._k(f"own-failure/{r}")
 
     @property
     def preflight(self) -> str:

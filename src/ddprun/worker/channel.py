@@ -84,7 +84,7 @@ class JobChannel:
 
         return TCPStore(self.addr, self.port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30))
 
-    def connect_node(self) -> Any:
+    def connect_node(self, timeout_s: float = 10.0) -> Any:
         """A client of this node's store (agent/noderelay.py); None when the agent gave none."""
         if self._connect_node_fn is not None:
             return self._connect_node_fn()
@@ -93,7 +93,8 @@ class JobChannel:
             return None
         from torch.distributed import TCPStore
 
-        return TCPStore(address[0], address[1], is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+        return TCPStore(address[0], address[1], is_master=False, wait_for_workers=False,
+                        timeout=timedelta(seconds=timeout_s))
 
     def wait_for(self, keys: list[str], timeout_s: float, store: Any = None) -> bool:
         store = store or self.store
@@ -159,7 +160,15 @@ class JobChannel:
                              local_rank=self.local_rank, t=time.time(), seen=seen)
 
     def record_failure(self, rec: fr.FailureRecord) -> None:
-        """Publish ``rec``; the first cause waits (bounded) until the others have read it."""
+        """Publish ``rec``: first to this node's store (its agent's copy, which needs neither the disk
+        nor the job store's host), then to the job's; the first cause waits (bounded) until the
+        others have read it."""
+        try:
+            node = self.connect_node(timeout_s=defaults.NODE_RECORD_TIMEOUT_S)
+            if node is not None:
+                node.set(self.keys.own_failure(rec.rank), rec.to_json())
+        except Exception:  # noqa: BLE001 - no node store (torchrun, a frozen agent): the job's copy remains
+            pass
         try:
             if publish_failure(self.store, self.keys, rec) == 1:
                 self._await_acks()
