@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
 
 PR_SET_PDEATHSIG = 1
 
@@ -73,3 +75,50 @@ def tail_lines(path: str, n: int = 15) -> list[str]:
     except OSError:
         return []
     return data.splitlines()[-n:]
+
+
+def within(timeout_s: float, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on a helper thread, waited for at most ``timeout_s``: its result or its exception,
+    or TimeoutError. For calls that may block without a deadline: a TCPStore client whose server's
+    process is stopped (SIGSTOP) waits for the answer for ever, whatever its timeout says. A call that
+    timed out goes on blocking its (daemon) thread; don't use that client again."""
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def call() -> None:
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=call, name="ddprun-bounded-call", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise TimeoutError(f"{getattr(fn, '__name__', 'a call')} did not return within {timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+class Bounded:
+    """A client whose every method call is made :func:`within` ``timeout_s``. After one call timed out
+    every call raises TimeoutError at once (that call still holds the client)."""
+
+    def __init__(self, target: Any, timeout_s: float):
+        self._target, self._timeout_s, self._stuck = target, timeout_s, False
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self._target, name)
+
+        def call(*args: Any) -> Any:
+            if self._stuck:
+                raise TimeoutError(f"an earlier call did not return within {self._timeout_s:g} s")
+            try:
+                return within(self._timeout_s, method, *args)
+            except TimeoutError:
+                self._stuck = True
+                raise
+
+        return call
+

@@ -101,6 +101,15 @@ class Nodes:
         os.kill(self.procs[node].pid, sig)
         return time.monotonic()
 
+    def finish_one(self, node: int, timeout: float) -> Ended:
+        """Wait (at most ``timeout``) for one node's agent to exit, the others left running."""
+        p, deadline = self.procs[node], time.monotonic() + timeout
+        while p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if p.poll() is not None:
+            self.ended.setdefault(node, time.monotonic())
+        return Ended(node, p.poll(), self.outs[node].read_text(errors="replace"), self.ended.get(node, float("inf")))
+
     def finish(self, timeout: float) -> list[Ended]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):

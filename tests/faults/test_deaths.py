@@ -122,6 +122,44 @@ def test_an_agent_killed_by_sigkill_takes_its_workers_and_is_named_by_the_others
     assert not running(orphan), "the killed agent's worker outlived it"
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["neither-store", "endpoint-store"])
+def test_a_frozen_agent_is_named_lost_and_its_workers_end_while_it_stays_frozen(nodes, tmp_path, where):
+    """SIGSTOP of an agent (3 nodes: one hosts neither the endpoint's store nor the workers'; or the
+    endpoint's host): the others name it lost and end, and its workers, whose node store no longer
+    answers (torch's TCPStore client would wait for it for ever), end too, while it stays frozen."""
+    job = nodes(3, 1, SLOW, extra=["--stop-grace", "3"])
+    pids = job.worker_pids(range(3))
+    endpoint, workers_store = job.store_host(), job.agent_of(pids[0])
+    victim = endpoint if where == "endpoint-store" else ({0, 1, 2} - {endpoint, workers_store}).pop()
+    frozen_worker = next(pid for pid in pids.values() if job.agent_of(pid) == victim)
+    stopped_at = job.signal(victim, signal.SIGSTOP)
+    try:
+        others = [job.finish_one(i, timeout=40) for i in range(3) if i != victim]
+        deadline = time.monotonic() + 20
+        while running(frozen_worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        worker_gone = not running(frozen_worker)
+        print(f"SIGSTOP of an agent ({where}) -> the others exited after "
+              f"{max(o.ended_at for o in others) - stopped_at:.1f} s, its worker "
+              f"{'ended' if worker_gone else 'still ran'} after {time.monotonic() - stopped_at:.1f} s")
+    finally:
+        job.signal(victim, signal.SIGCONT)
+    ended = job.finish(timeout=30)
+    for o in others:
+        assert o.returncode == 1, describe(ended)
+        # its heartbeat stopped; or, where it hosted the workers' store too, that store stopped answering
+        lost = rf"node {victim} \(\S+\) was lost: its agent stopped answering.*" + (
+            r"|the node hosting the job store was lost: the job store at \S+ stopped answering.*"
+            if where == "endpoint-store" else "")
+        assert re.fullmatch(lost, cause_line(o.output)), describe(ended)
+        assert o.ended_at - stopped_at < 25, describe(ended)
+    assert worker_gone, "the frozen agent's worker did not end:\n" + describe(ended)
+    assert ended[victim].returncode == 1, describe(ended)  # thawed, it reports what its worker said
+    assert "Traceback" not in ended[victim].output, describe(ended)
+    assert_nothing_left(tmp_path)
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("ignore", [False, True], ids=["worker-stops", "worker-ignores-sigterm"])
 def test_sigterm_to_an_agent_stops_its_workers_and_the_others_name_that_node(nodes, tmp_path, ignore):

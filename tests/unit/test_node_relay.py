@@ -171,3 +171,70 @@ def test_a_rank_whose_agent_gave_no_node_store_is_read_by_the_observers_of_a_job
     plain = monitor_mod.Monitor(JobChannel(environ, WorkerEnv(run_dir=str(tmp_path)), connect=lambda: jc))
     plain._tick(jc)
     assert observer._progress(ojc) == {3: PROGRESS.total}
+
+
+@pytest.fixture
+def frozen_port():
+    """A port whose server accepts and never answers: what a TCPStore client sees of an agent that is
+    stopped (SIGSTOP): torch's client then waits for ever, whatever its timeout."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    yield listener.getsockname()[1]
+    listener.close()
+
+
+def test_a_call_to_a_frozen_store_is_bounded_and_its_client_is_not_used_again(frozen_port):
+    import threading
+    import time
+
+    from ddprun._util import Bounded, within
+
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not return within 0.5 s"):
+        within(0.5, TCPStore, "127.0.0.1", frozen_port, None, False, timedelta(seconds=2), False)
+    assert 0.5 <= time.monotonic() - t0 < 1.5
+    with pytest.raises(ValueError):  # an exception of the call is the caller's
+        within(1, int, "x")
+    release = threading.Event()
+
+    class Stuck:
+        def check(self, keys):
+            release.wait(30)
+            return True
+
+    stuck = Bounded(Stuck(), 0.3)
+    with pytest.raises(TimeoutError):
+        stuck.check(["a"])
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="an earlier call"):
+        stuck.check(["a"])  # at once: the first call still holds the client
+    assert time.monotonic() - t0 < 0.1
+    release.set()
+
+
+def test_a_worker_whose_agent_is_frozen_reports_to_the_job_store_and_hands_over_its_record(
+        tmp_path, job, frozen_port, monkeypatch):
+    import time
+
+    from ddprun.worker import channel as channel_mod
+
+    monkeypatch.setattr(defaults, "RELAY_STALE_S", 0.5)
+    monkeypatch.setattr(defaults, "NODE_RECORD_TIMEOUT_S", 0.5)
+    environ = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(job.port), "TORCHELASTIC_RUN_ID": "job",
+               "DDPRUN_ATTEMPT": "r1"}
+    jc = client(job.port)
+    ch = JobChannel(environ, WorkerEnv(run_dir=str(tmp_path), node_store=f"127.0.0.1:{frozen_port}"),
+                    connect=lambda: jc)  # the node store's client is torch's own, to the frozen port
+    m = monitor_mod.Monitor(ch)
+    t0 = time.monotonic()
+    m._tick(jc)  # the node store never answers: the monitor goes direct instead of waiting for ever
+    assert m._direct and time.monotonic() - t0 < 3
+    assert int(job.add(ch.keys.directs, 0)) == 1
+    t0 = time.monotonic()
+    ch.record_failure(ch.me(fr.ERROR, "RuntimeError: boom"))  # the hand-over to the frozen agent is bounded
+    assert time.monotonic() - t0 < 0.5 + defaults.ACK_WAIT_S + 1  # then the first cause waits for the others' acks
+    assert channel_mod.read_causes(job, ch.keys)  # and the job's copy is there

@@ -2,6 +2,8 @@
 
 from types import SimpleNamespace
 
+import pytest
+
 from ddprun.agent.torch_agent import AgentHooks, DdprunAgent
 
 
@@ -35,7 +37,7 @@ def test_a_node_whose_round_the_rendezvous_moved_past_restarts_once_under_its_ow
     me, other = object(), object()
     state = SimpleNamespace(participants={me: 0, other: 1}, wait_list=set(), round=4)
     handler = SimpleNamespace(_this_node=me, _state_holder=SimpleNamespace(state=state),
-                              num_nodes_waiting=lambda: len(state.wait_list))
+                              num_nodes_waiting=lambda: len(state.wait_list), shutdown=lambda: True)
     said = []
     agent = DdprunAgent.__new__(DdprunAgent)
     agent._hooks = AgentHooks(on_dropped=lambda: said.append("dropped"),
@@ -54,3 +56,32 @@ def test_a_node_whose_round_the_rendezvous_moved_past_restarts_once_under_its_ow
     agent._restart_workers(SimpleNamespace(state=WorkerState.HEALTHY))  # a later one: a node joining
     assert said == ["dropped", "restart", "a node waits", "restart"]
     assert not round_moved_on(SimpleNamespace(), 4) and not round_moved_on(handler, None)  # static; unknown
+
+
+def test_a_rendezvous_store_that_never_answers_ends_torchs_healthy_check_and_shutdown_within_a_bound(monkeypatch):
+    """A stopped (SIGSTOP) endpoint host: torch's TCPStore client waits for ever, and torch's agent
+    would never see its workers end. The check raises torch's RendezvousConnectionError (its agent
+    then ends, and ddprun names what it found); shutdown gives up."""
+    import threading
+    import time
+
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    from ddprun.agent import torch_agent
+
+    monkeypatch.setattr(torch_agent, "RENDEZVOUS_CALL_S", 0.3)
+    monkeypatch.setattr(torch_agent.defaults, "STORE_CALL_S", 0.3)
+    frozen = threading.Event()
+    handler = SimpleNamespace(num_nodes_waiting=lambda: frozen.wait(30) and 0,
+                              shutdown=lambda: frozen.wait(30))
+    agent = DdprunAgent.__new__(DdprunAgent)
+    agent._hooks = AgentHooks()
+    agent._dropped, agent._joined_round = False, 4
+    agent._watch_dropped(handler)
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match="did not answer within 0 s"):
+        handler.num_nodes_waiting()
+    assert handler.shutdown() is False
+    assert time.monotonic() - t0 < 2
+    frozen.set()
+

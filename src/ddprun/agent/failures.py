@@ -27,6 +27,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TextIO
 
+from ddprun._util import Bounded, within
+from ddprun.protocol import defaults
 from ddprun.protocol import failure as fr
 from ddprun.protocol import preempt as pp
 from ddprun.protocol.atomic import write_text_atomic
@@ -34,6 +36,7 @@ from ddprun.protocol.rundir import RunDir
 from ddprun.protocol.store import Keys, publish_failure, raise_alarm, read_causes, read_records, text
 
 BEAT_S = 1.0
+STORE_CALL_S = defaults.STORE_CALL_S
 LOST_AFTER_S = 10.0
 ENFORCE_S = 5.0
 """A local worker still running this long after another rank's failure ended the job is killed."""
@@ -274,15 +277,20 @@ class AgentFailures:
 
     # -- the thread ------------------------------------------------------------------------
     def _client(self) -> Any:
+        """The job store's client; every call (its making too) bounded by STORE_CALL_S: torch's client
+        waits for ever on a store whose host's process is stopped (SIGSTOP), and this thread must go
+        on to name that host lost."""
         if self._store is None:
-            if self._connect_fn is not None:
-                self._store = self._connect_fn()
-            else:
-                from torch.distributed import TCPStore
-
-                self._store = TCPStore(self._addr, self._port, is_master=False, wait_for_workers=False,
-                                       timeout=timedelta(seconds=5))
+            self._store = Bounded(within(STORE_CALL_S, self._connect), STORE_CALL_S)
         return self._store
+
+    def _connect(self) -> Any:
+        if self._connect_fn is not None:
+            return self._connect_fn()
+        from torch.distributed import TCPStore
+
+        return TCPStore(self._addr, self._port, is_master=False, wait_for_workers=False,
+                        timeout=timedelta(seconds=STORE_CALL_S))
 
     def _loop(self) -> None:
         beat, seen_at, last_ok = 0, (None, None, time.monotonic()), time.monotonic()

@@ -44,7 +44,9 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from ddprun._util import within
 from ddprun.agent.attempt import handler_round
+from ddprun.protocol import defaults
 
 
 @dataclass
@@ -196,20 +198,27 @@ class DdprunAgent(LocalElasticAgent):
     def _watch_dropped(self, handler: Any) -> None:
         """torch asks ``num_nodes_waiting()`` every monitor interval while the group is healthy (after
         syncing the rendezvous state): it also answers 1, once, when that state moved past this node's
-        round (:func:`round_moved_on`)."""
+        round (:func:`round_moved_on`). It and the handler's ``shutdown`` are bounded (RENDEZVOUS_CALL_S)."""
         if getattr(handler, "_ddprun_watches_drop", False) or not hasattr(handler, "num_nodes_waiting"):
             return
-        waiting = handler.num_nodes_waiting
+        waiting, shutdown = handler.num_nodes_waiting, handler.shutdown
 
         def num_nodes_waiting() -> int:
-            n = int(waiting())
+            n = int(_bounded_rendezvous_call(waiting))
             if n == 0 and not self._dropped and not self._hooks.preempting() and \
                     round_moved_on(handler, self._joined_round):
                 self._dropped = True
                 return 1
             return n
 
+        def bounded_shutdown() -> bool:
+            try:  # closing the rendezvous is best effort: a shorter bound
+                return bool(within(defaults.STORE_CALL_S, shutdown))
+            except Exception:  # noqa: BLE001 - the endpoint's store does not answer: nothing to close there
+                return False
+
         handler.num_nodes_waiting = num_nodes_waiting
+        handler.shutdown = bounded_shutdown
         handler._ddprun_watches_drop = True
 
     def _assign_worker_ranks(self, store: Any, group_rank: int, group_world_size: int,  # type: ignore[override]
@@ -234,12 +243,32 @@ class DdprunAgent(LocalElasticAgent):
             return
         key = "ddprun/exit-barrier/" + str(self._worker_group.spec.rdzv_handler.get_run_id())
         deadline = time.monotonic() + self._exit_barrier_timeout
-        try:
-            store.add(key, 1)
-            while store.add(key, 0) < n and time.monotonic() < deadline and not self._hooks.exit_barrier_done():
+        try:  # each call bounded: a stopped store host would hold it for ever
+            within(RENDEZVOUS_CALL_S, store.add, key, 1)
+            while within(RENDEZVOUS_CALL_S, store.add, key, 0) < n and time.monotonic() < deadline and \
+                    not self._hooks.exit_barrier_done():
                 time.sleep(0.1)
-        except Exception:  # noqa: BLE001 - the store host ended first: nothing left to wait for
+        except Exception:  # noqa: BLE001 - the store host ended first (or froze): nothing left to wait for
             pass
+
+
+RENDEZVOUS_CALL_S = 10.0
+"""The longest torch's rendezvous handler may take to answer ``num_nodes_waiting`` (every monitor
+interval while the workers train; ``shutdown``: defaults.STORE_CALL_S): its TCPStore client waits
+for ever when the endpoint's host is stopped (SIGSTOP), and torch's agent would never see its
+workers end. As long as a node's heartbeat may stop before it is taken for lost (LOST_AFTER_S)."""
+
+
+def _bounded_rendezvous_call(fn: Callable[[], Any]) -> Any:
+    """``fn()`` within RENDEZVOUS_CALL_S, else torch's RendezvousConnectionError (its agent then ends
+    and ddprun names what its failure thread found: agent/run.py ``ending``)."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    try:
+        return within(RENDEZVOUS_CALL_S, fn)
+    except TimeoutError as e:
+        raise RendezvousConnectionError(f"the rendezvous endpoint's store did not answer within "
+                                        f"{RENDEZVOUS_CALL_S:.0f} s (its host stopped or frozen?)") from e
 
 
 def round_moved_on(handler: Any, joined: int | None) -> bool:

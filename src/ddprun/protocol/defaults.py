@@ -90,6 +90,10 @@ AGENT_MONITOR_INTERVAL_S = 0.1
 START_METHOD = "spawn"
 """How torch's agent starts workers (a fresh interpreter: safe with CUDA and threads)."""
 
+STORE_CALL_S = 5.0
+"""The longest one call to the job's store may take on a failure path before it counts as the store
+not answering: torch's TCPStore client waits for ever on a store whose host's process is stopped."""
+
 NODE_RECORD_TIMEOUT_S = 2.0
 """A failing worker tries this long to hand its failure record to its agent's node store (127.0.0.1)."""
 

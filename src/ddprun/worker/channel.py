@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
+from ddprun._util import within
 from ddprun.errors import ConfigError
 from ddprun.protocol import defaults
 from ddprun.protocol import failure as fr
@@ -163,17 +164,20 @@ class JobChannel:
         """Publish ``rec``: first to this node's store (its agent's copy, which needs neither the disk
         nor the job store's host), then to the job's; the first cause waits (bounded) until the
         others have read it."""
-        try:
-            node = self.connect_node(timeout_s=defaults.NODE_RECORD_TIMEOUT_S)
-            if node is not None:
-                node.set(self.keys.own_failure(rec.rank), rec.to_json())
-        except Exception:  # noqa: BLE001 - no node store (torchrun, a frozen agent): the job's copy remains
+        try:  # bounded: a frozen agent (SIGSTOP) would hold a TCPStore client for ever
+            within(defaults.NODE_RECORD_TIMEOUT_S, self._hand_to_node, rec)
+        except Exception:  # noqa: BLE001 - no node store, or its agent is gone or frozen: the job's copy remains
             pass
-        try:
-            if publish_failure(self.store, self.keys, rec) == 1:
-                self._await_acks()
+        try:  # bounded: a stopped store host would hold this failing process for ever
+            if within(defaults.STORE_CALL_S, publish_failure, self.store, self.keys, rec) == 1:
+                within(defaults.ACK_WAIT_S + defaults.STORE_CALL_S, self._await_acks)
         except Exception:  # noqa: BLE001 - the store may be gone already; the error file still holds it
             pass
+
+    def _hand_to_node(self, rec: fr.FailureRecord) -> None:
+        node = self.connect_node(timeout_s=defaults.NODE_RECORD_TIMEOUT_S)
+        if node is not None:
+            node.set(self.keys.own_failure(rec.rank), rec.to_json())
 
     def _await_acks(self, timeout_s: float = defaults.ACK_WAIT_S) -> None:
         """Stay (bounded) until every other rank has read the failure: this process keeps its node's
@@ -185,16 +189,16 @@ class JobChannel:
     def ack_failure(self, store: Any = None) -> None:
         """Tell the failing rank this one has read its failure."""
         try:
-            (store or self.store).add(self.keys.acks, 1)
+            within(defaults.STORE_CALL_S, (store or self.store).add, self.keys.acks, 1)
         except Exception:  # noqa: BLE001
             pass
 
     def failures(self, store: Any = None) -> list[fr.FailureRecord]:
         """The job's first-hand records, or while there is none its first echoes (protocol/store.py
         read_causes: 3 store calls whatever the job's size); [] when the store cannot be read."""
-        try:
-            return list(read_causes(store or self.store, self.keys).values())
-        except Exception:  # noqa: BLE001 - the store is gone: nothing to read
+        try:  # bounded: a stopped store host would hold the caller (a failing rank) for ever
+            return list(within(defaults.STORE_CALL_S, read_causes, store or self.store, self.keys).values())
+        except Exception:  # noqa: BLE001 - the store is gone or does not answer: nothing to read
             return []
 
     def cause(self, store: Any = None) -> fr.FailureRecord | None:

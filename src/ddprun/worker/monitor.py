@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 from ddprun import preempt
+from ddprun._util import Bounded, within
 from ddprun.preempt import PREEMPT
 from ddprun.protocol import defaults
 from ddprun.protocol import failure as fr
@@ -264,13 +265,15 @@ class Monitor:
         if self._direct:
             return None
         if self._node is None:
-            try:
-                self._node = self.ch.connect_node()
+            try:  # every call bounded: a frozen agent (SIGSTOP) holds a TCPStore client for ever
+                node = within(defaults.RELAY_STALE_S, self.ch.connect_node)
             except Exception as e:  # noqa: BLE001 - the job store still works
                 self._go_direct(f"its node store is unreachable ({type(e).__name__})")
                 return None
-            if self._node is None:
+            if node is None:
                 self._direct = True
+                return None
+            self._node = Bounded(node, defaults.RELAY_STALE_S)
         return self._node
 
     def _publish_progress(self, store: Any) -> None:
@@ -285,7 +288,7 @@ class Monitor:
                 self._published = total
                 return
             except Exception as e:  # noqa: BLE001 - its agent is gone or broken: the job store still works
-                self._go_direct(f"its node store failed ({type(e).__name__})")
+                self._node_failed(e)
         if now - self._published_at >= defaults.PROGRESS_PUBLISH_S:
             store.set(key, str(total))
             self._published, self._published_at = total, now
@@ -300,7 +303,7 @@ class Monitor:
         try:
             relay = parse_relay(node.get(key)) if node.check([key]) else None
         except Exception as e:  # noqa: BLE001 - its agent is gone or broken: the job store still works
-            self._go_direct(f"its node store failed ({type(e).__name__})")
+            self._node_failed(e)
             return None
         now = time.monotonic()
         if relay is not None and relay[0] != self._relay_seen[0]:
@@ -310,6 +313,10 @@ class Monitor:
             self._register(store)
             return None
         return relay[1] if relay is not None else None
+
+    def _node_failed(self, e: Exception) -> None:
+        self._go_direct(f"its node store did not answer within {defaults.RELAY_STALE_S:.0f} s (its agent is stopped "
+                        "or frozen)" if isinstance(e, TimeoutError) else f"its node store failed ({type(e).__name__})")
 
     def _go_direct(self, why: str) -> None:
         """From now on (this attempt) this rank publishes to the job store itself."""
