@@ -10,6 +10,10 @@ the job's alarm counter from there; the agent's failure thread (agent/failures.p
   heartbeat record in the job store (one write a node);
 * :meth:`NodeRelay.timings`: the local ranks' timing windows, one record a node, when they changed.
 
+A failing worker also hands its failure record over there (``own-failure/<rank>``), and the agent
+reads it when that worker ends (:meth:`NodeRelay.own_record`): the copy that neither a full disk (the
+error file) nor the job store's host ending first (the job's copy) can take away.
+
 So a job of N nodes x P processes costs the job's store about 5 calls a node a second, where every
 rank's own polling cost about 4.2 a rank (`benchmarks/control_plane.py --no-node-store`). A worker
 whose relay stops beating talks to the job store itself (defaults.RELAY_STALE_S), as before: a
@@ -29,7 +33,8 @@ NODE_HOST = "127.0.0.1"
 
 
 class NodeRelay:
-    """One per agent, for the whole launch; only the agent's failure thread calls its reads and writes."""
+    """One per agent, for the whole launch; only the agent's failure thread calls its reads and writes
+    (:meth:`own_record`, a read of one key, is called from torch's agent thread too)."""
 
     def __init__(self, server: Any = None):
         """``server``: a store to use instead of a new one on 127.0.0.1 (tests, benchmarks)."""

@@ -9,9 +9,10 @@ exception") after training finished. ``os._exit`` after the atexit handlers and 
 every open file gives the user's cleanup its turn and leaves nothing for teardown to break. Set
 ``DDPRUN_SOFT_EXIT=1`` to exit through the interpreter instead.
 
-Where a record goes (protocol/failure.py): torch's error file (``extraInfo.ddprun``: the agent
-reads it back), ``failures/rank-N.json`` in the run directory, and the job store (the other ranks'
-monitors and every agent read it there; it is also the copy that survives a full disk).
+Where a record goes (protocol/failure.py): this node's store (``own-failure/<rank>``: the agent's
+copy when the error file is lost to a full disk, or the job store to its host ending first), the job
+store (the other ranks' monitors and every agent read it there), torch's error file
+(``extraInfo.ddprun``: the agent reads it back), and ``failures/rank-N.json`` in the run directory.
 """
 
 from __future__ import annotations
