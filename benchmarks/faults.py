@@ -10,7 +10,7 @@ the first write fails).
 
     python benchmarks/faults.py [--only worker-kill-0,agent-term] [--bound 60] [--keep DIR]
 
-"named": every node that was not SIGKILLed printed the cause (the rank, the node, the signal, the
+"named": every node that was not SIGKILLed (or SIGSTOPped) printed the cause (the rank, the node, the signal, the
 error); for an elastic job that lost a node that is not the store's host, the survivor exiting 0.
 The full-disk scenario mounts a tmpfs (root only; skipped otherwise).
 """
@@ -41,7 +41,8 @@ RAISE_STEP_S = 0.3
 class Scenario:
     what: str
     fault: str
-    """kill-worker, kill-agent, term-agent, int3-agent (3 SIGINTs 0.3 s apart), or the clock's start
+    """kill-worker, kill-agent, term-agent, int3-agent (3 SIGINTs 0.3 s apart), stop-agent (SIGSTOP;
+    the others' last exit is timed, then it gets SIGCONT), or the clock's start
     for a fault of the job itself: raise (2 x RAISE_STEP_S after the first step), first-step, launch."""
     target: str = "rank1"
     """Whose worker or agent: rank0, rank1 (by rank), host, other (the endpoint store's host or not)."""
@@ -61,6 +62,8 @@ SCENARIOS = {
                               r"(?s)(?=.*\brank\s*:?\s*1\b)(?=.*(SIGKILL|Signal 9))"),
     "agent-kill-host": Scenario("SIGKILL of the agent that hosts the endpoint's store", "kill-agent", "host", LOST),
     "agent-kill-other": Scenario("SIGKILL of the other agent", "kill-agent", "other", LOST),
+    "agent-stop-host": Scenario("SIGSTOP of the agent that hosts the endpoint's store (timed: the others)",
+                                "stop-agent", "host", LOST + "|job store was lost"),
     "agent-term": Scenario("SIGTERM to rank 1's agent", "term-agent", "rank1", r"stopped by SIGTERM"),
     "agent-term-ignored": Scenario("SIGTERM to rank 1's agent, its worker ignores SIGTERM", "term-agent", "rank1",
                                    r"stopped by SIGTERM", job=(*SLOW, "--ignore-sigterm")),
@@ -132,12 +135,12 @@ def inject(sc: Scenario, port: int, pids: dict[int, int], procs: list[subprocess
         return time.monotonic(), None
     node, pid = victim(sc, port, pids, procs)
     sig = {"kill-worker": signal.SIGKILL, "kill-agent": signal.SIGKILL, "term-agent": signal.SIGTERM,
-           "int3-agent": signal.SIGINT}[sc.fault]
+           "int3-agent": signal.SIGINT, "stop-agent": signal.SIGSTOP}[sc.fault]
     t0 = time.monotonic()
     for _ in range(3 if sc.fault == "int3-agent" else 1):
         os.kill(pid, sig)
         time.sleep(0.3 if sc.fault == "int3-agent" else 0)
-    return t0, node if sc.fault == "kill-agent" else None
+    return t0, node if sc.fault in ("kill-agent", "stop-agent") else None
 
 
 @dataclass
@@ -170,10 +173,17 @@ def run(launcher: str, sc: Scenario, bound: float, cwd: Path, disk: Path | None,
         found = wait_pids(pids, procs, 60)
         if found is not None:
             t0, killed = inject(sc, port, found, procs)
+    timed = [p for i, p in enumerate(procs) if not (sc.fault == "stop-agent" and i == killed)]
     deadline = t0 + bound
-    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+    while time.monotonic() < deadline and any(p.poll() is None for p in timed):
         time.sleep(0.05)
-    last = time.monotonic() - t0 if all(p.poll() is not None for p in procs) else None
+    last = time.monotonic() - t0 if all(p.poll() is not None for p in timed) else None
+    if sc.fault == "stop-agent" and killed is not None:  # thawed: it may end by itself
+        os.kill(procs[killed].pid, signal.SIGCONT)
+        try:
+            procs[killed].wait(20)
+        except subprocess.TimeoutExpired:
+            pass
     for p in procs:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
