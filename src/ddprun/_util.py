@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -103,22 +104,32 @@ def within(timeout_s: float, fn: Callable[..., Any], *args: Any) -> Any:
 
 class Bounded:
     """A client whose every method call is made :func:`within` ``timeout_s``. After one call timed out
-    every call raises TimeoutError at once (that call still holds the client)."""
+    every call raises TimeoutError at once (that call still holds the client). Other attributes are the
+    client's own."""
 
     def __init__(self, target: Any, timeout_s: float):
         self._target, self._timeout_s, self._stuck = target, timeout_s, False
+        self.stuck_at: float | None = None
+        """time.monotonic() of the call that timed out; None while none did."""
 
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        method = getattr(self._target, name)
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # never the wrapper's own (copy, pickle: before __init__ ran)
+            raise AttributeError(name)
+        attr = getattr(self._target, name)
+        if not callable(attr):
+            return attr
 
-        def call(*args: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
             if self._stuck:
                 raise TimeoutError(f"an earlier call did not return within {self._timeout_s:g} s")
+            def invoke() -> Any:
+                return attr(*args, **kwargs)
+
+            invoke.__name__ = name
             try:
-                return within(self._timeout_s, method, *args)
+                return within(self._timeout_s, invoke)
             except TimeoutError:
-                self._stuck = True
+                self._stuck, self.stuck_at = True, time.monotonic()
                 raise
 
         return call
-

@@ -123,15 +123,18 @@ def test_an_agent_killed_by_sigkill_takes_its_workers_and_is_named_by_the_others
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("where", ["neither-store", "endpoint-store"])
+@pytest.mark.parametrize("where", ["neither-store", "endpoint-store", "workers-store"])
 def test_a_frozen_agent_is_named_lost_and_its_workers_end_while_it_stays_frozen(nodes, tmp_path, where):
-    """SIGSTOP of an agent (3 nodes: one hosts neither the endpoint's store nor the workers'; or the
-    endpoint's host): the others name it lost and end, and its workers, whose node store no longer
-    answers (torch's TCPStore client would wait for it for ever), end too, while it stays frozen."""
+    """SIGSTOP of an agent (3 nodes: one hosts neither the endpoint's store nor the workers'; the
+    endpoint's host; rank 0's, which hosts the workers' store): the others name it lost and end, and
+    its workers, whose node store no longer answers (torch's TCPStore client would wait for it for
+    ever), end too, while it stays frozen."""
     job = nodes(3, 1, SLOW, extra=["--stop-grace", "3"])
     pids = job.worker_pids(range(3))
     endpoint, workers_store = job.store_host(), job.agent_of(pids[0])
-    victim = endpoint if where == "endpoint-store" else ({0, 1, 2} - {endpoint, workers_store}).pop()
+    victim = {"endpoint-store": endpoint, "workers-store": workers_store}.get(where)
+    if victim is None:
+        victim = ({0, 1, 2} - {endpoint, workers_store}).pop()
     frozen_worker = next(pid for pid in pids.values() if job.agent_of(pid) == victim)
     stopped_at = job.signal(victim, signal.SIGSTOP)
     try:
@@ -151,7 +154,7 @@ def test_a_frozen_agent_is_named_lost_and_its_workers_end_while_it_stays_frozen(
         # its heartbeat stopped; or, where it hosted the workers' store too, that store stopped answering
         lost = rf"node {victim} \(\S+\) was lost: its agent stopped answering.*" + (
             r"|the node hosting the job store was lost: the job store at \S+ stopped answering.*"
-            if where == "endpoint-store" else "")
+            if where != "neither-store" else "")
         assert re.fullmatch(lost, cause_line(o.output)), describe(ended)
         assert o.ended_at - stopped_at < 25, describe(ended)
     assert worker_gone, "the frozen agent's worker did not end:\n" + describe(ended)

@@ -205,6 +205,11 @@ def test_a_call_to_a_frozen_store_is_bounded_and_its_client_is_not_used_again(fr
             release.wait(30)
             return True
 
+    wrapped = Bounded(SimpleStore(), 1)
+    assert wrapped.port == 29500 and wrapped.get("k", default=b"d") == b"d"  # attributes; keyword arguments
+    import copy
+
+    assert copy.copy(wrapped).port == 29500
     stuck = Bounded(Stuck(), 0.3)
     with pytest.raises(TimeoutError):
         stuck.check(["a"])
@@ -238,3 +243,11 @@ def test_a_worker_whose_agent_is_frozen_reports_to_the_job_store_and_hands_over_
     ch.record_failure(ch.me(fr.ERROR, "RuntimeError: boom"))  # the hand-over to the frozen agent is bounded
     assert time.monotonic() - t0 < 0.5 + defaults.ACK_WAIT_S + 1  # then the first cause waits for the others' acks
     assert channel_mod.read_causes(job, ch.keys)  # and the job's copy is there
+
+
+class SimpleStore:
+    port = 29500
+
+    def get(self, key, default=None):
+        return default
+

@@ -58,10 +58,13 @@ def test_a_node_whose_round_the_rendezvous_moved_past_restarts_once_under_its_ow
     assert not round_moved_on(SimpleNamespace(), 4) and not round_moved_on(handler, None)  # static; unknown
 
 
-def test_a_rendezvous_store_that_never_answers_ends_torchs_healthy_check_and_shutdown_within_a_bound(monkeypatch):
-    """A stopped (SIGSTOP) endpoint host: torch's TCPStore client waits for ever, and torch's agent
-    would never see its workers end. The check raises torch's RendezvousConnectionError (its agent
-    then ends, and ddprun names what it found); shutdown gives up."""
+def test_a_rendezvous_store_that_never_answers_neither_holds_torchs_loop_nor_lets_it_run_for_ever(monkeypatch):
+    """A stopped (SIGSTOP) endpoint host: torch's TCPStore client waits for ever. torch's healthy check
+    gets the last answer while one call is pending (its loop goes on: it sees its workers end), and
+    torch's RendezvousConnectionError once that call has been pending for the bound (its agent then
+    ends, and ddprun names the cause); shutdown gives up after its own bound. A slow answer is waited
+    for, a fresh one given, an error raised."""
+    import itertools
     import threading
     import time
 
@@ -69,19 +72,28 @@ def test_a_rendezvous_store_that_never_answers_ends_torchs_healthy_check_and_shu
 
     from ddprun.agent import torch_agent
 
-    monkeypatch.setattr(torch_agent, "RENDEZVOUS_CALL_S", 0.3)
-    monkeypatch.setattr(torch_agent.defaults, "STORE_CALL_S", 0.3)
-    frozen = threading.Event()
-    handler = SimpleNamespace(num_nodes_waiting=lambda: frozen.wait(30) and 0,
-                              shutdown=lambda: frozen.wait(30))
+    monkeypatch.setattr(torch_agent, "ANSWER_WAIT_S", 0.05)
+    monkeypatch.setattr(torch_agent, "RENDEZVOUS_CALL_S", 0.5)
+    monkeypatch.setattr(torch_agent, "SHUTDOWN_S", 0.3)
+    frozen, answers = threading.Event(), itertools.chain([2], itertools.repeat(0))
+    handler = SimpleNamespace(num_nodes_waiting=lambda: frozen.wait(30) and 0, shutdown=lambda: frozen.wait(30))
     agent = DdprunAgent.__new__(DdprunAgent)
     agent._hooks = AgentHooks()
     agent._dropped, agent._joined_round = False, 4
     agent._watch_dropped(handler)
-    t0 = time.monotonic()
-    with pytest.raises(RendezvousConnectionError, match="did not answer within 0 s"):
-        handler.num_nodes_waiting()
-    assert handler.shutdown() is False
-    assert time.monotonic() - t0 < 2
+    t0, seen = time.monotonic(), []
+    with pytest.raises(RendezvousConnectionError, match="did not answer for"):
+        while time.monotonic() - t0 < 5:
+            seen.append(handler.num_nodes_waiting())
+    assert seen and set(seen) == {0} and 0.5 <= time.monotonic() - t0 < 1.5  # the last answer meanwhile
+    assert handler.shutdown() is False and time.monotonic() - t0 < 2.5
     frozen.set()
 
+    slow = SimpleNamespace(num_nodes_waiting=lambda: time.sleep(0.2) or next(answers), shutdown=lambda: True)
+    agent._watch_dropped(slow)
+    got = [slow.num_nodes_waiting() for _ in range(6)]
+    assert got[0] == 0 and 2 in got  # pending: the last answer (none yet: 0); then the fresh one
+    broken = SimpleNamespace(num_nodes_waiting=lambda: 1 / 0, shutdown=lambda: True)
+    agent._watch_dropped(broken)
+    with pytest.raises(ZeroDivisionError):
+        broken.num_nodes_waiting()

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, TextIO
 
+from ddprun._util import Bounded, within
 from ddprun.agent.endpoint import bound_server, port_open
 from ddprun.errors import LaunchError
 from ddprun.protocol import store as keys
@@ -265,8 +266,8 @@ class EndpointBeat:
             self._retry_at = now + 5.0
             return
         try:
-            if self._store is None:
-                self._store = client(self._addr, self._port, timeout_s=2.0)
+            if self._store is None:  # bounded: a stopped host accepts the connection and never answers
+                self._store = Bounded(within(2.0, client, self._addr, self._port, 2.0), 2.0)
             self._store.set(keys.job_beat_key(node), str(beat))
         except Exception:  # noqa: BLE001 - the endpoint's host is gone or slow: the job's own watch says
             self._store, self._retry_at = None, now + 5.0

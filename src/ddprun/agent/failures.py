@@ -118,6 +118,10 @@ class AgentFailures:
         self._last_attempt: bool = True
         self._cause_seen: float | None = None
         self._store: Any = None
+        self._retry_at = 0.0
+        self._store_given_up = False
+        self._last: Bounded | None = None
+        """A new client is tried again from then on (the last try timed out)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._oom0 = oom_kills()
@@ -281,7 +285,18 @@ class AgentFailures:
         waits for ever on a store whose host's process is stopped (SIGSTOP), and this thread must go
         on to name that host lost."""
         if self._store is None:
-            self._store = Bounded(within(STORE_CALL_S, self._connect), STORE_CALL_S)
+            if self._store_given_up:  # named lost, this node's workers stopped: no more waits on it
+                raise TimeoutError("the job store stopped answering")
+            last, self._last = self._last, None
+            if last is not None and last.stuck_at is not None:  # a call timed out: that counts as a try
+                self._retry_at = max(self._retry_at, last.stuck_at + STORE_CALL_S)
+            if time.monotonic() < self._retry_at:  # it did not answer a moment ago: fail fast meanwhile
+                raise TimeoutError(f"the job store did not answer within {STORE_CALL_S:g} s")
+            try:
+                self._store = self._last = Bounded(within(STORE_CALL_S, self._connect), STORE_CALL_S)
+            except TimeoutError:
+                self._retry_at = time.monotonic() + STORE_CALL_S
+                raise
         return self._store
 
     def _connect(self) -> Any:
@@ -417,6 +432,7 @@ class AgentFailures:
     def _store_lost(self) -> None:
         """The store's host is gone: name it, stop this node's workers (torch's agent then ends)."""
         self.lost = self._store_gone(f" for {self._lost_after:.0f} s")
+        self._store_given_up = True
         self.stopping_for = self.root_cause() if self._cache else self.lost
         print(f"ddprun: {self.lost.headline()}; stopping this node's workers", file=self.out, flush=True)
         pids = [pid for _, pid, _ in list(self._workers.values())]

@@ -46,7 +46,6 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from ddprun._util import within
 from ddprun.agent.attempt import handler_round
-from ddprun.protocol import defaults
 
 
 @dataclass
@@ -198,13 +197,14 @@ class DdprunAgent(LocalElasticAgent):
     def _watch_dropped(self, handler: Any) -> None:
         """torch asks ``num_nodes_waiting()`` every monitor interval while the group is healthy (after
         syncing the rendezvous state): it also answers 1, once, when that state moved past this node's
-        round (:func:`round_moved_on`). It and the handler's ``shutdown`` are bounded (RENDEZVOUS_CALL_S)."""
+        round (:func:`round_moved_on`). The question never holds torch's loop (:class:`AnswerSoon`), and
+        the handler's ``shutdown`` is bounded (SHUTDOWN_S)."""
         if getattr(handler, "_ddprun_watches_drop", False) or not hasattr(handler, "num_nodes_waiting"):
             return
-        waiting, shutdown = handler.num_nodes_waiting, handler.shutdown
+        waiting, shutdown = AnswerSoon(handler.num_nodes_waiting, 0), handler.shutdown
 
         def num_nodes_waiting() -> int:
-            n = int(_bounded_rendezvous_call(waiting))
+            n = int(waiting())
             if n == 0 and not self._dropped and not self._hooks.preempting() and \
                     round_moved_on(handler, self._joined_round):
                 self._dropped = True
@@ -212,8 +212,8 @@ class DdprunAgent(LocalElasticAgent):
             return n
 
         def bounded_shutdown() -> bool:
-            try:  # closing the rendezvous is best effort: a shorter bound
-                return bool(within(defaults.STORE_CALL_S, shutdown))
+            try:  # closing the rendezvous is best effort: a short bound
+                return bool(within(SHUTDOWN_S, shutdown))
             except Exception:  # noqa: BLE001 - the endpoint's store does not answer: nothing to close there
                 return False
 
@@ -252,23 +252,56 @@ class DdprunAgent(LocalElasticAgent):
             pass
 
 
-RENDEZVOUS_CALL_S = 10.0
-"""The longest torch's rendezvous handler may take to answer ``num_nodes_waiting`` (every monitor
-interval while the workers train; ``shutdown``: defaults.STORE_CALL_S): its TCPStore client waits
-for ever when the endpoint's host is stopped (SIGSTOP), and torch's agent would never see its
-workers end. As long as a node's heartbeat may stop before it is taken for lost (LOST_AFTER_S)."""
+RENDEZVOUS_CALL_S = 60.0
+"""How long one ``num_nodes_waiting`` of torch's rendezvous handler may stay unanswered before torch's
+agent is ended with RendezvousConnectionError: torch's own store read_timeout. Its TCPStore client
+waits for ever when the endpoint's host is stopped (SIGSTOP); a slow store (a 1,000-node job's, where
+the keep-alive thread holds the handler's lock through its retries) must never end a healthy job."""
+
+SHUTDOWN_S = 3.0
+"""How long torch's rendezvous ``shutdown`` (closing the round in the endpoint's store) may take."""
+
+ANSWER_WAIT_S = 1.0
+"""How long torch's loop waits for a fresh answer before it gets the last one (its poll is 0.1 s)."""
 
 
-def _bounded_rendezvous_call(fn: Callable[[], Any]) -> Any:
-    """``fn()`` within RENDEZVOUS_CALL_S, else torch's RendezvousConnectionError (its agent then ends
-    and ddprun names what its failure thread found: agent/run.py ``ending``)."""
-    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+class AnswerSoon:
+    """``fn()`` for a loop that must not stop: one call at a time on a helper thread. A call that
+    answers within ANSWER_WAIT_S gives its result (or raises its exception); one still pending gives
+    the last result, and once it has been pending RENDEZVOUS_CALL_S, torch's RendezvousConnectionError
+    (its agent then ends, and ddprun names what its failure thread found: agent/run.py ``ending``)."""
 
-    try:
-        return within(RENDEZVOUS_CALL_S, fn)
-    except TimeoutError as e:
-        raise RendezvousConnectionError(f"the rendezvous endpoint's store did not answer within "
-                                        f"{RENDEZVOUS_CALL_S:.0f} s (its host stopped or frozen?)") from e
+    def __init__(self, fn: Callable[[], Any], first: Any):
+        self._fn, self._last = fn, first
+        self._pending: tuple[threading.Thread, threading.Event, dict[str, Any], float] | None = None
+
+    def __call__(self) -> Any:
+        if self._pending is None:
+            done, box = threading.Event(), dict[str, Any]()
+            thread = threading.Thread(target=self._run, args=(done, box), name="ddprun-rendezvous-call", daemon=True)
+            thread.start()
+            self._pending = (thread, done, box, time.monotonic())
+        _, done, box, since = self._pending
+        if done.wait(ANSWER_WAIT_S):
+            self._pending = None
+            if "error" in box:
+                raise box["error"]
+            self._last = box["value"]
+            return self._last
+        if time.monotonic() - since >= RENDEZVOUS_CALL_S:
+            from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+            raise RendezvousConnectionError(f"the rendezvous endpoint's store did not answer for "
+                                            f"{time.monotonic() - since:.0f} s (its host stopped or frozen?)")
+        return self._last
+
+    def _run(self, done: threading.Event, box: dict[str, Any]) -> None:
+        try:
+            box["value"] = self._fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+        finally:
+            done.set()
 
 
 def round_moved_on(handler: Any, joined: int | None) -> bool:

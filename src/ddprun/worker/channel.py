@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
-from ddprun._util import within
+from ddprun._util import Bounded, within
 from ddprun.errors import ConfigError
 from ddprun.protocol import defaults
 from ddprun.protocol import failure as fr
@@ -54,6 +54,7 @@ class JobChannel:
         self.environ, self.script = environ, script
         self._connect_fn, self._connect_node_fn = connect, connect_node
         self.store = self.connect()
+        self._bounded: Bounded | None = None
         self.hosts: dict[int, str] = {}
 
     @classmethod
@@ -169,10 +170,17 @@ class JobChannel:
         except Exception:  # noqa: BLE001 - no node store, or its agent is gone or frozen: the job's copy remains
             pass
         try:  # bounded: a stopped store host would hold this failing process for ever
-            if within(defaults.STORE_CALL_S, publish_failure, self.store, self.keys, rec) == 1:
-                within(defaults.ACK_WAIT_S + defaults.STORE_CALL_S, self._await_acks)
+            if publish_failure(self._failure_store(), self.keys, rec) == 1:
+                self._await_acks()
         except Exception:  # noqa: BLE001 - the store may be gone already; the error file still holds it
             pass
+
+    def _failure_store(self) -> Any:
+        """This process's job-store client for the failure path: each call bounded by STORE_CALL_S, and
+        after one timed out the others fail at once (a stopped store host never answers)."""
+        if self._bounded is None:
+            self._bounded = Bounded(self.store, defaults.STORE_CALL_S)
+        return self._bounded
 
     def _hand_to_node(self, rec: fr.FailureRecord) -> None:
         node = self.connect_node(timeout_s=defaults.NODE_RECORD_TIMEOUT_S)
@@ -183,13 +191,16 @@ class JobChannel:
         """Stay (bounded) until every other rank has read the failure: this process keeps its node's
         agent, and maybe the store the others read it from, alive meanwhile."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self.store.add(self.keys.acks, 0) < self.world_size - 1:
+        while time.monotonic() < deadline and self._failure_store().add(self.keys.acks, 0) < self.world_size - 1:
             time.sleep(0.05)
 
     def ack_failure(self, store: Any = None) -> None:
         """Tell the failing rank this one has read its failure."""
-        try:
-            within(defaults.STORE_CALL_S, (store or self.store).add, self.keys.acks, 1)
+        try:  # another client (the monitor's): bounded by itself
+            if store is None:
+                self._failure_store().add(self.keys.acks, 1)
+            else:
+                within(defaults.STORE_CALL_S, store.add, self.keys.acks, 1)
         except Exception:  # noqa: BLE001
             pass
 
@@ -197,7 +208,9 @@ class JobChannel:
         """The job's first-hand records, or while there is none its first echoes (protocol/store.py
         read_causes: 3 store calls whatever the job's size); [] when the store cannot be read."""
         try:  # bounded: a stopped store host would hold the caller (a failing rank) for ever
-            return list(within(defaults.STORE_CALL_S, read_causes, store or self.store, self.keys).values())
+            if store is None:
+                return list(read_causes(self._failure_store(), self.keys).values())
+            return list(within(defaults.STORE_CALL_S, read_causes, store, self.keys).values())
         except Exception:  # noqa: BLE001 - the store is gone or does not answer: nothing to read
             return []
 
