@@ -46,6 +46,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from ddprun._util import within
 from ddprun.agent.attempt import handler_round
+from ddprun.protocol import defaults
 
 
 @dataclass
@@ -244,8 +245,8 @@ class DdprunAgent(LocalElasticAgent):
         key = "ddprun/exit-barrier/" + str(self._worker_group.spec.rdzv_handler.get_run_id())
         deadline = time.monotonic() + self._exit_barrier_timeout
         try:  # each call bounded: a stopped store host would hold it for ever
-            within(RENDEZVOUS_CALL_S, store.add, key, 1)
-            while within(RENDEZVOUS_CALL_S, store.add, key, 0) < n and time.monotonic() < deadline and \
+            within(defaults.STORE_CALL_S, store.add, key, 1)
+            while within(defaults.STORE_CALL_S, store.add, key, 0) < n and time.monotonic() < deadline and \
                     not self._hooks.exit_barrier_done():
                 time.sleep(0.1)
         except Exception:  # noqa: BLE001 - the store host ended first (or froze): nothing left to wait for
