@@ -42,7 +42,7 @@ def test_a_node_whose_round_the_rendezvous_moved_past_restarts_once_under_its_ow
     agent = DdprunAgent.__new__(DdprunAgent)
     agent._hooks = AgentHooks(on_dropped=lambda: said.append("dropped"),
                               on_membership_change=lambda: said.append("a node waits"))
-    agent._dropped, agent._joined_round = False, 4
+    agent._dropped, agent._joined_round, agent._pcontext = False, 4, None  # no workers started
     agent._watch_dropped(handler)
     agent._watch_dropped(handler)  # every rendezvous: wrapped once
     assert handler.num_nodes_waiting() == 0 and not round_moved_on(handler, 4)
@@ -56,6 +56,32 @@ def test_a_node_whose_round_the_rendezvous_moved_past_restarts_once_under_its_ow
     agent._restart_workers(SimpleNamespace(state=WorkerState.HEALTHY))  # a later one: a node joining
     assert said == ["dropped", "restart", "a node waits", "restart"]
     assert not round_moved_on(SimpleNamespace(), 4) and not round_moved_on(handler, None)  # static; unknown
+
+
+def test_a_group_whose_worker_failed_while_the_agent_was_frozen_is_not_restarted_as_dropped_or_joined():
+    """Frozen (SIGSTOP) inside torch's healthy check, the agent is thawed after its worker failed and the
+    rendezvous moved on: the failure is handled first (torch's next poll sees the group FAILED: with no
+    restart left the node ends and says why), not a drop that stops the group and joins a rendezvous
+    the others have left; nor is a node waiting to join taken for a reason to restart it."""
+    me = object()
+    state = SimpleNamespace(participants={}, wait_list={object()}, round=5)
+    handler = SimpleNamespace(_this_node=me, _state_holder=SimpleNamespace(state=state),
+                              num_nodes_waiting=lambda: len(state.wait_list), shutdown=lambda: True)
+    said, codes = [], {0: None, 1: None}
+    agent = DdprunAgent.__new__(DdprunAgent)
+    agent._hooks = AgentHooks(on_dropped=lambda: said.append("dropped"))
+    agent._dropped, agent._joined_round = False, 4
+    agent._pcontext = SimpleNamespace(subprocess_handlers={
+        rank: SimpleNamespace(proc=SimpleNamespace(poll=lambda rank=rank: codes[rank])) for rank in codes})
+    agent._watch_dropped(handler)
+    codes[1] = 0  # a rank that finished is no failure
+    assert handler.num_nodes_waiting() == 1  # a node waits to join: taken in
+    codes[0] = 1
+    assert handler.num_nodes_waiting() == 0 and not agent._dropped
+    state.wait_list = set()
+    assert handler.num_nodes_waiting() == 0 and not agent._dropped and said == []
+    codes[0] = None
+    assert handler.num_nodes_waiting() == 1 and agent._dropped  # healthy and dropped: restarted as a drop
 
 
 def test_a_rendezvous_store_that_never_answers_neither_holds_torchs_loop_nor_lets_it_run_for_ever(monkeypatch):
@@ -79,7 +105,7 @@ def test_a_rendezvous_store_that_never_answers_neither_holds_torchs_loop_nor_let
     handler = SimpleNamespace(num_nodes_waiting=lambda: frozen.wait(30) and 0, shutdown=lambda: frozen.wait(30))
     agent = DdprunAgent.__new__(DdprunAgent)
     agent._hooks = AgentHooks()
-    agent._dropped, agent._joined_round = False, 4
+    agent._dropped, agent._joined_round, agent._pcontext = False, 4, None
     agent._watch_dropped(handler)
     t0, seen = time.monotonic(), []
     with pytest.raises(RendezvousConnectionError, match="did not answer for"):

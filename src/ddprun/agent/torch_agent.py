@@ -206,6 +206,8 @@ class DdprunAgent(LocalElasticAgent):
 
         def num_nodes_waiting() -> int:
             n = int(waiting())
+            if self._a_worker_failed():  # torch's next poll sees the group FAILED: that comes first
+                return 0
             if n == 0 and not self._dropped and not self._hooks.preempting() and \
                     round_moved_on(handler, self._joined_round):
                 self._dropped = True
@@ -221,6 +223,13 @@ class DdprunAgent(LocalElasticAgent):
         handler.num_nodes_waiting = num_nodes_waiting
         handler.shutdown = bounded_shutdown
         handler._ddprun_watches_drop = True
+
+    def _a_worker_failed(self) -> bool:
+        """Whether a worker has ended non-zero since torch's last poll saw the group healthy (the
+        agent was frozen or slow between the two): a drop or a waiting node must not restart a
+        group that failed (its failure would be lost, or taken for a membership change)."""
+        handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
+        return any(handler.proc.poll() not in (None, 0) for handler in handlers.values())
 
     def _assign_worker_ranks(self, store: Any, group_rank: int, group_world_size: int,  # type: ignore[override]
                              spec: WorkerSpec) -> Any:
