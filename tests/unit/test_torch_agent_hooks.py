@@ -80,8 +80,87 @@ def test_a_group_whose_worker_failed_while_the_agent_was_frozen_is_not_restarted
     assert handler.num_nodes_waiting() == 0 and not agent._dropped
     state.wait_list = set()
     assert handler.num_nodes_waiting() == 0 and not agent._dropped and said == []
+    codes[0] = 0  # every rank finished: torch's next poll sees SUCCEEDED, no rejoin of a finished job
+    assert handler.num_nodes_waiting() == 0 and not agent._dropped
     codes[0] = None
+
+    def frozen_while_asked():  # the agent was stopped while it waited for the store; its worker failed meanwhile
+        codes[0] = 1
+        return 0
+
+    handler_asked, handler._ddprun_watches_drop = handler.num_nodes_waiting, False
+    handler.num_nodes_waiting = frozen_while_asked
+    agent._watch_dropped(handler)
+    assert handler.num_nodes_waiting() == 0 and not agent._dropped and said == []
+    handler.num_nodes_waiting, codes[0] = handler_asked, None
     assert handler.num_nodes_waiting() == 1 and agent._dropped  # healthy and dropped: restarted as a drop
+
+
+def test_an_answer_of_the_last_round_is_not_given_in_the_next(monkeypatch):
+    """A node waited to join: torch restarted the group (membership change). In the next round the
+    first healthy check is slow (a large job's store): the answer meanwhile is 'none waiting', not the
+    last round's 1, which would restart the new group again, and again."""
+    import threading
+
+    from ddprun.agent import torch_agent
+
+    monkeypatch.setattr(torch_agent, "ANSWER_WAIT_S", 0.05)
+    slow, answers = threading.Event(), iter([1])
+    handler = SimpleNamespace(num_nodes_waiting=lambda: next(answers, None) or (slow.wait(10) and 0),
+                              shutdown=lambda: True)
+    agent = DdprunAgent.__new__(DdprunAgent)
+    agent._hooks = AgentHooks()
+    agent._dropped, agent._joined_round, agent._pcontext = False, None, None
+    agent._watch_dropped(handler)
+    assert handler.num_nodes_waiting() == 1  # torch restarts the group, rendezvous again
+    agent._watch_dropped(handler)  # the next round
+    assert [handler.num_nodes_waiting() for _ in range(3)] == [0, 0, 0]
+    slow.set()
+
+
+def test_a_worker_that_died_before_the_agent_was_signalled_or_the_grace_ended_is_reported_first(monkeypatch):
+    """torch's _shutdown (a signal to the agent) and a preemption grace that ends in the monitor's
+    poll: a worker already dead (SIGKILL: it wrote nothing) is reported as what it was before the
+    agent says that it stops its workers, so its death is not recorded as stopped by the signal."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    said = []
+    agent = DdprunAgent.__new__(DdprunAgent)
+    agent._hooks = AgentHooks(on_worker_exit=lambda *a: said.append(("exit", a[0], a[3])),
+                              on_stopping=lambda: said.append("stopping"),
+                              on_signal=lambda sig: said.append(("signal", sig)),
+                              preempt_check=lambda: 15)
+    agent._hooks_said_signal, agent._worker_group = None, SimpleNamespace(workers=[SimpleNamespace(global_rank=3)])
+    agent._pcontext = SimpleNamespace(subprocess_handlers={0: SimpleNamespace(
+        proc=SimpleNamespace(poll=lambda: -9, pid=4242))})
+    monkeypatch.setattr(LocalElasticAgent, "_shutdown", lambda self, *a, **kw: said.append("torch stops"))
+    with pytest.raises(Exception, match="got signal: 15"):
+        agent._monitor_workers(agent._worker_group)
+    assert said == [("exit", 3, -9)]
+    said.clear()
+    agent._hooks.seen.clear()
+    agent._shutdown(15)
+    assert said == [("exit", 3, -9), "stopping", ("signal", 15), "torch stops"]
+
+
+def test_a_node_left_waiting_as_a_spare_when_the_job_closed_gets_a_rendezvous_error_not_a_crash(monkeypatch):
+    """torch's agent returns None (RendezvousGracefulExitError) to a node in the rendezvous'
+    redundancy list when the job closes; torch's own launcher then fails on None.is_failed()."""
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError
+
+    from ddprun.agent import torch_agent
+
+    closed = []
+    handler = SimpleNamespace(shutdown=lambda: closed.append(True) or True)
+    monkeypatch.setattr(torch_agent.rdzv_registry, "get_rendezvous_handler", lambda params: handler)
+    monkeypatch.setattr(torch_agent, "bind_workers_store", lambda h: None)
+    monkeypatch.setattr(DdprunAgent, "__init__", lambda self, **kw: None)
+    monkeypatch.setattr(DdprunAgent, "run", lambda self: None)
+    config = SimpleNamespace(rdzv_backend="c10d", role="trainer", nproc_per_node=1, max_restarts=0,
+                             monitor_interval=0.1, local_addr=None, logs_specs=None, start_method="spawn")
+    with pytest.raises(RendezvousClosedError, match="waited in it as a spare"):
+        torch_agent._run(config, "x.py", [], AgentHooks(), params=None)
+    assert closed == [True]
 
 
 def test_a_rendezvous_store_that_never_answers_neither_holds_torchs_loop_nor_lets_it_run_for_ever(monkeypatch):

@@ -40,7 +40,7 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
@@ -155,12 +155,12 @@ class DdprunAgent(LocalElasticAgent):
         self._hooks.on_preempt_signal(signum)
 
     def _monitor_workers(self, worker_group: WorkerGroup):  # type: ignore[override]
+        self._report_exits(worker_group)  # first: a worker that died is named so, also when the grace ends now
         forced = self._hooks.preempt_check()
         if forced is not None:
             _signal_exception(forced, None)
         if self._hooks.preempting():
             self._remaining_restarts = 0  # a node going away: no restart
-        self._report_exits(worker_group)
         result = super()._monitor_workers(worker_group)
         if result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
             # a worker that ended between the poll above and torch's is reported before torch
@@ -200,13 +200,18 @@ class DdprunAgent(LocalElasticAgent):
         syncing the rendezvous state): it also answers 1, once, when that state moved past this node's
         round (:func:`round_moved_on`). The question never holds torch's loop (:class:`AnswerSoon`), and
         the handler's ``shutdown`` is bounded (SHUTDOWN_S)."""
-        if getattr(handler, "_ddprun_watches_drop", False) or not hasattr(handler, "num_nodes_waiting"):
+        if getattr(handler, "_ddprun_watches_drop", False):
+            handler._ddprun_answers.forget()  # a new round: the last one's answer is no answer for it
+            return
+        if not hasattr(handler, "num_nodes_waiting"):
             return
         waiting, shutdown = AnswerSoon(handler.num_nodes_waiting, 0), handler.shutdown
 
         def num_nodes_waiting() -> int:
+            if self._workers_ended():  # torch's next poll sees the group FAILED or SUCCEEDED: that comes first
+                return 0
             n = int(waiting())
-            if self._a_worker_failed():  # torch's next poll sees the group FAILED: that comes first
+            if self._workers_ended():  # again: the agent may have been stopped (SIGSTOP) while it waited
                 return 0
             if n == 0 and not self._dropped and not self._hooks.preempting() and \
                     round_moved_on(handler, self._joined_round):
@@ -222,14 +227,16 @@ class DdprunAgent(LocalElasticAgent):
 
         handler.num_nodes_waiting = num_nodes_waiting
         handler.shutdown = bounded_shutdown
-        handler._ddprun_watches_drop = True
+        handler._ddprun_watches_drop, handler._ddprun_answers = True, waiting
 
-    def _a_worker_failed(self) -> bool:
-        """Whether a worker has ended non-zero since torch's last poll saw the group healthy (the
-        agent was frozen or slow between the two): a drop or a waiting node must not restart a
-        group that failed (its failure would be lost, or taken for a membership change)."""
+    def _workers_ended(self) -> bool:
+        """Whether, since torch's last poll saw the group healthy (the agent was frozen or slow between
+        the two), a worker ended non-zero or every worker ended: a drop or a waiting node must not
+        restart that group (a failure would be lost or taken for a membership change; a finished
+        node would join a rendezvous the others have left)."""
         handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
-        return any(handler.proc.poll() not in (None, 0) for handler in handlers.values())
+        codes = [handler.proc.poll() for handler in handlers.values()]
+        return any(code not in (None, 0) for code in codes) or (bool(codes) and None not in codes)
 
     def _assign_worker_ranks(self, store: Any, group_rank: int, group_world_size: int,  # type: ignore[override]
                              spec: WorkerSpec) -> Any:
@@ -238,6 +245,7 @@ class DdprunAgent(LocalElasticAgent):
         return super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
 
     def _shutdown(self, death_sig: Any = None, timeout: int = 30, **kwargs: Any) -> None:  # type: ignore[override]
+        self._report_exits(self._worker_group)  # a worker that died before the signal is its own cause
         self._hooks.on_stopping()
         # torch passes death_sig only when a signal ended the agent (else only the timeout, at every end)
         if death_sig is not None and self._hooks_said_signal is None:
@@ -282,8 +290,13 @@ class AnswerSoon:
     (its agent then ends, and ddprun names what its failure thread found: agent/run.py ``ending``)."""
 
     def __init__(self, fn: Callable[[], Any], first: Any):
-        self._fn, self._last = fn, first
+        self._fn, self._first, self._last = fn, first, first
         self._pending: tuple[threading.Thread, threading.Event, dict[str, Any], float] | None = None
+
+    def forget(self) -> None:
+        """A new question (torch's next round): the last answer, and a call still pending (left to
+        end on its own), are of the old one."""
+        self._last, self._pending = self._first, None
 
     def __call__(self) -> Any:
         if self._pending is None:
@@ -411,6 +424,9 @@ def _run(config: Any, entrypoint: str, args: list[str], hooks: AgentHooks, param
     shutdown = True
     try:
         result = agent.run()
+        if result is None:  # torch's RendezvousGracefulExitError: the job closed while this node waited
+            raise RendezvousClosedError("the rendezvous closed while this node waited in it as a spare "
+                                        "(beyond the job's maximum node count); it ran no workers")
         if result.is_failed():
             raise ChildFailedError(name=entrypoint, failures=result.failures)
         return result.return_values
