@@ -243,3 +243,96 @@ class WorkerEnvStub:
 class DeadStore:
     def __getattr__(self, name):
         raise ConnectionError("the job store's host is gone")
+
+
+def test_a_time_the_agent_itself_was_stopped_is_not_taken_for_the_stores_silence(tmp_path, store, monkeypatch):
+    """The agent was stopped (SIGSTOP) for 20 s between two ticks, and the store's host went away
+    meanwhile: the store is named lost only after its ticks have failed for lost_after (1 s here),
+    not on the first failing tick after the thaw, and the line gives that time, not the freeze's."""
+    import signal
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from ddprun.agent import failures as failures_mod
+
+    offset, broken = [0.0], threading.Event()
+    monkeypatch.setattr(failures_mod, "time", SimpleNamespace(
+        monotonic=lambda: time.monotonic() + offset[0], time=time.time, sleep=time.sleep))
+
+    class Breakable:
+        def __getattr__(self, name):
+            if broken.is_set():
+                raise ConnectionResetError("the job store's host is gone")
+            return getattr(store, name)
+
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    out = io.StringIO()
+    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", out, lost_after_s=1.0,
+                      connect=Breakable, stop_grace_s=1.0)
+    a.on_workers_started("r1", 0, 1, {0: (0, worker.pid, "")}, world_size=1)
+    try:
+        time.sleep(1.2)  # ticks that answer
+        assert a.lost is None
+        offset[0], thawed = 20.0, time.monotonic()
+        broken.set()
+        while time.monotonic() - thawed < 0.8:
+            assert a.lost is None, out.getvalue()  # the old count: lost at the first failing tick
+            time.sleep(0.05)
+        code = worker.wait(timeout=5)
+    finally:
+        a.stop()
+        worker.kill()
+    assert code == -signal.SIGTERM and a.lost is not None
+    assert "the job store at 127.0.0.1:" in out.getvalue() and "stopped answering for 1 s" in out.getvalue()
+
+
+def test_a_signal_after_a_worker_died_does_not_rename_that_death(agent, store):
+    """A worker was SIGKILLed (its agent recorded it) and then the agent got SIGTERM: the other
+    workers are recorded as stopped by the SIGTERM, the dead one keeps its own cause."""
+    a, _ = agent
+    a.on_worker_exit(0, 0, pid=0, code=-9)
+    a.on_signal(15)
+    keys = Keys("ddprun/job/r1/")
+    published = [fr.FailureRecord.from_json(store.get(keys.failure(i)))
+                 for i in range(1, int(store.add(keys.failures, 0)) + 1)]
+    by_rank = {rec.rank: rec for rec in published}
+    assert by_rank[0].kind == fr.SIGNAL and by_rank[0].signal == "SIGKILL", by_rank[0]
+    assert by_rank[1].kind == fr.STOPPED and by_rank[-1].signal == "SIGTERM", published
+    assert [rec.rank for rec in published].count(0) == 1
+
+
+def test_a_stopped_store_is_named_lost_after_lost_after_not_after_a_last_try_to_reach_it(tmp_path, monkeypatch):
+    """The store's host is stopped (its calls never return; each is given up after STORE_CALL_S, and a
+    new connection is tried STORE_CALL_S after that): the store is named lost once lost_after has
+    passed since its first failing tick, not once the try that straddles that moment gives up too
+    (STORE_CALL_S later). Scaled: STORE_CALL_S 2 s, lost_after 4 s, beats of 0.2 s."""
+    import subprocess
+    import sys
+
+    from ddprun.agent import failures as failures_mod
+
+    monkeypatch.setattr(failures_mod, "STORE_CALL_S", 2.0)
+    monkeypatch.setattr(failures_mod, "BEAT_S", 0.2)
+    stopped = threading.Event()
+
+    class StoppedHost:
+        def __getattr__(self, name):
+            return lambda *a, **kw: stopped.wait(30)
+
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    out = io.StringIO()
+    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", 1, "job", out, lost_after_s=4.0,
+                      connect=StoppedHost, stop_grace_s=1.0)
+    t0 = time.monotonic()
+    a.on_workers_started("r1", 0, 1, {0: (0, worker.pid, "")}, world_size=1)
+    try:
+        while a.lost is None and time.monotonic() - t0 < 10:
+            time.sleep(0.02)
+        named_after = time.monotonic() - t0
+    finally:
+        stopped.set()
+        a.stop()
+        worker.kill()
+        worker.wait(5)
+    assert a.lost is not None and 4.0 <= named_after < 5.0, (named_after, out.getvalue())

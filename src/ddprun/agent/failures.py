@@ -308,18 +308,27 @@ class AgentFailures:
                         timeout=timedelta(seconds=STORE_CALL_S))
 
     def _loop(self) -> None:
-        beat, seen_at, last_ok = 0, (None, None, time.monotonic()), time.monotonic()
+        """Every half second a tick; the store is named lost once its ticks have failed for
+        ``lost_after``, counted from the start of the first failing one: a time this agent itself was
+        stopped (SIGSTOP) or starved between two ticks is not the store's silence."""
+        beat, seen_at, failing_since = 0, (None, None, time.monotonic()), None
         while not self._stop.wait(BEAT_S / 2):
+            started = time.monotonic()
+            self._lost_since(failing_since)  # also before a tick: its new try may wait STORE_CALL_S
             try:
                 beat += 1
                 seen_at = self._tick(beat, seen_at)
-                last_ok = time.monotonic()
+                failing_since = None
             except Exception:  # noqa: BLE001 - the store is unreachable; how long decides
                 self._store = None
-                if time.monotonic() - last_ok >= self._lost_after and self.lost is None:
-                    self._store_lost()
+                failing_since = started if failing_since is None else failing_since
+                self._lost_since(failing_since)
             if self._stop.is_set():
                 return
+
+    def _lost_since(self, failing_since: float | None) -> None:
+        if failing_since is not None and time.monotonic() - failing_since >= self._lost_after and self.lost is None:
+            self._store_lost()
 
     def _tick(self, beat: int, seen_at: tuple[Any, Any, float]) -> tuple[Any, Any, float]:
         """Every half second: the alarm, and what it announces when it moved; every second (even
@@ -455,7 +464,11 @@ class AgentFailures:
                                  self._node, self.host, signal=name, by="agent", t=time.time())
         self.stopping_for = cause
         self._publish(cause)
+        with self._lock:
+            ended = set(self._local)  # recorded already: their own cause, not this stop
         for rank, (local_rank, _, _) in list(self._workers.items()):  # about to be stopped by torch
+            if rank in ended:
+                continue
             self._publish(fr.stopped_by(cause, rank=rank, node_rank=self._node, host=self.host,
                                         local_rank=local_rank, t=time.time()))
 
