@@ -207,3 +207,31 @@ def test_a_live_job_is_seen_alive_as_soon_as_every_beat_moved_even_when_one_is_h
     t0 = time.monotonic()
     assert not admission.job_alive(store, job(), wait_s=1.0)  # node 1 stands still: not alive
     assert 1.0 <= time.monotonic() - t0 < 2.0
+
+
+def test_the_launch_keeps_an_endpoint_client_whose_calls_a_stopped_host_cannot_hold(tmp_path, monkeypatch):
+    """After admission, the endpoint's store is written on torch's loop (the job record at each start,
+    a restart's reforming mark, node 0's end): a host stopped by SIGSTOP never answers (torch's client
+    waits for ever), so each of those calls gives up after STORE_CALL_S and the launch goes on."""
+    from ddprun.agent import run as run_mod
+    from ddprun.cluster.base import ClusterSpec
+    from ddprun.config import LaunchConfig
+    from ddprun.protocol import defaults
+
+    class StoppedHost:  # what torch's client does when the host is stopped: it waits
+        def __getattr__(self, name):
+            return lambda *a, **kw: threading.Event().wait(20)
+
+    monkeypatch.setattr(defaults, "STORE_CALL_S", 0.3)
+    monkeypatch.setattr(admission, "connect", lambda *a, **kw: (StoppedHost(), False))
+    monkeypatch.setattr(admission, "admit", lambda store, newcomer: "run-b")
+    spec = ClusterSpec(environment="test", min_nodes=2, max_nodes=2, nproc_per_node=1, node_rank=1,
+                       master_addr="127.0.0.1", master_port=29999, rdzv_backend="c10d", run_id="", device="cpu")
+    run = run_mod.admit_run(run_mod.prepare(LaunchConfig(run_dir=str(tmp_path)), spec, {}, "node-b", {}),
+                            io.StringIO())
+    assert run.run_id == "run-b"
+    t0 = time.monotonic()
+    admission.publish_start(run.endpoint_store, job(), 1, "node-b", 22)
+    admission.publish_reforming(run.endpoint_store, 1)
+    admission.publish_end(run.endpoint_store, job())
+    assert time.monotonic() - t0 < 1.5

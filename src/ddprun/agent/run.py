@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
-from ddprun._util import cpu_count
+from ddprun._util import Bounded, cpu_count
 from ddprun.agent import admission
 from ddprun.agent import console as agent_console
 from ddprun.agent.endpoint import free_port
@@ -134,7 +134,8 @@ class _Run:
     when one was given, else the same default on every node."""
     explicit_id: bool = True
     endpoint_store: Any = None
-    """The admission's store client (agent/admission.py), kept for the launch (on the host: the server)."""
+    """The admission's store client (agent/admission.py), kept for the launch (on the host: the server),
+    each call bounded by STORE_CALL_S (_util.Bounded)."""
     dial: str = ""
     """The address this node's store clients use for the endpoint (the host: its bind address);
     ``addr`` unless admit_run says otherwise."""
@@ -218,7 +219,9 @@ def admit_run(run: _Run, console: TextIO) -> _Run:
     note = admission.elastic_note(me, spec.min_nodes, spec.max_nodes)
     if note:
         print(note, file=console, flush=True)
-    return replace(in_run_dir(run, run_id), endpoint_store=store, dial=dial, hosted=hosted)
+    # from now on on torch's loop (the job record each start): a stopped endpoint host must not hold it
+    return replace(in_run_dir(run, run_id), endpoint_store=Bounded(store, defaults.STORE_CALL_S), dial=dial,
+                   hosted=hosted)
 
 
 def in_run_dir(run: _Run, run_id: str) -> _Run:
