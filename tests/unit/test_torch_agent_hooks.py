@@ -58,7 +58,7 @@ def test_a_node_whose_round_the_rendezvous_moved_past_restarts_once_under_its_ow
     assert not round_moved_on(SimpleNamespace(), 4) and not round_moved_on(handler, None)  # static; unknown
 
 
-def test_a_group_whose_worker_failed_while_the_agent_was_frozen_is_not_restarted_as_dropped_or_joined():
+def test_a_group_whose_worker_failed_while_the_agent_was_frozen_is_not_restarted_as_dropped_or_joined(tmp_path):
     """Frozen (SIGSTOP) inside torch's healthy check, the agent is thawed after its worker failed and the
     rendezvous moved on: the failure is handled first (torch's next poll sees the group FAILED: with no
     restart left the node ends and says why), not a drop that stops the group and joins a rendezvous
@@ -83,6 +83,13 @@ def test_a_group_whose_worker_failed_while_the_agent_was_frozen_is_not_restarted
     codes[0] = 0  # every rank finished: torch's next poll sees SUCCEEDED, no rejoin of a finished job
     assert handler.num_nodes_waiting() == 0 and not agent._dropped
     codes[0] = None
+    error_file = tmp_path / "rank-0.error.json"  # its main thread failed; another thread still runs
+    agent._pcontext.error_files = {0: str(error_file)}
+    assert handler.num_nodes_waiting() == 1 and agent._dropped
+    agent._dropped = False
+    error_file.write_text("{}")
+    assert handler.num_nodes_waiting() == 0 and not agent._dropped
+    error_file.unlink()
 
     def frozen_while_asked():  # the agent was stopped while it waited for the store; its worker failed meanwhile
         codes[0] = 1

@@ -236,7 +236,11 @@ class DdprunAgent(LocalElasticAgent):
         node would join a rendezvous the others have left)."""
         handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
         codes = [handler.proc.poll() for handler in handlers.values()]
-        return any(code not in (None, 0) for code in codes) or (bool(codes) and None not in codes)
+        # a worker whose main thread ended while another thread runs on cannot be reaped yet (waitpid:
+        # running); its error file says it failed (seen: the frozen-agent fault test, 1 run in 10)
+        errors = getattr(self._pcontext, "error_files", None) or {}
+        wrote = any(code is None and os.path.isfile(errors.get(rank, "")) for rank, code in zip(handlers, codes))
+        return wrote or any(code not in (None, 0) for code in codes) or (bool(codes) and None not in codes)
 
     def _assign_worker_ranks(self, store: Any, group_rank: int, group_world_size: int,  # type: ignore[override]
                              spec: WorkerSpec) -> Any:
