@@ -208,13 +208,14 @@ class DdprunAgent(LocalElasticAgent):
         waiting, shutdown = AnswerSoon(handler.num_nodes_waiting, 0), handler.shutdown
 
         def num_nodes_waiting() -> int:
-            if self._workers_ended():  # torch's next poll sees the group FAILED or SUCCEEDED: that comes first
-                return 0
             n = int(waiting())
-            if self._workers_ended():  # again: the agent may have been stopped (SIGSTOP) while it waited
+            dropped = n == 0 and not self._dropped and not self._hooks.preempting() and \
+                round_moved_on(handler, self._joined_round)
+            # a restart is looked at after the answer (the agent may have been stopped while it waited):
+            # torch's next poll sees the group FAILED or SUCCEEDED, which comes first
+            if (n or dropped) and self._workers_ended():
                 return 0
-            if n == 0 and not self._dropped and not self._hooks.preempting() and \
-                    round_moved_on(handler, self._joined_round):
+            if dropped:
                 self._dropped = True
                 return 1
             return n
