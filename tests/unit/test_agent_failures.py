@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import io
+import signal
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -32,6 +35,22 @@ def agent(tmp_path, store):
                          store=("127.0.0.1", store.port), last_attempt=False)
     yield a, out
     a.stop()
+
+
+@pytest.fixture
+def stand_in():
+    """Starts a Python child standing in for a worker (default: it sleeps 30 s); each one is killed and
+    reaped at teardown."""
+    started: list[subprocess.Popen] = []
+
+    def start(code: str = "import time; time.sleep(30)", **popen) -> subprocess.Popen:
+        started.append(subprocess.Popen([sys.executable, "-c", code], **popen))
+        return started[-1]
+
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait(5)
 
 
 def publish(store, attempt: str, rec: fr.FailureRecord) -> None:
@@ -173,17 +192,13 @@ def test_a_node_that_joins_an_elastic_job_is_not_lost_before_its_first_beat(tmp_
     assert a.lost is None, a.lost.headline()
 
 
-def test_a_lost_store_stops_a_worker_that_ignores_sigterm_after_the_stop_grace(tmp_path):
+def test_a_lost_store_stops_a_worker_that_ignores_sigterm_after_the_stop_grace(tmp_path, stand_in):
     """The store's host is gone: torch's agent sees healthy workers, so this thread stops them; one
     that ignores SIGTERM is killed --stop-grace later instead of running on to its collective timeout."""
-    import signal
-    import subprocess
-    import sys
-
     from ddprun.agent.failures import kill_children
 
-    worker = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
-                               "signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+    worker = stand_in("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                      "print('ready', flush=True); time.sleep(60)", stdout=subprocess.PIPE)
     assert worker.stdout.readline() == b"ready\n"
 
     def gone():
@@ -198,7 +213,6 @@ def test_a_lost_store_stops_a_worker_that_ignores_sigterm_after_the_stop_grace(t
         code = worker.wait(timeout=10)
     finally:
         a.stop()
-        worker.kill()
     assert code == -signal.SIGKILL and 2.0 <= time.monotonic() - t0 < 6, (code, time.monotonic() - t0)
     assert "the job store at 127.0.0.1:1 stopped answering for 1 s; stopping this node's workers" in out.getvalue()
     assert kill_children([worker.pid, 1], signal.SIGKILL) == []  # reaped, and not our child: nothing sent
@@ -245,13 +259,11 @@ class DeadStore:
         raise ConnectionError("the job store's host is gone")
 
 
-def test_a_time_the_agent_itself_was_stopped_is_not_taken_for_the_stores_silence(tmp_path, store, monkeypatch):
+def test_a_time_the_agent_itself_was_stopped_is_not_taken_for_the_stores_silence(tmp_path, store, monkeypatch,
+                                                                                stand_in):
     """The agent was stopped (SIGSTOP) for 20 s between two ticks, and the store's host went away
     meanwhile: the store is named lost only after its ticks have failed for lost_after (1 s here),
     not on the first failing tick after the thaw, and the line gives that time, not the freeze's."""
-    import signal
-    import subprocess
-    import sys
     from types import SimpleNamespace
 
     from ddprun.agent import failures as failures_mod
@@ -266,7 +278,7 @@ def test_a_time_the_agent_itself_was_stopped_is_not_taken_for_the_stores_silence
                 raise ConnectionResetError("the job store's host is gone")
             return getattr(store, name)
 
-    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    worker = stand_in()
     out = io.StringIO()
     a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", out, lost_after_s=1.0,
                       connect=Breakable, stop_grace_s=1.0)
@@ -282,7 +294,6 @@ def test_a_time_the_agent_itself_was_stopped_is_not_taken_for_the_stores_silence
         code = worker.wait(timeout=5)
     finally:
         a.stop()
-        worker.kill()
     assert code == -signal.SIGTERM and a.lost is not None
     assert "the job store at 127.0.0.1:" in out.getvalue() and "stopped answering for 1 s" in out.getvalue()
 
@@ -302,14 +313,12 @@ def test_a_signal_after_a_worker_died_does_not_rename_that_death(agent, store):
     assert [rec.rank for rec in published].count(0) == 1
 
 
-def test_a_stopped_store_is_named_lost_after_lost_after_not_after_a_last_try_to_reach_it(tmp_path, monkeypatch):
+def test_a_stopped_store_is_named_lost_after_lost_after_not_after_a_last_try_to_reach_it(tmp_path, monkeypatch,
+                                                                                          stand_in):
     """The store's host is stopped (its calls never return; each is given up after STORE_CALL_S, and a
     new connection is tried STORE_CALL_S after that): the store is named lost once lost_after has
     passed since its first failing tick, not once the try that straddles that moment gives up too
     (STORE_CALL_S later). Scaled: STORE_CALL_S 2 s, lost_after 4 s, beats of 0.2 s."""
-    import subprocess
-    import sys
-
     from ddprun.agent import failures as failures_mod
 
     monkeypatch.setattr(failures_mod, "STORE_CALL_S", 2.0)
@@ -320,7 +329,7 @@ def test_a_stopped_store_is_named_lost_after_lost_after_not_after_a_last_try_to_
         def __getattr__(self, name):
             return lambda *a, **kw: stopped.wait(30)
 
-    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    worker = stand_in()
     out = io.StringIO()
     a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", 1, "job", out, lost_after_s=4.0,
                       connect=StoppedHost, stop_grace_s=1.0)
@@ -333,6 +342,4 @@ def test_a_stopped_store_is_named_lost_after_lost_after_not_after_a_last_try_to_
     finally:
         stopped.set()
         a.stop()
-        worker.kill()
-        worker.wait(5)
     assert a.lost is not None and 4.0 <= named_after < 5.0, (named_after, out.getvalue())
