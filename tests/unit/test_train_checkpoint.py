@@ -76,6 +76,28 @@ def test_progress_without_a_terminal_prints_plain_lines():
     assert quiet.getvalue() == ""
 
 
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_on_a_terminal_is_one_rich_bar_with_the_step_loss_and_rate_and_messages_above_it():
+    out = Terminal()
+    p = Progress(100, enabled=True, stream=out)
+    p.advance(10)
+    p.log(50, 0, 0.25, 1234.5)
+    p.message("validation at step 50 (epoch 0): val_loss 0.3000")
+    p.close()
+    text = out.getvalue()
+    assert "\x1b[" in text  # a bar drawn with escape codes, not plain lines
+    assert "train" in text and "50/100" in text and "loss 0.2500" in text and "1,234 samples/s" in text, text
+    assert "validation at step 50 (epoch 0): val_loss 0.3000" in text
+    assert "step 50/100  epoch 0" not in text  # no plain line beside the bar
+    quiet = Terminal()
+    Progress(100, enabled=False, stream=quiet).log(50, 0, 0.25, 1.0)  # another rank: nothing, not even a bar
+    assert quiet.getvalue() == ""
+
+
 def test_a_rank_saves_and_restores_its_own_cuda_device_state_whatever_the_nodes_gpu_count(monkeypatch):
     """Resumed on nodes with fewer GPUs (2 x 8 -> 4 x 4), a rank's device index changes: the checkpoint
     holds the state of the device it computed on and restores it to the one it computes on now; an
