@@ -5,8 +5,12 @@ scenarios (2 nodes on 127.0.0.1, gloo, examples/torchrun_style.py):
   stalled rank    rank 3 sleeps before an all-reduce: seconds from the stall to a report naming it
   mismatch        nodes started with --nproc-per-node 2 and 1: named, or "succeeded" on WORLD_SIZE=3?
   second job      another job on the same endpoint: refused, or mixed/hung?
+  same command    the job's own command started once more while it runs (a retry on one node):
+                  refused, or left waiting (torch's redundancy list)?
+  late node       an elastic job with room (--nnodes 1:3, 2 running) and a third node of the job
+                  arrives: does every node train on and exit 0?
 
-    python benchmarks/detection.py [--bound 60] [--stall-timeout 10]
+    python benchmarks/detection.py [--bound 60] [--stall-timeout 10] [--only late,same]
 
 Each scenario is cut at --bound seconds; "none within N s" means the launcher said nothing useful
 by then (torchrun's own limits: 600 s join, 30 min gloo).
@@ -27,6 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.helpers import DDPRUN, EXAMPLE, TORCHRUN, free_port, job_env  # noqa: E402
+
+JOB = str(Path(__file__).resolve().parents[1] / "tests" / "faults" / "scripts" / "job.py")
 
 
 class Streamed:
@@ -59,7 +65,7 @@ def wait_until(cond, bound: float) -> None:
         time.sleep(0.1)
 
 
-def launcher(name: str, nnodes: int, nproc: int, port: int, rdzv_id: str, extra=()) -> list[str]:
+def launcher(name: str, nnodes: int | str, nproc: int, port: int, rdzv_id: str, extra=()) -> list[str]:
     base = [DDPRUN, "run"] if name == "ddprun" else [TORCHRUN]
     return base + ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id, *extra]
@@ -135,17 +141,77 @@ def second_job(name: str, bound: float, tmp: str) -> str:
     return f"not refused; second job {'still waiting' if code is None else f'exited {code}'} after {bound:.0f} s"
 
 
+def training(pids: Path, ranks: int, bound: float) -> bool:
+    """Every one of ``ranks`` ranks of JOB has made its first step (its pid file), within ``bound``."""
+    def seen() -> bool:
+        return all((pids / f"rank-{r}.pid").exists() and (pids / f"rank-{r}.pid").read_text() for r in range(ranks))
+    wait_until(seen, bound)
+    return seen()
+
+
+def same_command(name: str, bound: float, tmp: str) -> str:
+    port, pids = free_port(), Path(tmp, f"again-{name}")
+    pids.mkdir()
+    cmd = launcher(name, 2, 1, port, f"again-{name}") + [JOB, "--pids", str(pids), "--step-s", "0.1", "--steps", "3000"]
+    job = [Streamed(cmd, tmp), Streamed(cmd, tmp)]
+    if not training(pids, 2, bound):
+        for p in job:
+            p.kill()
+        return "the job itself did not start"
+    again = Streamed(cmd, tmp)
+    wait_until(lambda: again.proc.poll() is not None, bound)
+    code, refused, said = again.proc.poll(), again.first("[Rr]efused"), len(again.lines)
+    for p in (*job, again):
+        p.kill()
+    if refused is not None:
+        return f"refused in {refused:.1f} s (exit {code})"
+    return f"not refused; {'still waiting' if code is None else f'exited {code}'} after {bound:.0f} s, {said} line(s)"
+
+
+def late_node(name: str, bound: float, tmp: str) -> str:
+    port, pids = free_port(), Path(tmp, f"late-{name}")
+    pids.mkdir()
+    # every rank trains until the world has 3 ranks, then 30 steps more (ended by the restart that takes it in)
+    cmd = launcher(name, "1:3", 1, port, f"late-{name}", ["--max-restarts", "3", "--rdzv-conf", "last_call_timeout=2"]) + [
+        JOB, "--pids", str(pids), "--step-s", "0.1", "--steps", "30", "--min-world", "3"]
+    nodes = [Streamed(cmd, tmp), Streamed(cmd, tmp)]
+    if not training(pids, 2, bound):
+        for p in nodes:
+            p.kill()
+        return "the first two nodes did not start"
+    t0 = time.monotonic()
+    nodes.append(Streamed(cmd, tmp))
+    wait_until(lambda: all(p.proc.poll() is not None for p in nodes), bound)
+    codes, took = [p.proc.poll() for p in nodes], time.monotonic() - t0
+    said = any("waits to join" in line for p in nodes for _, line in p.lines)
+    for p in nodes:
+        p.kill()
+    if codes == [0, 0, 0]:
+        return f"all 3 exited 0, {took:.1f} s after the third arrived" + (" (said: a node waits to join)" if said else "")
+    running = sum(c is None for c in codes)
+    return f"exit codes {codes}" + (f": {running} of 3 still running after {bound:.0f} s" if running else "")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bound", type=float, default=60)
     p.add_argument("--stall-timeout", type=float, default=10)
+    p.add_argument("--only", default="", help="comma-separated: missing,stalled,mismatch,second,same,late")
     args = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for scenario, fn in (("missing node", lambda n: missing_node(n, args.bound, tmp)),
-                             ("stalled rank", lambda n: stalled_rank(n, args.bound, args.stall_timeout, tmp)),
-                             ("mismatched --nproc-per-node", lambda n: mismatch(n, args.bound, tmp)),
-                             ("second job, same endpoint", lambda n: second_job(n, args.bound, tmp))):
+        scenarios = {"missing": ("missing node", lambda n: missing_node(n, args.bound, tmp)),
+                     "stalled": ("stalled rank", lambda n: stalled_rank(n, args.bound, args.stall_timeout, tmp)),
+                     "mismatch": ("mismatched --nproc-per-node", lambda n: mismatch(n, args.bound, tmp)),
+                     "second": ("second job, same endpoint", lambda n: second_job(n, args.bound, tmp)),
+                     "same": ("same command again", lambda n: same_command(n, args.bound, tmp)),
+                     "late": ("late node, elastic 1:3", lambda n: late_node(n, args.bound, tmp))}
+        only = [k for k in args.only.split(",") if k]
+        unknown = sorted(set(only) - set(scenarios))
+        if unknown:
+            p.error(f"--only: unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(scenarios)}")
+        for key in only or scenarios:
+            scenario, fn = scenarios[key]
             res = {n: fn(n) for n in ("ddprun", "torchrun")}
             rows.append((scenario, res))
             print(f"{scenario:28s} ddprun: {res['ddprun']:45s} torchrun: {res['torchrun']}", flush=True)
