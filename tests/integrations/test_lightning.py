@@ -112,6 +112,28 @@ def test_fit_with_a_lightning_module_in_one_process_writes_into_the_run_dir(clea
     assert again.steps == 7 and again.trainer.ckpt_path == result.checkpoint
 
 
+@pytest.mark.parametrize("own_trainer", [False, True], ids=["fit", "own-trainer"])
+def test_the_readmes_lightning_example_trains_both_ways(clean_runtime, tmp_path, monkeypatch, capsys, caplog,
+                                                        own_trainer):
+    """examples/lightning_script.py, the README's complete example, runs as written (one process here;
+    its __main__ as `python examples/lightning_script.py` runs it): ddprun.fit, or its own Trainer
+    built from ddprun.lightning.trainer_kwargs()."""
+    import runpy
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["lightning_script.py", "--max-steps", "3", *(["--own-trainer"] if own_trainer
+                                                                                   else [])])
+    runpy.run_path(str(Path(__file__).parents[2] / "examples" / "lightning_script.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    if own_trainer:  # Lightning's own logger in the working directory; no epoch ended, so no checkpoint
+        assert "`Trainer.fit` stopped: `max_steps=3` reached." in caplog.text
+        assert (tmp_path / "lightning_logs" / "version_0" / "hparams.yaml").exists()
+    else:
+        (run,) = (tmp_path / "runs").iterdir()
+        assert f"steps 3, val {{}}, checkpoint {run / 'checkpoints' / 'last.ckpt'}" in out, out[-2000:]
+        assert (run / "checkpoints" / "last.ckpt").exists()
+
+
 def test_fit_with_a_lightning_module_refuses_what_does_not_apply(clean_runtime):
     import ddprun
     from ddprun.mismatch import TrainerMismatch
