@@ -90,7 +90,8 @@ def test_rdzv_conf_values_torch_reads_as_numbers_or_booleans_are_checked(raw, wh
                                                                           "store_type": "tcp"}
 
 
-def test_a_join_timeout_under_a_second_is_refused_and_fractions_round_up_for_torch():
+def test_a_join_timeout_under_a_second_is_refused_and_a_fraction_above_is_accepted():
+    """torch counts whole seconds; the round-up is test_launch_units.py's."""
     from ddprun.cli import check_numbers
 
     with pytest.raises(ConfigError, match="at least 1 second"):

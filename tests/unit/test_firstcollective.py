@@ -14,7 +14,7 @@ from tests.helpers import free_port
 from tests.unit.test_runtime import clean_state, torchrun_env  # noqa: F401 - clean_state: autouse, as there
 
 
-def test_probe_timeout_default_off_and_bad_values():
+def test_probe_timeout_defaults_to_30_s_0_turns_it_off_and_bad_values_are_named():
     assert firstcollective.probe_timeout({}) == 30.0
     assert firstcollective.probe_timeout({"DDPRUN_FIRST_COLLECTIVE_TIMEOUT": "0"}) == 0.0
     with pytest.raises(ConfigError, match="DDPRUN_FIRST_COLLECTIVE_TIMEOUT='soon'.*\n.*HINT"):

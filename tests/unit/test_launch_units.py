@@ -80,6 +80,10 @@ def test_what_the_defaults_become_on_a_multi_node_launch(tmp_path, monkeypatch):
     torch_cfg = _AgentRun.torch_config(SimpleNamespace(run_=run, logs_specs=None))
     assert (torch_cfg.rdzv_configs["join_timeout"], torch_cfg.rdzv_configs["timeout"]) == (90, 90)
     assert (torch_cfg.max_restarts, torch_cfg.monitor_interval, torch_cfg.start_method) == (0, 0.1, "spawn")
+    # torch counts whole seconds: a fraction of --join-timeout rounds up, never down to less wait
+    run = in_run_dir(prepare(LaunchConfig(join_timeout=1.5), spec, {}, "h", {}), "r2")
+    torch_cfg = _AgentRun.torch_config(SimpleNamespace(run_=run, logs_specs=None))
+    assert (torch_cfg.rdzv_configs["join_timeout"], torch_cfg.rdzv_configs["timeout"]) == (2, 2)
 
 
 @pytest.mark.parametrize("nnodes", ["0", "3:2", "x", "1:2:3"])

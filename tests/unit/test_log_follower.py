@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+import time
 
 import pytest
 
@@ -89,5 +90,9 @@ def test_the_thread_follows_a_file_created_after_follow(tmp_path):
     log = tmp_path / "rank-0.log"
     f.follow({str(log): ""})
     write(log, "hello\n")
+    deadline = time.monotonic() + 5
+    while out.getvalue() != "hello\n" and time.monotonic() < deadline:  # the thread's poll, not stop()'s last read
+        time.sleep(0.01)
+    seen = out.getvalue()
     f.stop()
-    assert out.getvalue() == "hello\n"
+    assert seen == "hello\n" and out.getvalue() == "hello\n"

@@ -64,6 +64,10 @@ def test_run_still_refuses_a_multi_node_launch_without_an_endpoint():
 def test_plan_json_under_slurm_carries_every_value_with_its_source(clean_env, capsys):
     for key, value in SLURM.items():
         clean_env.setenv(key, value)
+    # gpu01 resolves nowhere (as on a login node without the cluster's DNS), whatever this machine's resolver says
+    from ddprun.cluster import netaddr
+
+    clean_env.setattr(netaddr, "probe_network", lambda host: NetProbe({"lo": ("127.0.0.1",), "eth0": ("10.0.0.2",)}, ()))
     doc = run_json(capsys)
     assert (doc["environment"], doc["nnodes"], doc["nproc_per_node"], doc["world_size"]) == ("slurm", 5, 4, 20)
     assert (doc["node_rank"], doc["run_id"]) == (0, "slurm-4242")
@@ -76,9 +80,9 @@ def test_plan_json_under_slurm_carries_every_value_with_its_source(clean_env, ca
     assert values["allocated_gpus"] == {"value": 4, "source": "SLURM_GPUS_ON_NODE=4"}
     assert doc["sources"] == {k: v["source"] for k, v in values.items()}
     assert doc["device"] in ("cpu", "cuda") and values["device"]["value"] == doc["device"]
-    # gpu01 resolves nowhere here: the network check's failure is the warning `ddprun run` would stop with
-    if doc["network"]["error"]:
-        assert any(w.startswith("network: `ddprun run` on this node would fail") for w in doc["warnings"])
+    # the network check's failure is the warning `ddprun run` would stop with
+    assert doc["network"]["error"] and "gpu01" in doc["network"]["error"], doc["network"]
+    assert any(w.startswith("network: `ddprun run` on this node would fail") for w in doc["warnings"]), doc["warnings"]
 
 
 def test_json_carries_every_line_explain_prints():

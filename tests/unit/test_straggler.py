@@ -40,17 +40,23 @@ def test_small_absolute_differences_are_noise():
     assert det.update(window(compute=(0.001, 0.001, 0.001, 0.0016)), HOSTS, now=0) == []
 
 
-def test_step_timer_summary_and_hook_intervals():
+def test_step_timer_summary_and_hook_intervals(monkeypatch):
+    from types import SimpleNamespace
+
+    from ddprun import telemetry
+
     t = StepTimer()
     t.record(0.02, data=0.001, compute=0.015)
     t.record(0.03, data=0.003, compute=0.02)
     s = summarize(t.drain())
     assert s == {"n": 2.0, "step": 0.025, "data": 0.002, "compute": 0.0175}
     assert summarize(t.drain()) is None
+    clock = iter([1.0, 1.25, 1.75, 2.0])
+    monkeypatch.setattr(telemetry, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    t.on_optimizer_step()  # the first step only starts the clock
     t.on_optimizer_step()
     t.on_optimizer_step()
-    (rec,) = t.drain()
-    assert rec[0] >= 0
+    assert [rec[0] for rec in t.drain()] == [0.25, 0.5]  # the intervals between the hook's calls
     t.detailed = True  # fit times its own steps: the hook records nothing
     t.on_optimizer_step()
     assert t.drain() == []

@@ -139,14 +139,26 @@ def test_max_steps_runs_past_one_epoch_and_the_scheduler_steps_per_step(tmp_path
     assert state["sampler"]["epoch"] == 2 and state["sampler"]["batches_done"] == 1
 
 
-def test_training_step_bf16_and_grad_clip(tmp_path):
+def test_training_step_runs_under_bf16_autocast_and_the_gradients_are_clipped(tmp_path):
+    dtypes, norms = [], []
+
     def step(model, batch):
         x, y = batch
-        return nn.functional.mse_loss(model(x).float(), y)
+        out = model(x)
+        dtypes.append(out.dtype)
+        return 100 * nn.functional.mse_loss(out.float(), y)  # gradients far above the clip norm
+
+    def optimizer(params):
+        opt = torch.optim.SGD(params, lr=1e-3)
+        opt.register_step_pre_hook(lambda o, *_: norms.append(torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(p.grad) for g in o.param_groups for p in g["params"]])).item()))
+        return opt
 
     res = fit(tmp_path, loss_fn=None, training_step=step, precision="bf16-mixed", grad_clip=0.5, max_steps=3,
-              val_data=regression(16))
+              val_data=regression(16), optimizer=optimizer)
     assert res.steps == 3 and "val_loss" in res.val_metrics
+    assert dtypes[:3] == [torch.bfloat16] * 3, dtypes  # the forward ran under autocast
+    assert norms == pytest.approx([0.5] * 3, rel=1e-3), norms  # clipped to grad_clip at every step
 
 
 @pytest.mark.parametrize("kwargs, match", [

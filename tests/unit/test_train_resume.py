@@ -162,7 +162,7 @@ def test_a_user_dataloader_in_one_process_resumes_by_skipping_batches(tmp_path):
     assert checkpoint.load(str(tmp_path / "c" / "checkpoints"))["step"] == 24
 
 
-def test_a_second_fit_in_one_process_after_a_finished_one_starts_anew(tmp_path):
+def test_a_second_fit_in_one_process_after_a_finished_one_starts_anew(tmp_path, capsys):
     data = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
 
     def run():
@@ -171,7 +171,10 @@ def test_a_second_fit_in_one_process_after_a_finished_one_starts_anew(tmp_path):
                           run_dir=str(tmp_path), log_every=100)
 
     first = run()
+    capsys.readouterr()
     with pytest.warns(UserWarning, match="starts anew"):
         second = run()
+    said = capsys.readouterr()
+    assert "resuming from" not in said.out + said.err  # trained again, not resumed at its end
     assert first.steps == second.steps == 4  # not "a finished run resumed: nothing left to do"
     assert all(torch.equal(a, b) for a, b in zip(first.model.parameters(), second.model.parameters()))
