@@ -21,6 +21,19 @@ TORCHRUN = str(BIN / "torchrun")
 EXAMPLE = str(REPO / "examples" / "torchrun_style.py")
 
 
+def extra(module: str):
+    """``module``, an optional extra (lightning, pytorch_lightning, ray): skipped when it is not
+    installed, unless DDPRUN_TESTS_NEED_EXTRAS is set (scripts/test.sh sets it: its setup installs
+    every extra), where any import failure fails the test instead of hiding it as a skip."""
+    import importlib
+
+    import pytest
+
+    if os.environ.get("DDPRUN_TESTS_NEED_EXTRAS"):
+        return importlib.import_module(module)
+    return pytest.importorskip(module)
+
+
 _HANDED_OUT: set[int] = set()
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-PL = pytest.importorskip("pytorch_lightning")
+from tests.helpers import REPO, ddprun_nodes, describe, extra, job_env, run_agents
 
-from tests.helpers import REPO, ddprun_nodes, describe, job_env, run_agents  # noqa: E402
+PL = extra("pytorch_lightning")
 
 pytestmark = pytest.mark.integrations
 BORING = str(Path(__file__).parent / "scripts" / "pl_boring_unmodified.py")
@@ -65,7 +65,7 @@ def test_fit_trains_a_pytorch_lightning_module_beside_a_lightning_one(clean_runt
                         trainer_kwargs=QUIET)
     assert type(result.trainer) is PL.Trainer and result.steps == 4
     assert Path(result.checkpoint) == tmp_path / "pl" / "checkpoints" / "last.ckpt" and Path(result.checkpoint).exists()
-    lp = pytest.importorskip("lightning.pytorch")
+    lp = extra("lightning.pytorch")
 
     class Unified(lp.LightningModule):
         training_step, configure_optimizers = Tiny.training_step, Tiny.configure_optimizers
@@ -112,7 +112,7 @@ def test_every_pytorch_lightning_trainer_in_a_ddprun_worker_gets_the_launch_chec
 
 
 def test_ray_reporter_is_a_callback_of_the_models_package():
-    pytest.importorskip("ray")
+    extra("ray")
     from ddprun.ray import _lightning_package, _lightning_reporter
 
     assert _lightning_package(Tiny()) == "pytorch_lightning"
@@ -161,7 +161,7 @@ def test_uneven_nodes_are_refused_by_trainer_kwargs_on_every_node(module):
     from ddprun.errors import ConfigError
     from ddprun.runtime import RankInfo
 
-    pytest.importorskip("lightning.pytorch" if module == "ddprun.lightning" else "pytorch_lightning")
+    extra("lightning.pytorch" if module == "ddprun.lightning" else "pytorch_lightning")
     nodes = importlib.import_module(module)._nodes
     for local in (2, 1):  # 2 + 1 processes: the node with one would otherwise count 3 "nodes"
         info = RankInfo(rank=0, local_rank=0, node_rank=0, world_size=3, local_world_size=local,

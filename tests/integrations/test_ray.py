@@ -13,8 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-ray = pytest.importorskip("ray")
-pytest.importorskip("ray.train.torch")
+from tests.helpers import extra
+
+ray = extra("ray")
+extra("ray.train.torch")
 
 import ddprun.ray  # noqa: E402
 from ddprun.errors import WorkerFailed  # noqa: E402
@@ -84,7 +86,7 @@ def test_a_module_trains_on_two_workers(ray_cluster, tmp_path):
 
 @pytest.mark.timeout(150)
 def test_a_lightning_module_trains_on_two_workers(ray_cluster, tmp_path):
-    pl = pytest.importorskip("lightning.pytorch")
+    pl = extra("lightning.pytorch")
 
     class Regressor(pl.LightningModule):  # local: Ray sends it by value
         def __init__(self):

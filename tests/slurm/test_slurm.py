@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import DDPRUN, EXAMPLE, REPO, run_agents
+from tests.helpers import DDPRUN, EXAMPLE, REPO, extra, run_agents
 from tests.helpers import describe as describe_runs
 
 pytestmark = pytest.mark.slurm
@@ -121,7 +121,7 @@ def test_srun_one_task_per_rank_with_ddprun_init(slurm, tmp_path):
 
 @pytest.mark.timeout(180)
 def test_lightning_trainer_under_srun_ddprun_run_uses_every_rank(slurm, tmp_path):
-    pytest.importorskip("lightning.pytorch")
+    extra("lightning.pytorch")
     out = tmp_path / "out"
     script = batch_script(tmp_path, f"srun {DDPRUN} run {LIGHTNING_TRAINER} --max-steps 5 --out {out}")
     job = slurm.sbatch(script, ["-N2", "--ntasks-per-node=1", "--gres=gpu:2"], timeout=150, cwd=tmp_path)
