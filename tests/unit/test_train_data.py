@@ -156,19 +156,31 @@ def test_fits_loader_workers_outlive_a_preemption_signal_and_end_with_fit(monkey
     (worker,) = set(first)
     assert worker != os.getpid() and all(int(b[0, 1]) for b in loader)  # the user's init ran in the worker
     server = forkserver._forkserver._forkserver_pid
-    for pid in (worker, server):
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            os.kill(pid, sig)
-    time.sleep(0.2)
-    assert {int(b[0, 0]) for b in loader} == {worker}  # the same persistent worker goes on serving
-    other = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(30,))
-    other.start()
-    term_usr1 = (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGUSR1 - 1))
-    assert blocked_or_ignored(other.pid) & term_usr1 == 0
-    other.terminate()
-    other.join(10)
-    assert other.exitcode == -signal.SIGTERM
     process = loader._iterator._workers[0]
-    close_workers(loader)
-    assert not process.is_alive() and process.exitcode == 0 and loader._iterator is None
+    other = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(30,))
+    try:
+        for pid in (worker, server):
+            for sig in (signal.SIGUSR1, signal.SIGTERM):
+                os.kill(pid, sig)
+        time.sleep(0.2)
+        assert {int(b[0, 0]) for b in loader} == {worker}  # the same persistent worker goes on serving
+        # terminated the moment its pid is known: the default action already (a handler would lose it)
+        other.start()
+        other.terminate()
+        other.join(10)
+        assert other.exitcode == -signal.SIGTERM
+        term_usr1 = (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGUSR1 - 1))
+        late = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(30,))
+        late.start()
+        time.sleep(0.2)
+        assert blocked_or_ignored(late.pid) & term_usr1 == 0  # neither blocked nor ignored once it runs
+        late.terminate()
+        late.join(10)
+        assert late.exitcode == -signal.SIGTERM
+        close_workers(loader)
+        assert not process.is_alive() and process.exitcode == 0 and loader._iterator is None
+    finally:  # a failure must not leave a worker that ignores SIGTERM for interpreter exit to join forever
+        close_workers(loader, graceful=False)
+        if other.pid is not None and other.is_alive():
+            other.kill()
     assert os.path.exists(f"/proc/{server}")

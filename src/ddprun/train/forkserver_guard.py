@@ -4,10 +4,16 @@
 The job's preemption signals reach every process of a node (SLURM signals every process of a step).
 The forkserver would die of SIGUSR1's default action, and torch's DataLoader workers take their
 parent's end for their rank's and exit. Here the forkserver outlives those signals; a process it
-forks (a DataLoader worker, a pool of the user's) gets the default action back at its first one,
-unless it set its own (fit's DataLoader workers ignore them: ``PreemptionSafeInit``). The signals
+forks (a DataLoader worker, a pool of the user's) has their default action back from its fork on,
+unless it sets its own (fit's DataLoader workers ignore them: ``PreemptionSafeInit``). The signals
 were blocked while the forkserver started (no window in which one kills it); they are unblocked
 here, so no process it forks inherits them blocked.
+
+Why at the fork, not lazily at a child's first signal: CPython clears the signals a child caught
+before its interpreter's after-fork step, so a SIGTERM sent the moment the child's pid is known (a
+``terminate()`` right after ``start()``) would be lost to a handler. They stay blocked across the fork
+and the child sets the default action before it unblocks them: one that came meanwhile is delivered
+then, as without ddprun.
 """
 
 from __future__ import annotations
@@ -32,6 +38,19 @@ def _guard(signum: int, frame: Any) -> None:
     os.kill(os.getpid(), signum)
 
 
+def _fork_hooks(sigs: tuple[int, ...]) -> None:
+    """Keep ``sigs`` blocked across every fork of this process; the child takes the default action
+    for them before unblocking (see the module docstring)."""
+    def child() -> None:
+        for sig in sigs:
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
+
+    os.register_at_fork(before=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, sigs),
+                        after_in_parent=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs),
+                        after_in_child=child)
+
+
 def install(environ: Mapping[str, str]) -> tuple[int, ...]:
     """Guard the forkserver against the job's preemption signals (``DDPRUN_PREEMPT_SIGNALS``) and
     unblock them; the signals guarded. Never raises: an error here would end the forkserver."""
@@ -43,6 +62,7 @@ def install(environ: Mapping[str, str]) -> tuple[int, ...]:
         sigs = tuple(s for s in asked if s != signal.SIGINT)  # the forkserver ignores SIGINT itself
         for sig in sigs:
             signal.signal(sig, _guard)
+        _fork_hooks(sigs)
     except Exception:  # noqa: BLE001
         pass
     signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
