@@ -39,16 +39,24 @@ def _guard(signum: int, frame: Any) -> None:
 
 
 def _fork_hooks(sigs: tuple[int, ...]) -> None:
-    """Keep ``sigs`` blocked across every fork of this process; the child takes the default action
-    for them before unblocking (see the module docstring)."""
-    def child() -> None:
-        for sig in sigs:
-            signal.signal(sig, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
+    """Keep ``sigs`` blocked across every fork of the forkserver; its child takes the default action
+    for them before unblocking (see the module docstring). Processes further down inherit these
+    hooks with the interpreter: there they do nothing (a worker's own children keep what it set)."""
+    def block() -> None:
+        if os.getpid() == _SERVER:
+            signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
 
-    os.register_at_fork(before=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, sigs),
-                        after_in_parent=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs),
-                        after_in_child=child)
+    def parent() -> None:
+        if os.getpid() == _SERVER:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
+
+    def child() -> None:
+        if os.getppid() == _SERVER:
+            for sig in sigs:
+                signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
+
+    os.register_at_fork(before=block, after_in_parent=parent, after_in_child=child)
 
 
 def install(environ: Mapping[str, str]) -> tuple[int, ...]:
