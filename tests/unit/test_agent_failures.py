@@ -176,13 +176,13 @@ def test_a_node_that_joins_an_elastic_job_is_not_lost_before_its_first_beat(tmp_
     import json
 
     out = io.StringIO()
-    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", out, lost_after_s=1.5)
+    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", out, lost_after_s=2.5)
     a.on_workers_started("r1", 0, 1, {0: (0, 0, "")}, world_size=1, store=("127.0.0.1", store.port))
-    time.sleep(2.0)  # alone: no neighbour to watch
+    time.sleep(3.0)  # alone: no neighbour to watch
     a.on_workers_started("r2", 0, 2, {0: (0, 0, "")}, world_size=2, store=("127.0.0.1", store.port))
     keys = Keys("ddprun/job/r2/")
     beats = [threading.Timer(t, store.set, (keys.agent(1), json.dumps({"host": "host-b", "beat": i})))
-             for i, t in enumerate((1.1, 1.6, 2.1))]  # node 1's first beat after node 0's first look
+             for i, t in enumerate((1.0, 1.5, 2.0, 2.5))]  # node 1's first beat after node 0's first look (0.5 s)
     for b in beats:
         b.start()
     for b in beats:
