@@ -129,3 +129,17 @@ def test_the_keep_alive_defaults_ddprun_checks_and_prints_are_the_ones_torch_use
     assert defaults.keep_alive({}) == (torch_defaults["keep_alive_interval"].default,
                                        torch_defaults["keep_alive_max_attempt"].default)
     assert defaults.keep_alive({"keep_alive_interval": "2", "keep_alive_max_attempt": "7"}) == (2, 7)
+
+
+@pytest.mark.parametrize("argv, env, seen", [
+    (["--nnodes", "0"], {}, "--nnodes='0'"),
+    ([], {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "gpu[01-05", "SLURM_JOB_NUM_NODES": "5"},
+     "SLURM_JOB_NODELIST='gpu[01-05'"),
+])
+def test_plan_refuses_contradictory_input_with_exit_2_and_one_message(monkeypatch, capsys, argv, env, seen):
+    """docs/plan-json.md: an unknown endpoint is exit 0, contradictory input exit 2, as under ``run``."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert main(["plan", *argv, "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and seen in err and "HINT" in err and "Traceback" not in err
