@@ -2,6 +2,7 @@
 and its 404 turning into a notice, GCP's FALSE turning TRUE, a server that does not answer, and bad
 settings."""
 
+import importlib
 import io
 import time
 
@@ -77,3 +78,41 @@ def test_settings_take_the_url_and_poll_from_the_environment_and_name_bad_values
         spot.settings("aws", {"DDPRUN_SPOT_NOTICE_POLL_S": "soon"})
     with pytest.raises(ConfigError, match="--spot-notice azure"):
         spot.settings("azure", {})
+
+
+class V1Only(Metadata):
+    """An instance that has IMDSv2 off: the token PUT is refused (405, as with a hop limit hit)."""
+
+    def do_PUT(self):  # noqa: N802 - http.server's names
+        self.seen.append(("PUT", self.path, self.headers.get("X-aws-ec2-metadata-token-ttl-seconds")))
+        self._send(405)
+
+
+def test_aws_without_a_token_asks_imdsv1_style_and_still_reads_the_notice():
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    Metadata.notice, Metadata.seen = True, []
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), V1Only)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{httpd.server_address[1]}"
+        assert spot.aws_notice(base) == "an AWS spot interruption notice (terminate at 2026-12-01T18:40:00Z)"
+    finally:
+        httpd.shutdown()
+    assert Metadata.seen == [("PUT", "/latest/api/token", "300"),
+                             ("GET", "/latest/meta-data/spot/instance-action", None, None)]  # no token header
+
+
+def test_a_proxy_in_the_environment_is_never_used_for_the_link_local_server(server, monkeypatch):
+    for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.setenv(name, "http://127.0.0.1:1")  # a proxy that refuses: using it would fail
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    fresh = importlib.reload(spot)  # urllib reads proxies when an opener is built: at import
+    try:
+        assert fresh.gcp_notice(server) is None
+        assert Metadata.seen == [("GET", "/computeMetadata/v1/instance/preempted", None, "Google")]
+    finally:
+        monkeypatch.undo()
+        importlib.reload(spot)
