@@ -16,10 +16,15 @@ import pytest
 import torch
 
 from tests.helpers import DDPRUN, EXAMPLE, REPO, describe, free_port, run_agents
+from tests.system import unavailable
 
-pytestmark = [pytest.mark.integrations,
-              pytest.mark.skipif(shutil.which("mpirun") is None,
-                                 reason="mpirun is not installed (apt-get install openmpi-bin)")]
+pytestmark = pytest.mark.integrations
+
+
+@pytest.fixture(autouse=True)
+def needs_mpirun():
+    if shutil.which("mpirun") is None:
+        unavailable("mpirun is not installed (apt-get install openmpi-bin)")
 
 INIT_SCRIPT = str(REPO / "tests" / "integrations" / "scripts" / "init_train.py")
 

@@ -1,12 +1,15 @@
 """The report opens in a real headless Chromium: its plots render (decoded, non-empty), the summary card
 and the events are on the page, and a screenshot of it is a drawn page, not a blank one."""
 
+import os
 import re
 import shutil
+import signal
 import subprocess
 
 import pytest
 
+from tests.system import unavailable
 from tests.unit.test_report import PLOTS, make_run
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -14,13 +17,29 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage
          "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars"]
 
 
-def chromium(tmp_path, *args):
-    return subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", *args],
-                          capture_output=True, text=True, timeout=60)
+@pytest.fixture(autouse=True)
+def needs_chromium():
+    if CHROMIUM is None:
+        unavailable("Debian's chromium is not installed (.ci/run installs it)")
+
+
+def chromium(tmp_path, *args) -> subprocess.CompletedProcess:
+    """Chromium in its own session, so that on a timeout its whole process tree is killed, not just
+    the browser process (its renderer and GPU helpers would outlive it)."""
+    cmd = [CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # also a helper left behind by a browser that exited
+        except ProcessLookupError:
+            pass
+        proc.wait(10)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
 def test_report_renders_its_plots_in_headless_chromium(tmp_path):
     from ddprun.report import write_report
 
@@ -36,7 +55,6 @@ def test_report_renders_its_plots_in_headless_chromium(tmp_path):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
 def test_report_screenshot_is_a_drawn_page(tmp_path):
     import matplotlib.image
 

@@ -18,6 +18,7 @@ from torch import nn
 import ddprun
 from ddprun.errors import CheckpointError
 from ddprun.train import checkpoint
+from tests.system import unavailable
 from tests.unit.restart_support import new_process, one_process, regression  # noqa: F401 (autouse fixture)
 
 
@@ -123,13 +124,13 @@ def test_without_any_usable_checkpoint_the_run_starts_anew_with_a_warning(tmp_pa
 def tiny_disk(tmp_path):
     """A 1 MiB tmpfs (root only; unmounted afterwards)."""
     if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
+        unavailable("mounting a tmpfs needs root")
     where = tmp_path / "disk"
     where.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)], capture_output=True,
                           text=True)
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        unavailable(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     try:
         yield where
     finally:
