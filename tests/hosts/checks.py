@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import json
 from pathlib import Path
 
@@ -33,10 +32,7 @@ def check_trained(out: Path, results, hosts) -> list[dict]:
     return facts
 
 
-def not_loopback(addr: str) -> bool:
-    if addr in ("localhost",):
-        return False
-    try:
-        return not ipaddress.ip_address(addr).is_loopback
-    except ValueError:
-        return True  # a host name such as algo-1, resolved on the host that uses it
+def reaches_algo1(addr: str, hosts) -> bool:
+    """``addr`` (a worker's MASTER_ADDR on algo-2) names algo-1, the store's host, by its name or its
+    address. Not just "not loopback": "algo-2" resolves to 127.0.0.1 on algo-2 itself."""
+    return addr in (hosts[0].name, hosts[0].addr)

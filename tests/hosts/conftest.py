@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.system import unavailable
+
 SUBNET = "10.231.7"
 """A private /24 (unused on this machine): it exists only on the veth pair between our two
 namespaces, so it cannot clash with the machine's own networks."""
@@ -61,17 +63,24 @@ def _why_not() -> str | None:
     return None
 
 
-def _kill_namespace_processes(ns: str) -> None:
-    """Processes still inside a namespace we created are ours (a test that timed out)."""
-    pids = _sh("ip", "netns", "pids", ns, check=False).stdout.split()
-    for pid in pids:
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
-    deadline = time.monotonic() + 5
-    while pids and time.monotonic() < deadline and _sh("ip", "netns", "pids", ns, check=False).stdout.split():
+def _namespace_pids(ns: str) -> list[str]:
+    return _sh("ip", "netns", "pids", ns, check=False).stdout.split()
+
+
+def _kill_namespace_processes(ns: str, within_s: float = 5.0) -> list[str]:
+    """Processes still inside a namespace we created are ours (a test that timed out): SIGKILL them,
+    again for any forked meanwhile, until none is left (bounded). Returns the pids first seen."""
+    first = pids = _namespace_pids(ns)
+    deadline = time.monotonic() + within_s
+    while pids and time.monotonic() < deadline:
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
         time.sleep(0.1)
+        pids = _namespace_pids(ns)
+    return first
 
 
 @pytest.fixture(scope="session")
@@ -79,7 +88,7 @@ def two_hosts():
     """(algo-1, algo-2) as :class:`Host`; torn down completely at the end of the session."""
     reason = _why_not()
     if reason:
-        pytest.skip(reason)
+        unavailable(reason)
     tag = f"ddp{os.getpid() % 100000}"
     hosts = [Host(f"algo-{i}", f"{tag}h{i}", f"{SUBNET}.{i}") for i in (1, 2)]
     veths = [f"{tag}v{i}" for i in (1, 2)]  # unique while in the root namespace; eth0 inside
@@ -88,7 +97,7 @@ def two_hosts():
         for h in hosts:
             added = _sh("ip", "netns", "add", h.ns, check=False)
             if added.returncode != 0:  # e.g. a container without CAP_SYS_ADMIN
-                pytest.skip(f"`ip netns add` is unavailable here: {added.stderr.strip()}")
+                unavailable(f"`ip netns add` is unavailable here: {added.stderr.strip()}")
             created.append(h.ns)
             etc = NETNS_ETC / h.ns
             etc.mkdir(parents=True, exist_ok=True)
@@ -115,6 +124,21 @@ def two_hosts():
             shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def nothing_left_on_the_hosts(two_hosts):
+    """After each test: no process of it is left on either host (its agents' workers die with them).
+    A leftover gets 5 s to end by itself, then is killed and fails the test, so the next test finds
+    clean hosts (free fixed ports) either way."""
+    yield
+    deadline = time.monotonic() + 5
+    while any(_namespace_pids(h.ns) for h in two_hosts) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = {h.name: _kill_namespace_processes(h.ns) for h in two_hosts}
+    left = {name: pids for name, pids in left.items() if pids}
+    if left:
+        pytest.fail(f"processes left on the hosts after the test (killed now): {left}", pytrace=False)
+
+
 RSH_AGENT = """#!/bin/sh
 # Open MPI's plm_rsh_agent for hosts that are network namespaces: `agent HOST CMD...` runs CMD on
 # HOST (its namespace and hostname), as ssh would run it in HOST's shell.
@@ -132,7 +156,7 @@ def mpi_rsh_agent(two_hosts):
     """Path of an rsh agent that lets a real mpirun (run on algo-1) start its daemons on both hosts:
     ``mpirun --mca plm_rsh_agent PATH --host algo-1:2,algo-2:2 ...``. Skipped without mpirun."""
     if shutil.which("mpirun") is None:
-        pytest.skip("mpirun is not installed (apt-get install openmpi-bin)")
+        unavailable("mpirun is not installed (apt-get install openmpi-bin)")
     folder = tempfile.mkdtemp(prefix="ddprun-rsh-")
     try:
         agent = Path(folder) / "rsh-netns"

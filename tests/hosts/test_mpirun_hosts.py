@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.helpers import DDPRUN, EXAMPLE, REPO, describe, free_port, job_env, run_agents
-from tests.hosts.checks import check_trained, not_loopback
+from tests.hosts.checks import check_trained, reaches_algo1
 
 pytestmark = pytest.mark.hosts
 
@@ -39,7 +39,7 @@ def test_mpirun_one_ddprun_run_per_host(two_hosts, mpi_rsh_agent, tmp_path):
     facts = check_trained(out, results, two_hosts)
     # MPI rank = node rank: mpirun placed rank 0 on algo-1
     assert {f["NODE_RANK"] for f in facts if f["host"] == "algo-1"} == {"0"}
-    assert all(not_loopback(f["MASTER_ADDR"]) for f in facts if f["host"] == "algo-2")
+    assert all(reaches_algo1(f["MASTER_ADDR"], two_hosts) for f in facts if f["host"] == "algo-2")
     assert "static rendezvous at algo-1:" in results[0].output
 
 
@@ -57,6 +57,8 @@ def test_mpirun_runs_the_script_with_ddprun_init_on_two_hosts(two_hosts, mpi_rsh
         assert (f["world_size"], f["local_world_size"], f["group_size"]) == (4, 2, 4)
         assert f["node_rank"] == {"algo-1": 0, "algo-2": 1}[f["host"]] == f["rank"] // 2
         assert f["is_main"] == (f["rank"] == 0) and f["backend"] == "gloo"
+        assert f["GLOO_SOCKET_IFNAME"] == "eth0", f  # ddprun.init's network plan, not the loopback name
+        assert f["MASTER_ADDR"] == "algo-1", f
     ref = torch.load(out / "params-0.pt", weights_only=True)
     for rank in (1, 2, 3):
         other = torch.load(out / f"params-{rank}.pt", weights_only=True)

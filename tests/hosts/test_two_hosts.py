@@ -13,7 +13,7 @@ import json
 import pytest
 
 from tests.helpers import DDPRUN, EXAMPLE, job_env, run_agents
-from tests.hosts.checks import check_trained, not_loopback
+from tests.hosts.checks import check_trained, reaches_algo1
 
 pytestmark = pytest.mark.hosts
 
@@ -43,7 +43,7 @@ def test_sagemaker_two_hosts_of_two(two_hosts, tmp_path):
     # SageMaker's sorted hosts fix the node ranks: algo-1 is node 0 and hosts the store
     assert {f["NODE_RANK"] for f in facts if f["host"] == "algo-1"} == {"0"}
     remote = [f for f in facts if f["host"] == "algo-2"]
-    assert remote and all(not_loopback(f["MASTER_ADDR"]) for f in remote), remote
+    assert remote and all(reaches_algo1(f["MASTER_ADDR"], two_hosts) for f in remote), remote
     assert "this node hosts the rendezvous; other nodes reach it at 10.231.7.1 via eth0" in results[0].output
 
 
@@ -58,7 +58,7 @@ def test_hostfile_two_hosts_of_two(two_hosts, tmp_path):
     facts = check_trained(out, results, two_hosts)
     assert {f["NODE_RANK"] for f in facts if f["host"] == "algo-2"} == {"1"}
     remote = [f for f in facts if f["host"] == "algo-2"]
-    assert all(not_loopback(f["MASTER_ADDR"]) for f in remote), remote
+    assert remote and all(reaches_algo1(f["MASTER_ADDR"], two_hosts) for f in remote), remote
     # the interface was found from the route, not named by anyone
     assert "joins the rendezvous; other nodes reach it at 10.231.7.2 via eth0" in results[1].output
 
