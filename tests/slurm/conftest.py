@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import BIN, Finished, job_env
+from tests.system import unavailable
 
 TESTBED = Path(__file__).parent / "testbed"
 NNODES = 2
@@ -142,6 +143,8 @@ class SlurmCluster:
             if not out("squeue", "-h", "-o", "%i") and set(out("sinfo", "-h", "-N", "-o", "%T")) == {"idle"}:
                 return
             time.sleep(0.2)
+        raise RuntimeError(f"the test bed did not drain in {timeout:.0f} s: squeue {out('squeue', '-h')}, "
+                           f"sinfo {out('sinfo', '-h', '-N')}\n{self.logs()}")
 
     def logs(self, lines: int = 30) -> str:
         """The daemons' log tails, for a failure message."""
@@ -203,7 +206,7 @@ def slurm_cluster():
     """The session's :class:`SlurmCluster` (node1..node2, 4 CPUs and 2 fake GPUs each)."""
     reason = _why_not()
     if reason:
-        pytest.skip(reason)
+        unavailable(reason)
     # Not under pytest's tmp dir: munged wants every directory above its socket searchable, and
     # pytest-of-root is 0700. Short, too: the socket path must stay under ~100 characters.
     tag = f"dsl{os.getpid() % 100000}"

@@ -52,6 +52,11 @@ def batch_script(tmp_path: Path, body: str) -> Path:
     return script
 
 
+def slurm_port(job_id: int) -> int:
+    """The port ddprun derives from the job id on SLURM (cluster/slurm.py): every node derives the same."""
+    return 20000 + job_id % 20000
+
+
 def check_per_node_run(job, out: Path, nproc: int, master: str, nodes=("node1", "node2")) -> list[dict]:
     """torchrun_style.py ran under one `ddprun run` per node: every rank's facts follow SLURM's job.
 
@@ -62,7 +67,7 @@ def check_per_node_run(job, out: Path, nproc: int, master: str, nodes=("node1", 
     got = facts(out)
     world = nproc * len(nodes)
     assert sorted(int(f["RANK"]) for f in got) == list(range(world))
-    port = str(20000 + job.job_id % 20000)
+    port = str(slurm_port(job.job_id))
     for f in got:
         rank, local, node = int(f["RANK"]), int(f["LOCAL_RANK"]), int(f["NODE_RANK"])
         assert f["GROUP_RANK"] == f["NODE_RANK"] and rank == node * nproc + local and 0 <= local < nproc, f
@@ -93,7 +98,7 @@ def test_sbatch_one_ddprun_per_node_reads_everything_from_slurm(slurm, tmp_path)
     assert job.returncode == 0 and job.job_id, slurm.describe(job)
     # CPU nodes, no GPU asked for: one process per node
     check_per_node_run(job, out, nproc=1, master=slurm.addr("node1"))
-    assert f"static rendezvous at node1:{20000 + job.job_id}" in job.output, slurm.describe(job)
+    assert f"static rendezvous at node1:{slurm_port(job.job_id)}" in job.output, slurm.describe(job)
     assert "2/2 ranks on 2 node(s)" in job.output, slurm.describe(job)
     plan = json.loads((tmp_path / "runs" / f"slurm-{job.job_id}" / "plan.json").read_text())
     assert sorted((r["rank"], r["host"]) for r in plan["ranks"]) == [(0, "node1"), (1, "node2")]
@@ -114,7 +119,7 @@ def test_srun_one_task_per_rank_with_ddprun_init(slurm, tmp_path):
         assert (f["world_size"], f["local_world_size"], f["group_size"]) == (4, 2, 4), f
         assert (f["device"], f["backend"], f["steps"]) == ("cpu", "gloo", 5), f
         job_id = int(f["SLURM_JOB_ID"])
-        assert (f["MASTER_ADDR"], f["MASTER_PORT"]) == ("node1", str(20000 + job_id % 20000)), f
+        assert (f["MASTER_ADDR"], f["MASTER_PORT"]) == ("node1", str(slurm_port(job_id))), f
         assert f["GLOO_SOCKET_IFNAME"] == "eth0", f  # gloo on the link between the nodes, not loopback
     params_equal(out, (1, 2, 3))
 
@@ -145,7 +150,7 @@ BAD_ALLOCATIONS = {
         ["SLURM tasks per node differ from GPUs per node", "SLURM_TASKS_PER_NODE=3(x2)", "SLURM_GPUS_ON_NODE=2",
          "--ntasks-per-node=2"]),
     "ddprun run once per task": (
-        ["-N2", "--ntasks-per-node=2", DDPRUN, "run", EXAMPLE],
+        ["-N2", "--ntasks-per-node=2", DDPRUN, "run", EXAMPLE, "--out", "unused"],
         ["`ddprun run` was started 2 times on this node by srun", "SLURM_TASKS_PER_NODE=2(x2)",
          "srun --ntasks-per-node=1 ddprun run"]),
 }
@@ -161,7 +166,8 @@ def test_bad_allocations_fail_fast_with_a_hint(slurm, tmp_path, case):
     assert "HINT:" in job.output, slurm.describe(job)
     for text in expected:
         assert text in job.output, (text, slurm.describe(job))
-    assert not (tmp_path / "unused").exists()
+    assert not (tmp_path / "unused").exists()  # nothing trained
+    assert not (tmp_path / "runs").exists()  # refused before a run directory was made
 
 
 @pytest.mark.timeout(90)
@@ -178,7 +184,8 @@ def test_starting_ddprun_in_the_batch_script_without_srun_is_refused_at_once(slu
     assert job.output.count("ddprun is not running in an srun step, but the SLURM job has 2 tasks") == 2, \
         slurm.describe(job)
     assert job.output.count("HINT: Start it with srun") == 2 and "SLURM_TASKS_PER_NODE=1(x2)" in job.output
-    assert not (tmp_path / "unused").exists()
+    assert not (tmp_path / "unused").exists()  # nothing trained
+    assert not (tmp_path / "runs").exists()  # refused before a run directory was made
 
 
 @pytest.mark.timeout(150)
@@ -224,7 +231,7 @@ def test_scancel_usr1_stops_every_rank_at_one_step_and_the_requeued_job_resumes_
     `scontrol requeue`, and SLURM's second start of the same job id resumes there: the parameters are
     those of an uninterrupted run, bit for bit."""
     ref = run_agents([[DDPRUN, "run", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "ref"), FIT, "--out",
-                       str(tmp_path / "ref-out"), "--steps", "60"]], timeout=120, cwd=tmp_path)
+                       str(tmp_path / "ref-out"), "--steps", "60"]], timeout=60, cwd=tmp_path)
     assert ref[0].returncode == 0, describe_runs(ref)
     out, timeline, name = tmp_path / "out", tmp_path / "timeline", f"preempt-{os.getpid()}"
     script = batch_script(tmp_path, "\n".join([
@@ -232,7 +239,7 @@ def test_scancel_usr1_stops_every_rank_at_one_step_and_the_requeued_job_resumes_
         "#SBATCH --requeue", "#SBATCH --open-mode=append",
         f"srun {DDPRUN} run --requeue {FIT} {' '.join(FIT_ARGS)} --out {out} --timeline {timeline}"]))
     done: dict = {}
-    submit = threading.Thread(target=lambda: done.update(job=slurm.sbatch(script, timeout=240, cwd=tmp_path,
+    submit = threading.Thread(target=lambda: done.update(job=slurm.sbatch(script, timeout=200, cwd=tmp_path,
                                                                           as_written=True)))
     submit.start()
     until(lambda: timeline.exists() and timeline.read_text().count("step ") >= 5, timeout=120)
@@ -253,12 +260,14 @@ def test_scancel_usr1_stops_every_rank_at_one_step_and_the_requeued_job_resumes_
     pending = scontrol("show", "job", job_id)
     print("requeued:", *(f for f in pending.split() if f.startswith(("Reason=", "EligibleTime=", "Restarts="))))
     eligible = re.search(r"EligibleTime=(\S+)", pending).group(1)
-    wait_s = time.mktime(time.strptime(eligible, "%Y-%m-%dT%H:%M:%S")) + 1 - time.time()
+    # EligibleTime is shown to the second, truncated: 2.5 s past it is past the real one
+    wait_s = time.mktime(time.strptime(eligible, "%Y-%m-%dT%H:%M:%S")) + 2.5 - time.time()
     assert wait_s < 20, f"the requeued job is held until {eligible}: is cred_expire=5 in the test bed?"
     time.sleep(max(0.0, wait_s))
     scontrol("update", f"JobId={job_id}", "StartTime=now")
     print(f"held {wait_s:.1f} s after the requeue; {time.monotonic() - signalled:.1f} s since the signal")
-    submit.join(260)
+    submit.join(220)
+    assert not submit.is_alive(), f"sbatch of the requeued job still waiting:\n{slurm.logs()}"
     print(f"the requeued job ended {time.monotonic() - signalled:.1f} s after the signal")
     job = done["job"]
     assert job.returncode == 0 and job.job_id == int(job_id), slurm.describe(job)
