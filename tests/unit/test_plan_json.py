@@ -123,3 +123,18 @@ def test_every_key_of_the_document_is_documented_and_every_documented_key_exists
     doc = plan_document(spec, make_plan(5, 4, "cuda"), plan_network(spec, probe, {}))
     emitted = set(doc) | {f"rendezvous.{k}" for k in doc["rendezvous"]} | {f"network.{k}" for k in doc["network"]}
     assert emitted == documented_keys()
+
+
+
+def test_values_come_in_the_order_environment_flags_defaults_and_a_flag_keeps_its_variables_place():
+    """docs/plan-json.md, `values`: the order SLURM, then the flags, then the defaults first gave them;
+    --master-port over SLURM's port keeps SLURM's place, with the flag as its source."""
+    spec = resolve(LaunchConfig(nproc_per_node=2, master_port=29999), {**SLURM, "SLURM_GPUS_ON_NODE": "2"}, NODE,
+                   launcher=True)
+    probe = NetProbe(interfaces={"eth0": ("10.0.0.1",)}, master_addrs=("10.0.0.1",), route_src="10.0.0.1")
+    values = plan_document(spec, make_plan(5, 2, "cuda"), plan_network(spec, probe, {}))["values"]
+    assert list(values) == ["min_nodes", "max_nodes", "master_addr", "rdzv_backend", "run_id", "master_port",
+                            "node_rank", "allocated_gpus", "nproc_per_node", "device"]
+    assert values["master_port"] == {"value": 29999, "source": "--master-port 29999"}
+    assert values["nproc_per_node"]["source"] == "--nproc-per-node 2"  # a flag only: after SLURM's values
+    assert values["device"]["source"] == "4 CUDA devices visible"  # from this node's facts: last
