@@ -147,6 +147,31 @@ def test_a_late_node_of_the_same_elastic_job_is_taken_in(nodes, tmp_path):
     assert_nothing_left(tmp_path)
 
 
+@pytest.mark.timeout(150)
+def test_a_late_node_that_becomes_group_rank_0_of_the_new_round_is_taken_in(nodes, tmp_path):
+    """torch ranks a round's nodes by (address, pid). A late node that sorts first (here: its agent
+    started first, and reached the rendezvous last) is group rank 0 of the round that takes it in, and
+    torch 2.13 makes it a new workers' store while the running node keeps the one it made in round 0:
+    the two nodes' workers would wait on different stores, and the running node would name the late
+    one lost (seen in the fault tier under load). Every node must train on the round's store."""
+    args = ["--steps", "40", "--step-s", "0.05", "--min-world", "2"]
+    gate = tmp_path / "go"
+    late = nodes(1, 1, args, rdzv_id="sorted", nnodes="1:2", extra=ELASTIC, name="late", gate=gate)
+    early = nodes(1, 1, args, rdzv_id="sorted", nnodes="1:2", extra=ELASTIC, port=late.port, name="early")
+    assert late.procs[0].pid < early.procs[0].pid
+    early.worker_pids(range(1))  # round 0: the early node alone
+    gate.touch()
+    ended = early.finish(timeout=90) + late.finish(timeout=30)
+    assert [e.returncode for e in ended] == [0, 0], describe(ended)
+    both = "".join(e.output for e in ended)
+    assert "ddprun: a node waits to join; restarting the workers to take it in" in ended[0].output, describe(ended)
+    assert "ddprun: 2/2 ranks on 2 node(s)" in both and "lost" not in both, describe(ended)
+    env = [json.loads((tmp_path / "pids" / f"rank-{r}.env.json").read_text()) for r in (0, 1)]
+    assert env[0]["GROUP_RANK"] == "0" and env[0]["WORLD_SIZE"] == "2", env[0]  # the late node's worker
+    assert env[0]["MASTER_PORT"] == env[1]["MASTER_PORT"], [(e["RANK"], e["MASTER_PORT"]) for e in env]
+    assert_nothing_left(tmp_path)
+
+
 @pytest.mark.timeout(120)
 def test_of_three_launches_racing_for_a_two_node_job_the_one_left_out_says_so(nodes, tmp_path):
     # the job trains until the node left out has said so: it checks while the job is alive

@@ -209,3 +209,45 @@ def test_a_rendezvous_store_that_never_answers_neither_holds_torchs_loop_nor_let
     agent._watch_dropped(broken)
     with pytest.raises(ZeroDivisionError):
         broken.num_nodes_waiting()
+
+
+def test_every_round_trains_on_its_group_rank_0s_store_also_when_rank_0_moves():
+    """torch keeps a node's first-round store address for ever, but makes a new store on a node that
+    becomes rank 0 later. Node A: rank 0 in round 0 (its server, port 1111), rank 1 in round 1 (B,
+    a late node that sorts first, made port 2222), rank 0 again in round 2 (B gone): each round,
+    the store its rank 0 has."""
+    from torch.distributed import HashStore
+    from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
+
+    from ddprun.agent.torch_agent import follow_round_store
+
+    rounds = [HashStore() for _ in range(3)]
+    rounds[1].set(RendezvousStoreInfo.MASTER_ADDR_KEY, "10.0.0.2")  # B, rank 0 of round 1, published it
+    rounds[1].set(RendezvousStoreInfo.MASTER_PORT_KEY, "2222")
+    a_server = SimpleNamespace(port=1111)
+    handler = SimpleNamespace(_shared_tcp_store_server=a_server, _this_node=SimpleNamespace(addr="10.0.0.1"),
+                              _bootstrap_store_info=RendezvousStoreInfo("10.0.0.1", 1111))
+    ranks = iter([0, 1, 0])
+
+    def torchs(round_=iter(range(3))):  # torch 2.13: the info it keeps, once it has one
+        r = next(round_)
+        return RendezvousInfo(rounds[r], next(ranks), 2, handler._bootstrap_store_info)
+
+    handler.next_rendezvous = torchs
+    follow_round_store(handler)
+    seen = [(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port)
+            for i in (handler.next_rendezvous() for _ in range(3))]
+    assert seen == [("10.0.0.1", 1111), ("10.0.0.2", 2222), ("10.0.0.1", 1111)]
+    assert (handler._bootstrap_store_info.master_addr, handler._bootstrap_store_info.master_port) == \
+        ("10.0.0.1", 1111)  # what share_bootstrap publishes for the others in round 2
+
+
+def test_another_backends_handler_is_left_as_it_is():
+    from ddprun.agent.torch_agent import follow_round_store
+
+    def own():
+        return "static"
+
+    handler = SimpleNamespace(next_rendezvous=own)
+    follow_round_store(handler)
+    assert handler.next_rendezvous is own

@@ -367,6 +367,53 @@ def share_bootstrap(store: Any, handler: Any) -> None:
         pass
 
 
+def follow_round_store(handler: Any) -> None:
+    """Every node of a round gives its workers the workers' store of that round's group rank 0.
+
+    torch 2.13's c10d handler (shared TCP store) keeps the store address a node read in its first
+    round, but makes a new store on a node that becomes group rank 0 later (ranks follow the nodes'
+    sorted (address, pid): a late node that sorts first). The running nodes then keep the old store,
+    the new rank 0 its new one: their workers wait on different stores, and each agent names the other
+    lost (seen here, 127.0.0.1, a node started first and reaching the rendezvous last). So after each
+    rendezvous a non-zero rank takes the address its round's rank 0 published (torch's
+    ``RendezvousStoreInfo.build``, or :func:`share_bootstrap`), and a rank 0 its own server's."""
+    if not hasattr(handler, "_shared_tcp_store_server"):  # another backend, or another torch
+        return
+    original = handler.next_rendezvous
+
+    def next_rendezvous() -> Any:
+        info = original()
+        fresh = round_store_info(handler, info)
+        if fresh is None:
+            return info
+        from torch.distributed.elastic.rendezvous.api import RendezvousInfo
+
+        handler._bootstrap_store_info = fresh
+        return RendezvousInfo(info.store, info.rank, info.world_size, fresh)
+
+    handler.next_rendezvous = next_rendezvous
+
+
+def round_store_info(handler: Any, info: Any) -> Any:
+    """The workers' store of ``info``'s round where it differs from the one torch gave (else None):
+    rank 0's own server; for another rank, what rank 0 published in the round's store (a read that
+    waits for it, bounded by that store's timeout, as torch's own first-round read)."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+
+    given = info.bootstrap_store_info
+    if info.rank == 0:
+        server = handler._shared_tcp_store_server
+        if server is None:  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: torch built it for this round
+            return None
+        own = (str(handler._this_node.addr), int(server.port))
+    else:
+        own = (info.store.get(RendezvousStoreInfo.MASTER_ADDR_KEY).decode(),
+               int(info.store.get(RendezvousStoreInfo.MASTER_PORT_KEY).decode()))
+    if given is not None and (str(given.master_addr), int(given.master_port)) == own:
+        return None
+    return RendezvousStoreInfo(master_addr=own[0], master_port=own[1])
+
+
 def bind_workers_store(handler: Any) -> None:
     """The workers' store that torch's c10d handler creates on node 0 listens on the address it tells
     the workers (this node's local address) instead of every interface (agent/endpoint.py)."""
@@ -420,6 +467,7 @@ def _run(config: Any, entrypoint: str, args: list[str], hooks: AgentHooks, param
         master_addr, master_port = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=-1)
     handler = rdzv_registry.get_rendezvous_handler(params)
     bind_workers_store(handler)
+    follow_round_store(handler)
     spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
                       args=tuple(args), rdzv_handler=handler,
                       max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
