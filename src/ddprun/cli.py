@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 
 from ddprun.cli_help import DESCRIPTION, EPILOGS, HELP, TOP_EPILOG
 from ddprun.cluster.probe import check_endpoint, probe_node
-from ddprun.config import DEFAULT_JOIN_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, Entry, LaunchConfig
+from ddprun.config import DEFAULT_JOIN_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, Entry, LaunchConfig, run_id_problem
 from ddprun.errors import ConfigError, DdprunError
 from ddprun.protocol import defaults
 from ddprun.protocol.defaults import EXIT_TIMEOUT_S, STOP_GRACE_S, TELEMETRY_WINDOW_S
@@ -236,6 +236,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         entry = Entry(target="ddprun.worker.doctor_job", is_module=True)
     check_numbers(args)
     check_standalone(args)
+    check_rdzv_id(args)
     stall = getattr(args, "stall_timeout", DEFAULT_STALL_TIMEOUT_S)
     margin, windows = getattr(args, "straggler_margin", 0.2), getattr(args, "straggler_windows", 3)
     return LaunchConfig(
@@ -299,6 +300,17 @@ def check_numbers(args: argparse.Namespace) -> None:
 STANDALONE_CONFLICTS = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint",
                         "hostfile")
 """Flags that say where the job's nodes meet: --standalone says it itself (one node, loopback, a free port)."""
+
+
+def check_rdzv_id(args: argparse.Namespace) -> None:
+    """--rdzv-id names the run directory: one directory name, never a path."""
+    run_id = getattr(args, "rdzv_id", None)
+    problem = run_id_problem(run_id) if run_id is not None else None
+    if problem:
+        raise ConfigError(f"--rdzv-id names the run directory (runs/<run id>), but {problem}.",
+                          seen=f"--rdzv-id {run_id!r}",
+                          hint="Give a plain name, e.g. --rdzv-id job42; --run-dir DIR puts the run directory "
+                               "anywhere.")
 
 
 def check_standalone(args: argparse.Namespace) -> None:

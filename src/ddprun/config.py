@@ -95,3 +95,13 @@ class LaunchConfig:
     allow_uneven_nodes: bool = False
     """Let nodes run different process counts (e.g. 8 + 4 GPUs); ranks then follow torch's agent: a
     node's ranks follow those of every node with a lower node rank. Off: preflight refuses it."""
+
+
+def run_id_problem(run_id: str) -> str | None:
+    """Why ``run_id`` cannot name a run directory (``runs/<run id>``: exactly one directory name), or
+    None. A run id with a ``/`` or of ``.``/``..`` would put the run's files elsewhere."""
+    if not run_id or run_id in (".", ".."):
+        return "it is empty, '.' or '..'"
+    if "/" in run_id or "\0" in run_id:
+        return "it holds a '/' (or a NUL)"
+    return None

@@ -63,6 +63,15 @@ def test_every_node_takes_the_first_proposal_and_an_explicit_id_as_given(store):
     assert admission.admit(other, me(explicit=True, rdzv_id="job1")) == "job1"
 
 
+@pytest.mark.parametrize("planted", ["../../home/user/.ssh", "/etc", ".."])
+def test_a_run_id_in_the_store_that_is_a_path_is_refused_not_used_as_the_run_directory(store, planted):
+    store.set(keys.RUN_ID_KEY, planted)  # written by something other than the job's nodes
+    with pytest.raises(LaunchError) as e:
+        admission.admit(store, me(proposal="mine"))
+    msg = str(e.value)
+    assert "cannot name a run directory" in msg and f"run id {planted!r} in the store" in msg and "HINT" in msg
+
+
 def beating(store, nodes, moving=True):
     """The nodes' endpoint beats; ``moving``: they advance 0.5 s later (alive agents)."""
     for n in nodes:

@@ -143,3 +143,11 @@ def test_plan_refuses_contradictory_input_with_exit_2_and_one_message(monkeypatc
     assert main(["plan", *argv, "--json"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and seen in err and "HINT" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("run_id", ["a/b", "..", "../elsewhere"])
+def test_an_rdzv_id_that_is_a_path_is_a_usage_error(capsys, run_id):
+    """--rdzv-id names runs/<run id>: a path would put the run's files somewhere else."""
+    assert main(["run", "--rdzv-id", run_id, "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert f"Seen: --rdzv-id {run_id!r}" in err and "HINT: Give a plain name" in err and "Traceback" not in err

@@ -29,6 +29,7 @@ from typing import Any, TextIO
 
 from ddprun._util import Bounded, within
 from ddprun.agent.endpoint import bound_server, port_open
+from ddprun.config import run_id_problem
 from ddprun.errors import LaunchError
 from ddprun.protocol import store as keys
 from ddprun.protocol.store import JobRecord
@@ -197,8 +198,14 @@ def admit(store: Any, me: Newcomer) -> str:
         raise LaunchError(refusal_text(job, reason, me.endpoint, hosts_of(store, job), time.time()))
     if me.explicit:
         return me.rdzv_id
-    agreed = store.compare_set(keys.RUN_ID_KEY, "", me.proposal)
-    return keys.text(agreed)
+    agreed = keys.text(store.compare_set(keys.RUN_ID_KEY, "", me.proposal))
+    problem = run_id_problem(agreed)
+    if problem:  # the run directory is named after it: never a path another writer of the store chose
+        raise LaunchError(f"the run id agreed at the endpoint cannot name a run directory: {problem}.",
+                          seen=f"run id {agreed!r} in the store at {me.endpoint}",
+                          hint="Something other than this job's nodes wrote it: give the job its own "
+                               "--rdzv-endpoint port, or name the run with --rdzv-id.")
+    return agreed
 
 
 def publish_start(store: Any, job: JobRecord, node: int, host: str, pid: int) -> None:
