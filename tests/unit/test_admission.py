@@ -161,6 +161,20 @@ def test_the_host_hosts_a_store_that_torch_can_share():
     assert shared.get("k") == b"v"
 
 
+def test_a_store_hosted_on_every_interface_is_said_and_one_bound_to_an_address_is_not():
+    from ddprun.agent.endpoint import free_port
+
+    said = {}
+    for bind in ("127.0.0.1", None):
+        out, port = io.StringIO(), free_port("127.0.0.1")
+        store, hosted = admission.connect("127.0.0.1", port, True, 5, out, bind=bind)
+        assert hosted
+        said[bind] = out.getvalue()
+        del store
+    assert said["127.0.0.1"] == ""
+    assert said[None].startswith("ddprun: note: the rendezvous store listens on every interface, port ")
+
+
 def test_the_host_listens_where_its_name_resolves_here_or_on_the_plans_address():
     from ddprun.agent.endpoint import store_bind
 

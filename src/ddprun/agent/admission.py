@@ -82,6 +82,10 @@ def connect(addr: str, port: int, host_it: bool, timeout_s: float, out: TextIO, 
         if host_it and not port_open(addr, port):
             hosted = _host(addr, port, bind)
             if hosted is not None:
+                if bind is None:  # SECURITY.md: the one case a store of ddprun's listens everywhere
+                    print(f"ddprun: note: the rendezvous store listens on every interface, port {port}: {addr} "
+                          "is no address ddprun could bind on this machine (a virtual IP, or a name that resolves "
+                          "elsewhere); keep the port behind the cluster's firewall", file=out, flush=True)
                 return hosted, True
         if port_open(addr, port):
             try:

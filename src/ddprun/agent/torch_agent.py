@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -424,7 +425,9 @@ def bind_workers_store(handler: Any) -> None:
     def create(master_addr: str, master_port: int) -> Any:
         try:
             return bound_server(master_addr, master_port, 300.0)  # torch's default timeout
-        except OSError:  # an address this node cannot bind: torch's own way, every interface
+        except OSError as e:  # an address this node cannot bind: torch's own way, every interface
+            print(f"ddprun: note: the workers' store listens on every interface: {master_addr} could not be "
+                  f"bound here ({e})", file=sys.stderr, flush=True)  # the agent's log (SECURITY.md)
             return type(handler)._create_tcp_store_server(handler, master_addr, master_port)
 
     handler._create_tcp_store_server = create
