@@ -70,7 +70,7 @@ def test_an_elastic_job_that_loses_the_store_host_says_so_and_ends(nodes, tmp_pa
     killed_at = job.signal(host, signal.SIGKILL)
     ended = job.finish(timeout=60)
     survivor = ended[1 - host]
-    assert survivor.returncode == 1, describe(ended)
+    assert ended[host].returncode == -signal.SIGKILL and survivor.returncode == 1, describe(ended)
     cause = re.findall(r"^ddprun: the job failed: (.*)$", survivor.output, re.M)
     assert cause and re.fullmatch(r"(the node hosting the job store was lost: the job store at \S+:\d+ stopped "
                                   r"answering|node \d \(\S+\) was lost: its agent stopped answering).*", cause[0]), \

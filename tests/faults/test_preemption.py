@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.faults.conftest import Nodes, assert_nothing_left, describe
-from tests.helpers import DDPRUN, job_env, run_agents
+from tests.helpers import DDPRUN, extra, job_env, run_agents
 from tests.helpers import describe as describe_runs
 
 pytestmark = pytest.mark.faults
@@ -204,7 +204,7 @@ def test_a_lightning_module_under_fit_stops_at_one_step_with_last_ckpt_and_resum
     """ddprun.fit(lit_module): SIGTERM to one rank; Lightning's own handler (which would stop each rank
     at its own batch) is not installed, both ranks save last.ckpt at the agreed step and stop there,
     and the same command continues from that step: no step is trained twice or lost."""
-    pytest.importorskip("lightning.pytorch")
+    extra("lightning.pytorch")
     out, runs = tmp_path / "out", tmp_path / "runs"
     args = ["--out", str(out), "--steps", "60", "--step-sleep", "0.1", "--signal-rank", "1", "--signal-step", "5",
             "--marker", str(tmp_path / "signalled")]
