@@ -41,6 +41,7 @@ import io
 import json
 import os
 import resource
+import select
 import subprocess
 import sys
 import tempfile
@@ -59,6 +60,18 @@ WINDOW = {"n": 20.0, "data_s": 0.001, "compute_s": 0.05, "comm_s": 0.01, "opt_s"
 SERVER = (f"import sys\nsys.path.insert(0, {SRC!r})\n"
           "from ddprun.agent.endpoint import bound_server\n"  # the agent's own store server, on one IPv4 address
           "s = bound_server('127.0.0.1', 0, 600)\nprint(s.port, flush=True)\nsys.stdin.read()\n")
+
+ANSWER_S = 900.0
+"""The most one simulation step may take (the largest sizes start thousands of threads on 2 cores)."""
+
+
+def answer(p: subprocess.Popen, what: str) -> str:
+    """One line from a child that answers each command with exactly one line, within ANSWER_S."""
+    ready, _, _ = select.select([p.stdout], [], [], ANSWER_S)
+    if not ready:
+        p.kill()
+        raise RuntimeError(f"a simulation process gave no answer to {what} within {ANSWER_S:.0f} s")
+    return p.stdout.readline()
 
 
 class Ops:
@@ -386,7 +399,7 @@ class Children:
                 p.stdin.flush()
         out = []
         for p in self.procs:
-            line = p.stdout.readline()
+            line = answer(p, cmd or "its start")
             if not line:
                 raise RuntimeError(f"a simulation process ended during {cmd or 'its start'} (exit {p.wait()})")
             out.append(json.loads(line))
@@ -467,7 +480,7 @@ def main() -> int:
         server = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   text=True)
         try:
-            port = int(server.stdout.readline())
+            port = int(answer(server, "the store server's start"))
             with tempfile.TemporaryDirectory() as run_dir:
                 os.makedirs(os.path.join(run_dir, "logs"))
                 r = one_size(n, per_node, min(args.procs, n // per_node), port, args.seconds, run_dir,

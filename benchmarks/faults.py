@@ -111,8 +111,11 @@ def wait_pids(pids: Path, procs: list[subprocess.Popen], bound: float) -> dict[i
 
 def store_host(port: int, procs: list[subprocess.Popen]) -> int:
     """The node whose agent listens on the rendezvous port (it hosts the endpoint's store)."""
-    out = subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True).stdout
-    return next((i for i, p in enumerate(procs) if f"pid={p.pid}," in out), 0)
+    out = subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True, timeout=10).stdout
+    for i, p in enumerate(procs):
+        if f"pid={p.pid}," in out:
+            return i
+    raise RuntimeError(f"no agent listens on port {port} (ss: {out.strip()!r}): cannot tell the store's host")
 
 
 def victim(sc: Scenario, port: int, pids: dict[int, int], procs: list[subprocess.Popen]) -> tuple[int, int]:
@@ -150,6 +153,8 @@ class Result:
     named: bool
     codes: list[int | None]
     left: int
+    injected: bool = True
+    """False: the job never trained, so nothing was hurt (the time is launch -> exit, not fault -> exit)."""
 
 
 def judge(sc: Scenario, outs: list[Path], procs: list[subprocess.Popen], killed: int | None) -> bool:
@@ -168,9 +173,10 @@ def run(launcher: str, sc: Scenario, bound: float, cwd: Path, disk: Path | None,
     cmd = command(launcher, port, pids, sc, disk)
     procs = [subprocess.Popen(cmd, cwd=cwd, env=job_env(), stdout=open(out, "w"), stderr=subprocess.STDOUT,
                               start_new_session=True) for out in outs]
-    t0, killed = time.monotonic(), None
+    t0, killed, injected = time.monotonic(), None, True
     if sc.fault != "launch":
         found = wait_pids(pids, procs, 60)
+        injected = found is not None
         if found is not None:
             t0, killed = inject(sc, port, found, procs)
     timed = [p for i, p in enumerate(procs) if not (sc.fault == "stop-agent" and i == killed)]
@@ -195,14 +201,15 @@ def run(launcher: str, sc: Scenario, bound: float, cwd: Path, disk: Path | None,
     if keep is not None:
         for i, out in enumerate(outs):
             (keep / f"{launcher}-node-{i}.out").write_bytes(out.read_bytes())
-    return Result(last, judge(sc, outs, procs, killed), [p.returncode for p in procs], len(left))
+    return Result(last, judge(sc, outs, procs, killed), [p.returncode for p in procs], len(left), injected)
 
 
 def full_disk(under: Path) -> Path | None:
     """A 2 MiB tmpfs with about 64 KiB free (as tests/faults/test_exits.py), or None without root."""
     mnt = under / "full"
     mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)]).returncode:
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
+                                                timeout=30).returncode:
         return None
     with open(mnt / "filler", "wb") as fp:
         fp.write(b"\0" * ((2 << 20) - (64 << 10)))
@@ -218,12 +225,14 @@ def measure(launcher: str, sc: Scenario, bound: float, keep: Path | None) -> Res
             return run(launcher, sc, bound, Path(tmp), disk, keep)
         finally:
             if disk is not None:
-                subprocess.run(["umount", "-l", str(disk)])
+                subprocess.run(["umount", "-l", str(disk)], timeout=30)
 
 
 def cell(r: Result | None, bound: float) -> str:
     if r is None:
         return f"{'(needs root)':>34}"
+    if not r.injected:
+        return f"{'(never trained: no fault)':>34}"
     took = f"{r.last_exit:.1f} s" if r.last_exit is not None else f"> {bound:.0f} s"
     codes = ",".join("-" if c is None else str(c) for c in r.codes)
     return f"{took:>8} {'yes' if r.named else 'no':>5} {codes:>9} {r.left:>4}"
