@@ -10,11 +10,15 @@ collective (the case that aborts with SIGABRT under torchrun). Every run is boun
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.faults.conftest import processes_in  # noqa: E402
 from tests.helpers import DDPRUN, EXAMPLE, TORCHRUN, describe, free_port, run_agents  # noqa: E402
 
 
@@ -25,6 +29,23 @@ def commands(launcher: str, run: int, steps: int, destroy: bool) -> list[list[st
     return [base + ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                     "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"stress-{launcher}-{run}", *script]
             for _ in range(2)]
+
+
+def run_once(cmds: list[list[str]], timeout: float, cwd: Path) -> list | None:
+    """One run in its own directory; None when it was cut at ``timeout`` and a worker outside the
+    launcher's process group (torch starts each in its own session) still held its output. Every
+    process left in ``cwd`` is killed afterwards, so the next run does not share the CPUs with it."""
+    cwd.mkdir()
+    try:
+        return run_agents(cmds, timeout=timeout, cwd=cwd)
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        for pid in processes_in(cwd):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def main() -> int:
@@ -38,10 +59,11 @@ def main() -> int:
     stats = {name: {"ok": 0, "nonzero": 0, "hung": 0, "examples": []} for name in ("ddprun", "torchrun")}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
-            for name in ("ddprun", "torchrun"):
-                results = run_agents(commands(name, i, args.steps, not args.no_destroy), timeout=args.timeout, cwd=tmp)
+            for name in ("torchrun", "ddprun") if i % 2 else ("ddprun", "torchrun"):
+                results = run_once(commands(name, i, args.steps, not args.no_destroy), args.timeout,
+                                   Path(tmp) / f"{name}-{i}")
                 s = stats[name]
-                if any(r.timed_out for r in results):
+                if results is None or any(r.timed_out for r in results):
                     s["hung"] += 1
                 elif any(r.returncode != 0 for r in results):
                     s["nonzero"] += 1

@@ -53,19 +53,21 @@ def main() -> int:
     whole: dict[str, list[float]] = {"ddprun": [], "torchrun": []}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.reps):
+            this: dict[str, str] = {}
             for name in ("torchrun", "ddprun") if i % 2 else ("ddprun", "torchrun"):
                 got = one(name, i, args.steps, tmp)
+                this[name] = "failed" if got is None else f"{got[0]:.2f} s"
                 if got is not None:
                     first[name].append(got[0])
                     whole[name].append(got[1])
-            print(f"rep {i + 1}: first step  ddprun {first['ddprun'][-1:]}  torchrun {first['torchrun'][-1:]}",
-                  flush=True)
+            print(f"rep {i + 1}: first step  ddprun {this['ddprun']}  torchrun {this['torchrun']}", flush=True)
     if not all(first.values()):
         print("no successful runs of one launcher", file=sys.stderr)
         return 1
     med = {k: statistics.median(v) for k, v in first.items()}
     wmed = {k: statistics.median(v) for k, v in whole.items()}
-    print(f"\nLightning BoringModel, 2 x 2 on 127.0.0.1, c10d, median of {args.reps}:")
+    counts = ", ".join(f"{k} {len(v)} of {args.reps} runs" for k, v in first.items())
+    print(f"\nLightning BoringModel, 2 x 2 on 127.0.0.1, c10d, medians of the successful runs ({counts}):")
     print(f"  launch -> first training step: ddprun {med['ddprun']:.2f} s, torchrun {med['torchrun']:.2f} s, "
           f"ratio ddprun/torchrun = {med['ddprun'] / med['torchrun']:.3f}")
     print(f"  whole job ({args.steps} steps):        ddprun {wmed['ddprun']:.2f} s, torchrun {wmed['torchrun']:.2f} s, "
