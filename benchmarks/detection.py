@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.faults.conftest import processes_in  # noqa: E402
 from tests.helpers import DDPRUN, EXAMPLE, TORCHRUN, free_port, job_env  # noqa: E402
 
 JOB = str(Path(__file__).resolve().parents[1] / "tests" / "faults" / "scripts" / "job.py")
@@ -57,6 +58,21 @@ class Streamed:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=10)
+
+
+def cleaned(fn, name: str, tmp: str) -> str:
+    """``fn(name)``, then every process still in ``tmp`` killed: torch starts workers in their own
+    sessions, out of reach of the launcher's group kill, and a stalled or still-waiting job's workers
+    would otherwise load the CPUs under the next measurement."""
+    try:
+        return fn(name)
+    finally:
+        time.sleep(0.5)  # a worker whose agent just died ends by itself (PR_SET_PDEATHSIG)
+        for pid in processes_in(Path(tmp)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def wait_until(cond, bound: float) -> None:
@@ -212,7 +228,7 @@ def main() -> int:
             p.error(f"--only: unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(scenarios)}")
         for key in only or scenarios:
             scenario, fn = scenarios[key]
-            res = {n: fn(n) for n in ("ddprun", "torchrun")}
+            res = {n: cleaned(fn, n, tmp) for n in ("ddprun", "torchrun")}
             rows.append((scenario, res))
             print(f"{scenario:28s} ddprun: {res['ddprun']:45s} torchrun: {res['torchrun']}", flush=True)
     return 0
