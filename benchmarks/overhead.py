@@ -3,7 +3,7 @@
     python benchmarks/overhead.py [--blocks 20] [--steps 150] [--warmup 20] [--shape 1x2]
     python benchmarks/overhead.py --widths 64,256,256,10 --batch-size 64 --shape 2x1   (#18's MLP)
 
-Everything runs under ``ddprun run`` (gloo, CPU): ``--shape 1x2`` is one node of two processes,
+The interleaved launch runs under ``ddprun run`` (gloo, CPU): ``--shape 1x2`` is one node of two processes,
 ``2x1`` two nodes (agents on 127.0.0.1) of one. The default model, data and batch are
 examples/torchrun_style.py's (MLP 16-64-1, 2048 samples, batch 16 per rank, SGD, MSE); ``--widths``
 gives another MLP (a last width over 1: classification with cross-entropy on fixed labels).
@@ -19,7 +19,11 @@ whose cores other jobs share is noisy, so the training thread's CPU time per ste
 Goal: fit / hand-written <= 1.01. A third loop, fit with ``step_timing=False``, gives the cost of
 the step timing and telemetry (goal <= 1%).
 
-Peak RSS: two more launches, one loop each, ``ru_maxrss`` of each rank at its end, max over ranks.
+Against plain torchrun: --launch-reps separate launches of each of three arms, alternating: the
+hand-written loop under torchrun (the anchor), the same loop under ``ddprun run``, and ddprun.fit;
+the median step of each (every rank's steps after --warmup) and the peak RSS (``ru_maxrss`` of each
+rank at its end, max over ranks), as ratios to the anchor. These launches are apart, so their
+ratios carry more of a shared machine's noise than the interleaved ones.
 """
 
 from __future__ import annotations
@@ -141,21 +145,23 @@ def worker(args: argparse.Namespace) -> None:
     else:
         times = []
         rank = loops[args.mode](args.steps, args.batch_size, times)
-        result = {"rank": rank}
+        pairs = list(zip(times, times[1:]))[args.warmup:]
+        result = {"rank": rank, "intervals": [b[0] - a[0] for a, b in pairs]}
     result["maxrss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     with open(os.path.join(args.out, f"{args.mode}-{rank}.json"), "w") as f:
         json.dump(result, f)
 
 
-def launch(args: argparse.Namespace, mode: str, tmp: str, steps: int) -> list[dict]:
-    """One ``ddprun run`` job of --shape (one agent per node); each rank's JSON."""
-    from tests.helpers import DDPRUN, describe, free_port, run_agents
+def launch(args: argparse.Namespace, mode: str, tmp: str, steps: int, launcher: str = "ddprun") -> list[dict]:
+    """One job of --shape (one agent per node) under ``ddprun run`` or plain torchrun; each rank's JSON."""
+    from tests.helpers import DDPRUN, TORCHRUN, describe, free_port, run_agents
 
     nnodes, nproc = (int(v) for v in args.shape.split("x"))
-    out = os.path.join(tmp, mode)
-    os.makedirs(out)
-    cmd = [DDPRUN, "run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--rdzv-endpoint",
-           f"127.0.0.1:{free_port()}", "--rdzv-id", f"overhead-{mode}", "--log-dir", os.path.join(tmp, "runs"),
+    out = tempfile.mkdtemp(prefix=f"{launcher}-{mode}-", dir=tmp)
+    base = [DDPRUN, "run", "--log-dir", os.path.join(tmp, "runs")] if launcher == "ddprun" else \
+        [TORCHRUN, "--rdzv-backend", "c10d"]
+    cmd = [*base, "--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--rdzv-endpoint",
+           f"127.0.0.1:{free_port()}", "--rdzv-id", f"overhead-{os.path.basename(out)}",
            os.path.abspath(__file__), "--worker", "--mode", mode, "--out", out, "--steps", str(steps),
            "--warmup", str(args.warmup), "--blocks", str(args.blocks), "--batch-size", str(args.batch_size),
            "--widths", args.widths]
@@ -169,7 +175,7 @@ def driver(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     with tempfile.TemporaryDirectory() as tmp:
         blocks = launch(args, "interleaved", tmp, args.steps)[0]["blocks"]
-        rss = {mode: max(r["maxrss_mib"] for r in launch(args, mode, tmp, args.steps)) for mode in ("fit", "raw")}
+        alone = separate_launches(args, tmp)
     pooled = {m: [t for b in blocks if b["mode"] == m for t in b["intervals"]] for m in ("fit", "raw")}
     cpu = {m: statistics.median([t for b in blocks if b["mode"] == m for t in b["cpu"]]) * 1e3 for m in ("fit", "raw")}
     block_median = {m: [statistics.median(b["intervals"]) for b in blocks if b["mode"] == m] for m in ("fit", "raw")}
@@ -197,9 +203,36 @@ def driver(args: argparse.Namespace) -> int:
     print(f"  step timing and telemetry (fit with step_timing=True vs False): {fit_ms:.3f} vs {untimed:.3f} ms, "
           f"ratio {fit_ms / untimed:.3f}; CPU time {cpu['fit']:.3f} vs {untimed_cpu:.3f} ms, ratio "
           f"{cpu['fit'] / untimed_cpu:.3f}; goal <= 1.01")
-    print(f"  peak RSS (max over ranks, separate launches): ddprun.fit {rss['fit']:.0f} MiB, "
-          f"hand-written {rss['raw']:.0f} MiB")
+    say_separate(alone, args.launch_reps)
     return 0
+
+
+ARMS = (("torchrun", "raw"), ("ddprun", "raw"), ("ddprun", "fit"))
+"""The separate launches: the anchor (the hand-written loop under plain torchrun), the same loop
+under ``ddprun run`` (what ddprun's worker side costs a script it launches), and ddprun.fit."""
+
+
+def separate_launches(args: argparse.Namespace, tmp: str) -> dict[tuple[str, str], list[tuple[float, float]]]:
+    """Per arm, per launch: (median step in ms over every rank's steps, peak RSS in MiB, max over ranks);
+    --launch-reps launches of each, the order reversed every other round."""
+    got: dict[tuple[str, str], list[tuple[float, float]]] = {arm: [] for arm in ARMS}
+    for i in range(args.launch_reps):
+        for launcher, mode in ARMS if i % 2 == 0 else ARMS[::-1]:
+            ranks = launch(args, mode, tmp, 2 * args.steps, launcher)
+            steps = [t for r in ranks for t in r["intervals"]]
+            got[(launcher, mode)].append((statistics.median(steps) * 1e3, max(r["maxrss_mib"] for r in ranks)))
+    return got
+
+
+def say_separate(got: dict[tuple[str, str], list[tuple[float, float]]], reps: int) -> None:
+    step = {arm: statistics.median(v[0] for v in got[arm]) for arm in ARMS}
+    rss = {arm: statistics.median(v[1] for v in got[arm]) for arm in ARMS}
+    anchor = ("torchrun", "raw")
+    print(f"  separate launches ({reps} of each, alternating; medians): the hand-written loop under torchrun "
+          f"{step[anchor]:.3f} ms a step, {rss[anchor]:.0f} MiB peak RSS (the anchor)")
+    for arm, name in ((("ddprun", "raw"), "the same loop under ddprun run"), (("ddprun", "fit"), "ddprun.fit")):
+        print(f"    {name}: {step[arm]:.3f} ms ({step[arm] / step[anchor]:.3f}x), {rss[arm]:.0f} MiB "
+              f"({rss[arm] / rss[anchor]:.3f}x)")
 
 
 def main() -> int:
@@ -210,6 +243,8 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--widths", default="16,64,1", help="the MLP's layer widths, comma-separated")
     p.add_argument("--shape", default="1x2", help="NNODESxNPROC: 1x2 (default) or 2x1")
+    p.add_argument("--launch-reps", type=int, default=3,
+                   help="separate launches of each arm against the hand-written loop under plain torchrun")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=["fit", "raw", "untimed", "interleaved"], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
