@@ -8,11 +8,14 @@ Lightning Trainer under torchrun, on the same job and the same signal.
 2 nodes x 1 process on 127.0.0.1 (gloo). tests/multiprocess/scripts/fit_restart.py: ddprun.fit of a
 small MLP with a periodic checkpoint; tests/integrations/scripts/lightning_fit.py: a LightningModule
 with a ModelCheckpoint every --checkpoint-every steps (SIGTERM only). Rank 1 sends itself the signal
-during step --signal-step + 1. Steps lost = the steps done when the signal came - the step of the
-newest checkpoint the run left (what the same command resumes from; 0 when the job checkpointed at
-or after the signal). torchrun's agent forwards SIGTERM and the workers die; Lightning's handler
-stops the signalled rank at its next batch without a checkpoint. Either way the work since the last
-periodic checkpoint is lost. Medians over --reps, the launchers alternating.
+during step --signal-step + 1. Steps lost = the optimizer steps rank 0 had done when the job ended
+- the step of the newest checkpoint the run left (what the same command resumes from). Steps done:
+fit_restart.py's --timeline (one line per optimizer step of rank 0); ddprun.fit of a LightningModule:
+the step its stop line names; a plain Trainer: --signal-step, the steps every rank had done when the
+signal came during the next one (a lower bound, so its "lost" is one too). torchrun's agent forwards
+SIGTERM and the workers die; Lightning's handler stops the signalled rank at its next batch without
+a checkpoint. Either way the work since the last periodic checkpoint is lost. Medians over --reps,
+the launchers alternating which goes first.
 """
 
 from __future__ import annotations
@@ -66,7 +69,8 @@ def one_run(tmp: Path, launcher: str, args) -> dict[str, float]:
             job += ["--plain-trainer", str(tmp / "ckpt")]
     else:
         job = [SCRIPT, "--out", str(out), "--steps", str(args.steps), "--step-sleep", str(args.step_sleep),
-               "--checkpoint-every", str(args.checkpoint_every), "--send-signal", args.signal, *signal]
+               "--checkpoint-every", str(args.checkpoint_every), "--send-signal", args.signal, *signal,
+               "--timeline", str(tmp / "timeline")]
     cmd = launch(tmp, launcher, job)
     start = time.time()
     try:
@@ -80,9 +84,22 @@ def one_run(tmp: Path, launcher: str, args) -> dict[str, float]:
     sent = float(marker.read_text().split(" at ")[1])
     newest = newest_step(tmp)
     hung = results is None or any(r.timed_out for r in results)
-    return {"lost": max(0, args.signal_step - newest), "newest": newest, "hung": hung,
+    done = steps_done(tmp, results, args.signal_step)
+    return {"lost": max(0, done - newest), "done": done, "newest": newest, "hung": hung,
             "to_exit": float("inf") if hung else start + max(r.wall_s for r in results) - sent,
             "codes": ("hung",) if results is None else tuple(r.returncode for r in results)}
+
+
+STOPPED = re.compile(r"every rank stopped after optimizer step (\d+)")
+
+
+def steps_done(tmp: Path, results, signal_step: int) -> int:
+    """Rank 0's optimizer steps when the job ended (see the module's docstring)."""
+    timeline = tmp / "timeline"
+    if timeline.exists():
+        return sum(line.startswith("step ") for line in timeline.read_text().splitlines())
+    said = [int(m.group(1)) for r in results or () for m in STOPPED.finditer(r.output)]
+    return max(said) if said else signal_step  # rank 1 was in step signal_step + 1: every rank had done these
 
 
 def kill_leftovers(tmp: Path) -> None:
@@ -113,13 +130,13 @@ def main() -> int:
     launchers = [name for pair in pairs for name in pair]
     got: dict[str, list[dict]] = {k: [] for k in launchers}
     for i in range(args.reps):
-        for launcher in launchers:
+        for launcher in launchers if i % 2 == 0 else launchers[::-1]:  # neither side always first
             with tempfile.TemporaryDirectory() as tmp:
                 r = one_run(Path(tmp), launcher, args)
             got[launcher].append(r)
-            print(f"run {i + 1} {launcher:16}: exit codes {r['codes']}, newest checkpoint step {r['newest']}, "
-                  f"{r['lost']} step(s) lost, signal -> last exit {r['to_exit']:.1f} s", flush=True)
-    med = {k: {m: statistics.median(r[m] for r in v) for m in ("lost", "to_exit")} for k, v in got.items()}
+            print(f"run {i + 1} {launcher:16}: exit codes {r['codes']}, {r['done']} steps done, newest checkpoint "
+                  f"step {r['newest']}, {r['lost']} step(s) lost, signal -> last exit {r['to_exit']:.1f} s", flush=True)
+    med = {k: {m: statistics.median(r[m] for r in v) for m in ("lost", "done", "to_exit")} for k, v in got.items()}
     hung = {k: sum(r["hung"] for r in v) for k, v in got.items()}
     print(f"\n2 x 1, gloo, SIG{args.signal} (Lightning: SIGTERM) to rank 1 after step {args.signal_step}, checkpoint "
           f"every {args.checkpoint_every}, median of {args.reps}:")
@@ -127,7 +144,8 @@ def main() -> int:
         for k in (anchor, ours):
             codes = sorted({r["codes"] for r in got[k]})
             exit_s = f"{med[k]['to_exit']:.1f} s" if hung[k] < len(got[k]) / 2 else f"never (killed at {args.hang_after:g} s)"
-            print(f"  {k:16}: {med[k]['lost']:.0f} step(s) lost, signal -> last exit {exit_s}, exit codes {codes}, "
+            print(f"  {k:16}: {med[k]['lost']:.0f} step(s) lost ({med[k]['done']:.0f} done), "
+                  f"signal -> last exit {exit_s}, exit codes {codes}, "
                   f"hung {hung[k]} of {len(got[k])}")
         t = med[anchor]["to_exit"]
         if t and t != float("inf") and med[ours]["to_exit"] != float("inf"):
