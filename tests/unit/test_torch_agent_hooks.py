@@ -251,3 +251,23 @@ def test_another_backends_handler_is_left_as_it_is():
     handler = SimpleNamespace(next_rendezvous=own)
     follow_round_store(handler)
     assert handler.next_rendezvous is own
+
+
+def test_a_workers_store_that_cannot_be_bound_falls_back_to_torchs_and_says_so(capsys):
+    """An address this node cannot bind (not one of its own): torch's every-interface server, and one
+    line in the agent's log (its stderr) that says so (SECURITY.md)."""
+    from ddprun.agent.torch_agent import bind_workers_store
+
+    made = []
+
+    class Handler:
+        def _create_tcp_store_server(self, addr, port):
+            made.append((addr, port))
+            return "torch's server"
+
+    handler = Handler()
+    bind_workers_store(handler)
+    assert handler._create_tcp_store_server("192.0.2.77", 0) == "torch's server"
+    assert made == [("192.0.2.77", 0)]
+    err = capsys.readouterr().err
+    assert err.startswith("ddprun: note: the workers' store listens on every interface: 192.0.2.77 could not be bound")
