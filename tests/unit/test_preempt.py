@@ -212,6 +212,26 @@ def test_a_peer_stopped_by_its_grace_is_this_nodes_forced_stop_and_any_other_fai
                                 "the agreed step, and it stopped its workers")
 
 
+def test_each_way_a_preempted_job_ends_gets_its_line_and_exit_code():
+    """docs/preemption.md's table, the agent's side: stopped at the step with fit's checkpoint or the
+    on_preempt callbacks (75), or the script finished before the stop step (0, nothing to resume)."""
+    import time
+
+    pre = _agent_preemption(_Failures(0, pp.Request("SIGTERM", "rank 1", 1, "b", time.time()), stop=35))
+    pre.saved = pp.Saved(14, 14, "/runs/x/checkpoints/step-00000014.pt", 0.04)
+    code, line = pre.finished_line()
+    assert code == pp.EXIT_CODE == 75 and line.startswith("ddprun: preempted by SIGTERM to rank 1 of node 1 (b): "
+                                                          "every rank stopped after optimizer step 14 of this launch")
+    assert line.endswith("checkpoint at step 14 saved in 0.0 s (/runs/x/checkpoints/step-00000014.pt); resume with "
+                         "the same command")
+    pre.saved = pp.Saved(14, 14, "", 0.0, by="on_preempt")
+    assert pre.finished_line() == (75, "ddprun: preempted by SIGTERM to rank 1 of node 1 (b): every rank stopped "
+                                       "after optimizer step 14 of this launch; the script's on_preempt callbacks "
+                                       "ran there (0.0 s)")
+    pre.saved = pp.Saved(-1, -1, "", 0.0)
+    assert pre.finished_line() == (0, "ddprun: SIGTERM came as the run was ending: it finished; nothing to resume")
+
+
 @pytest.fixture
 def rank_1(tmp_path, monkeypatch):
     """Rank 1's monitor (never started) on a real store, with its own preemption state."""
