@@ -343,3 +343,33 @@ def test_a_stopped_store_is_named_lost_after_lost_after_not_after_a_last_try_to_
         stopped.set()
         a.stop()
     assert a.lost is not None and 4.0 <= named_after < 5.0, (named_after, out.getvalue())
+
+
+def test_a_new_attempt_after_a_lost_store_is_not_stopped_for_the_old_stores_loss(tmp_path, store, stand_in):
+    """Elastic: the workers' store's host died, its loss stopped this node's workers, and torch formed
+    a new round whose store answers (a new group rank 0 hosts it). The new attempt's workers train on:
+    the thread used to stay given up and keep its failing time, so it named the store lost again at
+    once, and again at every restart."""
+    broken = threading.Event()
+    broken.set()
+
+    class Breakable:
+        def __getattr__(self, name):
+            if broken.is_set():
+                raise ConnectionResetError("the job store's host is gone")
+            return getattr(store, name)
+
+    first, second = stand_in(), stand_in()
+    out = io.StringIO()
+    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", out, lost_after_s=1.0,
+                      connect=Breakable, stop_grace_s=1.0)
+    a.on_workers_started("r1", 0, 1, {0: (0, first.pid, "")}, world_size=1)
+    try:
+        assert first.wait(timeout=10) == -signal.SIGTERM and a.lost is not None, out.getvalue()
+        broken.clear()  # the new round's store answers
+        a.on_workers_started("r2", 0, 1, {0: (0, second.pid, "")}, world_size=1)
+        time.sleep(2.5)  # more than twice lost_after: the old code stopped it within one tick
+        assert second.poll() is None and a.lost is None, out.getvalue()
+    finally:
+        a.stop()
+    assert out.getvalue().count("stopping this node's workers") == 1, out.getvalue()

@@ -146,6 +146,10 @@ class AgentFailures:
                 self._store = None
             self._keys = Keys(f"ddprun/{self._run_id}/{attempt}/")
             self._started_at = time.monotonic()
+            # a store named lost in the last attempt is tried afresh: this round's may be another (a new
+            # group rank 0 hosts it, agent/torch_agent.py follow_round_store) or back; lost again only
+            # after lost_after of this attempt's own failing ticks (_loop)
+            self._store_given_up, self._retry_at = False, 0.0
             self._node, self._nnodes, self._workers = node_rank, nnodes, dict(workers)
             self._world = world_size or len(workers)
             self._last_attempt, self._cause_seen = last_attempt, None
@@ -314,6 +318,8 @@ class AgentFailures:
         beat, seen_at, failing_since = 0, (None, None, time.monotonic()), None
         while not self._stop.wait(BEAT_S / 2):
             started = time.monotonic()
+            if failing_since is not None and failing_since < self._started_at:
+                failing_since = None  # the last attempt's store: its silence does not count against this one
             self._lost_since(failing_since)  # also before a tick: its new try may wait STORE_CALL_S
             try:
                 beat += 1
