@@ -164,6 +164,28 @@ def test_requeue_runs_scontrol_once_and_says_what_happened_either_way(tmp_path):
     assert "could not requeue SLURM job 9: scontrol did not answer within 30 s\nHINT: " in out.getvalue()
 
 
+def test_requeue_says_its_line_though_slurms_sigterm_comes_before_scontrol_returns():
+    """SLURM's requeue SIGTERMs the job's steps at once, the requeueing agent among them: its line
+    must still be said (in a child process: without the fix, the SIGTERM ends it)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, signal, subprocess, sys\n"
+        "from ddprun.agent.preemption import requeue\n"
+        "def scontrol(cmd, **kw):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return subprocess.CompletedProcess(cmd, 0, '', '')\n"
+        "assert requeue(['scontrol', 'requeue', '7'], sys.stdout, run=scontrol)\n"
+        "assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, 'the handler was not put back'\n"
+        "print('after the requeue')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (0, ""), done
+    assert done.stdout == ("ddprun: requeued SLURM job 7 (scontrol requeue 7): when SLURM starts it again, the "
+                           "same command resumes from this checkpoint\nafter the requeue\n")
+
+
 class _Failures:
     """The part of AgentFailures that Preemption reads: the job's request and stop step."""
 

@@ -10,10 +10,12 @@ workers that have not stopped (SIGTERM, and SIGKILL after ``--stop-grace``).
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 from ddprun.protocol import failure as fr
@@ -171,7 +173,30 @@ class Preemption:
 
 def requeue(command: list[str], out: TextIO, run: Callable[..., Any] = subprocess.run) -> bool:
     """``scontrol requeue <job>`` (cluster/slurm.py requeue_command) once, bounded by
-    REQUEUE_TIMEOUT_S; one line either way. True if SLURM took the job back."""
+    REQUEUE_TIMEOUT_S; one line either way. True if SLURM took the job back.
+
+    SLURM's requeue ends the job's steps at once (SIGCONT, SIGTERM, SIGKILL after its KillWait), this
+    agent's among them, often before scontrol has returned: SIGTERM is ignored until the line is out
+    (else it was lost: seen on the SLURM test bed after a forced stop)."""
+    with _sigterm_ignored():
+        return _requeue(command, out, run)
+
+
+@contextlib.contextmanager
+def _sigterm_ignored() -> Iterator[None]:
+    """SIGTERM ignored in the block (main thread only: elsewhere Python cannot set handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        if old is not None:  # None: a handler set from C, which Python cannot put back
+            signal.signal(signal.SIGTERM, old)
+
+
+def _requeue(command: list[str], out: TextIO, run: Callable[..., Any]) -> bool:
     job = command[-1]
     try:
         done = run(command, capture_output=True, text=True, timeout=REQUEUE_TIMEOUT_S)
