@@ -18,6 +18,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -224,6 +225,50 @@ def until(what, timeout: float, poll: float = 0.2) -> None:
         time.sleep(poll)
 
 
+def scontrol(slurm, *args: str) -> str:
+    return subprocess.run(["scontrol", *args], env=slurm.env(), capture_output=True, text=True, timeout=10).stdout
+
+
+def start_when_eligible(slurm, job_id: str) -> None:
+    """Once ``job_id`` is requeued, start it as soon as SLURM lets it.
+
+    Requeued, SLURM holds the job back (Reason=BeginTime) until the old credential expires: the test
+    bed's cred_expire, 5 s (testbed/setup.sh; 120 s by default). An earlier start, forced with
+    `scontrol update StartTime=now`, is killed by slurmd: "Job credential revoked". After it, the
+    builtin scheduler would wait for its next periodic pass (up to a minute): the update asks for one."""
+    until(lambda: "JobState=PENDING" in scontrol(slurm, "show", "job", job_id), timeout=60)
+    pending = scontrol(slurm, "show", "job", job_id)
+    print("requeued:", *(f for f in pending.split() if f.startswith(("Reason=", "EligibleTime=", "Restarts="))))
+    eligible = re.search(r"EligibleTime=(\S+)", pending).group(1)
+    # EligibleTime is shown to the second, truncated: 2.5 s past it is past the real one
+    wait_s = time.mktime(time.strptime(eligible, "%Y-%m-%dT%H:%M:%S")) + 2.5 - time.time()
+    assert wait_s < 20, f"the requeued job is held until {eligible}: is cred_expire=5 in the test bed?"
+    time.sleep(max(0.0, wait_s))
+    scontrol(slurm, "update", f"JobId={job_id}", "StartTime=now")
+    print(f"held {wait_s:.1f} s after the requeue")
+
+
+def signal_then_requeue(slurm, script: Path, name: str, timeline: Path, cwd: Path) -> tuple[str, Any, float]:
+    """Submit ``script`` (job ``name``); after its rank 0 logged 5 steps in ``timeline``, ``scancel
+    --signal=USR1``; start the requeued job when SLURM lets it; return (job id, the finished job, when
+    signalled)."""
+    done: dict = {}
+    submit = threading.Thread(target=lambda: done.update(job=slurm.sbatch(script, timeout=200, cwd=cwd,
+                                                                          as_written=True)))
+    submit.start()
+    until(lambda: timeline.exists() and timeline.read_text().count("step ") >= 5, timeout=120)
+    job_id = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], env=slurm.env(), capture_output=True,
+                            text=True, timeout=10).stdout.strip()
+    signalled = time.monotonic()
+    subprocess.run(["scancel", "--signal=USR1", job_id], env=slurm.env(), check=True, timeout=10)
+    start_when_eligible(slurm, job_id)
+    print(f"{time.monotonic() - signalled:.1f} s since the signal")
+    submit.join(220)
+    assert not submit.is_alive(), f"sbatch of the requeued job still waiting:\n{slurm.logs()}"
+    print(f"the requeued job ended {time.monotonic() - signalled:.1f} s after the signal")
+    return job_id, done["job"], signalled
+
+
 @pytest.mark.timeout(300)
 def test_scancel_usr1_stops_every_rank_at_one_step_and_the_requeued_job_resumes_bitwise(slurm, tmp_path):
     """SLURM's own preemption path: `scancel --signal=USR1` (what `--signal=USR1@N` sends before the
@@ -238,38 +283,7 @@ def test_scancel_usr1_stops_every_rank_at_one_step_and_the_requeued_job_resumes_
         f"#SBATCH --job-name={name}", "#SBATCH --output=%x-%j.out", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1",
         "#SBATCH --requeue", "#SBATCH --open-mode=append",
         f"srun {DDPRUN} run --requeue {FIT} {' '.join(FIT_ARGS)} --out {out} --timeline {timeline}"]))
-    done: dict = {}
-    submit = threading.Thread(target=lambda: done.update(job=slurm.sbatch(script, timeout=200, cwd=tmp_path,
-                                                                          as_written=True)))
-    submit.start()
-    until(lambda: timeline.exists() and timeline.read_text().count("step ") >= 5, timeout=120)
-    job_id = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], env=slurm.env(), capture_output=True,
-                            text=True, timeout=10).stdout.strip()
-    signalled = time.monotonic()
-    subprocess.run(["scancel", "--signal=USR1", job_id], env=slurm.env(), check=True, timeout=10)
-
-    def scontrol(*args: str) -> str:
-        return subprocess.run(["scontrol", *args], env=slurm.env(), capture_output=True, text=True,
-                              timeout=10).stdout
-
-    # requeued, SLURM holds the job back (Reason=BeginTime) until the old credential expires: the test
-    # bed's cred_expire, 5 s (testbed/setup.sh; 120 s by default). An earlier start, forced with
-    # `scontrol update StartTime=now`, is killed by slurmd: "Job credential revoked". After it, the
-    # builtin scheduler would wait for its next periodic pass (up to a minute): the update asks for one
-    until(lambda: "JobState=PENDING" in scontrol("show", "job", job_id), timeout=60)
-    pending = scontrol("show", "job", job_id)
-    print("requeued:", *(f for f in pending.split() if f.startswith(("Reason=", "EligibleTime=", "Restarts="))))
-    eligible = re.search(r"EligibleTime=(\S+)", pending).group(1)
-    # EligibleTime is shown to the second, truncated: 2.5 s past it is past the real one
-    wait_s = time.mktime(time.strptime(eligible, "%Y-%m-%dT%H:%M:%S")) + 2.5 - time.time()
-    assert wait_s < 20, f"the requeued job is held until {eligible}: is cred_expire=5 in the test bed?"
-    time.sleep(max(0.0, wait_s))
-    scontrol("update", f"JobId={job_id}", "StartTime=now")
-    print(f"held {wait_s:.1f} s after the requeue; {time.monotonic() - signalled:.1f} s since the signal")
-    submit.join(220)
-    assert not submit.is_alive(), f"sbatch of the requeued job still waiting:\n{slurm.logs()}"
-    print(f"the requeued job ended {time.monotonic() - signalled:.1f} s after the signal")
-    job = done["job"]
+    job_id, job, signalled = signal_then_requeue(slurm, script, name, timeline, tmp_path)
     assert job.returncode == 0 and job.job_id == int(job_id), slurm.describe(job)
     _, _, again = job.output.partition("ddprun: requeued SLURM job")
     # both nodes of the first launch (the second one ends without a stop): one step, one checkpoint. Node 0
@@ -281,8 +295,7 @@ def test_scancel_usr1_stops_every_rank_at_one_step_and_the_requeued_job_resumes_
     assert again.startswith(f" {job_id} (scontrol requeue {job_id}): ") and again.count("requeued SLURM job") == 0
     assert f"ddprun: resuming from {path}: step {step}" in again, slurm.describe(job)
     assert "Traceback" not in job.output, slurm.describe(job)
-    show = subprocess.run(["scontrol", "show", "job", job_id], env=slurm.env(), capture_output=True, text=True,
-                          timeout=10).stdout
+    show = scontrol(slurm, "show", "job", job_id)
     assert "Restarts=1" in show and "JobState=COMPLETED" in show, show
     reference = torch.load(tmp_path / "ref-out" / "params-0.pt", weights_only=True)
     for rank in (0, 1):  # not one step redone or lost
@@ -290,3 +303,44 @@ def test_scancel_usr1_stops_every_rank_at_one_step_and_the_requeued_job_resumes_
         assert all(torch.equal(reference[k], got[k]) for k in reference), f"rank {rank} differs from the reference"
     print(f"scancel --signal=USR1 -> stop after step {step}, requeued and resumed; "
           f"job done {time.monotonic() - signalled:.1f} s after the signal")
+
+
+FORCED = re.compile(r"^ddprun: (?:the preemption grace of 3 s \(--preempt-grace\) ended before every rank of this node "
+                    r"stopped at the agreed step|the preemption stop did not complete on every node: .*); workers "
+                    r"stopped", re.M)
+
+
+@pytest.mark.timeout(300)
+def test_a_preemption_stop_the_grace_forced_is_requeued_too_and_the_next_start_finishes(slurm, tmp_path):
+    """`--requeue` after a stop that `--preempt-grace` forced (docs/preemption.md): a checkpoint hook
+    that outlasts the 3 s grace keeps every rank from stopping at the agreed step. Every node says so
+    and ends as signalled, not as a failure; node 0 still requeues the job (it is not done), once, and
+    says so though SLURM's requeue SIGTERMs it; SLURM's second start of the same job id runs the
+    script to its end."""
+    out, timeline, name = tmp_path / "out", tmp_path / "timeline", f"forced-{os.getpid()}"
+    script = batch_script(tmp_path, "\n".join([
+        f"#SBATCH --job-name={name}", "#SBATCH --output=%x-%j.out", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --requeue", "#SBATCH --open-mode=append",
+        f"srun {DDPRUN} run --requeue --preempt-grace 3 --stop-grace 3 {FIT} {' '.join(FIT_ARGS)} "
+        f"--slow-checkpoint 60 --out {out} --timeline {timeline}"]))
+    job_id, job, signalled = signal_then_requeue(slurm, script, name, timeline, tmp_path)
+    assert job.returncode == 0 and job.job_id == int(job_id), slurm.describe(job)
+    first, requeued, again = job.output.partition(f"ddprun: requeued SLURM job {job_id} (scontrol requeue {job_id})")
+    assert requeued and "requeued SLURM job" not in again, slurm.describe(job)  # once, by node 0
+    assert len(FORCED.findall(first)) == 2 and "the job failed" not in first, slurm.describe(job)
+    assert "preempted by SIGUSR1" not in first, slurm.describe(job)  # no rank stopped at the step
+    # each agent's record: a stop by the preemption's signal, never a failure. (Its exit code, 138, is
+    # not asserted: SLURM's requeue SIGTERMs whichever agent has not exited yet.)
+    for node in (0, 1):
+        record = json.loads((tmp_path / "runs" / f"slurm-{job_id}" / "failures" / f"rank-node{node}.json").read_text())
+        assert (record["kind"], record["signal"], record["by"]) == ("signal", "SIGUSR1", "agent"), record
+        assert record["summary"].startswith("its preemption grace of 3 s (--preempt-grace) ended"), record
+    # the second start trains to the end: from the stop step's checkpoint when it was written before
+    # the hook hung, else from the start (when the agreed step lies beyond the grace: timing)
+    assert "step 60/60" in again and again.count("finished on this node") == 2, slurm.describe(job)
+    for rank in (0, 1):
+        assert json.loads((out / f"facts-{rank}.json").read_text())["steps"] == 60
+    assert "Traceback" not in job.output, slurm.describe(job)
+    show = scontrol(slurm, "show", "job", job_id)
+    assert "Restarts=1" in show and "JobState=COMPLETED" in show, show
+    print(f"forced stop -> requeued and finished {time.monotonic() - signalled:.1f} s after the signal")
