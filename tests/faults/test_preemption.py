@@ -11,6 +11,7 @@ dropout with a per-rank RNG seed, so a resume that restored the wrong state woul
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import time
@@ -178,6 +179,23 @@ def test_a_stop_that_outlasts_the_grace_is_forced_on_every_node(tmp_path):
     assert last < 15, describe(ended)
     assert_nothing_left(tmp_path)
 
+
+@pytest.mark.timeout(90)
+def test_a_signal_whose_stop_step_lies_past_the_runs_end_lets_it_finish_and_every_node_says_so(tmp_path):
+    """SIGTERM to one worker 3 steps before the end: the agreed stop step (at least 3 s of steps ahead)
+    lies past max_steps, so fit trains to its end and saves its final checkpoint; every node says the
+    signal came as the run was ending and exits 0: nothing to resume."""
+    job, ended = preempted(tmp_path, ["--signal-rank", "1", "--send-signal", "TERM", "--signal-to", "self",
+                                      "--signal-step", str(STEPS - 3)])
+    assert (tmp_path / "signalled").exists(), describe(ended)  # the signal was sent
+    assert [e.returncode for e in ended] == [0, 0], describe(ended)
+    for e in ended:
+        assert "ddprun: SIGTERM came as the run was ending: it finished; nothing to resume" in e.output, describe(ended)
+        assert "Traceback" not in e.output, describe(ended)
+    for rank in (0, 1):
+        assert json.loads((tmp_path / "out" / f"facts-{rank}.json").read_text())["steps"] == STEPS
+    assert (tmp_path / "runs" / "fault" / "checkpoints" / f"step-{STEPS:08d}.pt").exists()
+    assert_nothing_left(tmp_path)
 
 @pytest.mark.timeout(120)
 def test_an_unmodified_loop_gets_its_on_preempt_callback_at_one_step_on_every_rank(tmp_path):

@@ -115,7 +115,9 @@ def to_whom(req: Request) -> str:
 class Saved:
     """How the job stopped: at optimizer ``step`` of this launch (``fit_step``: fit's global step,
     counting resumed ones), the checkpoint ``path`` written in ``seconds`` ("" when nothing saved).
-    ``step`` -1: the script ended by itself before the stop step (nothing to resume)."""
+    ``step`` -1: the script ended by itself (rank 0 publishes that at every clean end of its script,
+    since it may not have heard of a request made in its last steps; agents read it only after one):
+    nothing to resume."""
 
     step: int
     fit_step: int

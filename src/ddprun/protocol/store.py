@@ -30,7 +30,8 @@ attempts: torch's c10d shares one store server for the whole job, see agent/atte
                        a signal that reaches them is not a preemption request
     preempt            JSON preemption request (protocol/preempt.py Request; the first one wins)
     preempt/stop       the agreed stop step (optimizer steps of this attempt; the first proposal wins)
-    preempt/saved      JSON protocol/preempt.py Saved: rank 0 stopped there (and saved its checkpoint)
+    preempt/saved      JSON protocol/preempt.py Saved: rank 0 stopped there (and saved its checkpoint),
+                       or its script ended by itself (step -1)
 
 Each agent also hosts a node store on 127.0.0.1 for its own workers (agent/noderelay.py), with the
 same prefix, so that the job's store hears from each node, not from each rank:

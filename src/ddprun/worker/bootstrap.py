@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ddprun._util import die_with_parent
+from ddprun._util import die_with_parent, within
 from ddprun.errors import ConfigError
 from ddprun.preempt import PREEMPT, Preempted
 from ddprun.protocol import defaults
@@ -193,8 +193,9 @@ def _stopped_for_preemption(e: Preempted, channel: JobChannel | None) -> None:
 def _publish_saved(channel: JobChannel, steps: int, fit_step: int, path: str, seconds: float, by: str = "fit") -> None:
     from ddprun.protocol.preempt import Saved
 
-    try:
-        channel.store.set(channel.keys.preempt_saved, Saved(steps, fit_step, path, seconds, by).to_json())
+    try:  # bounded: a stopped store host never answers, and every clean end of rank 0 comes here
+        within(defaults.STORE_CALL_S, channel.store.set, channel.keys.preempt_saved,
+               Saved(steps, fit_step, path, seconds, by).to_json())
     except Exception:  # noqa: BLE001 - the store is gone: the agents say the stop without the details
         pass
 
@@ -215,13 +216,15 @@ def main(argv: list[str] | None = None) -> None:
     # Each attempt's process group in its own part of the agent's store, which outlives attempts:
     # without it a restarted group reads the dead group's gloo/NCCL keys (agent/attempt.py).
     namespace_process_groups(os.environ)
-    code = 0
+    code, by_itself = 0, False
     try:
         _run_user_code(argv)
+        by_itself = True
     except Preempted as e:
         _stopped_for_preemption(e, channel)
     except SystemExit as e:
         code = ddp_exit.exit_code_of(e)
+        by_itself = code == 0
         if code != 0:
             summary = f"SystemExit({e.code!r})"
             rec = channel.me(fr.ERROR, summary, exit_code=code) if channel else ddp_exit.own_record(
@@ -236,8 +239,10 @@ def main(argv: list[str] | None = None) -> None:
             if channel is not None:
                 channel.record_failure(channel.me(fr.ERROR, text))
             os.write(2, f"ddprun: {text} (and then {type(again).__name__}: {again})\n".encode(errors="replace"))
-    if code == 0 and PREEMPT.requested and PREEMPT.saved is None and channel is not None and channel.rank == 0:
-        _publish_saved(channel, -1, -1, "", 0.0)  # asked to stop, but the script ended by itself first
+    if by_itself and PREEMPT.saved is None and channel is not None and channel.rank == 0:
+        # the script ended by itself: a stop step asked for meanwhile is moot. Whether or not this rank
+        # heard of the request (its monitor reads it within ~1 s: a signal in the last steps is not)
+        _publish_saved(channel, -1, -1, "", 0.0)
     if monitor is not None:
         monitor.flush_timing() if code == 0 else monitor.stop()
     ddp_exit.hard_exit(code, wenv.exit_timeout if wenv is not None else defaults.EXIT_TIMEOUT_S)
