@@ -57,6 +57,25 @@ def test_a_worker_killed_by_sigkill_is_named_on_every_node(nodes, tmp_path, wher
 
 
 @pytest.mark.timeout(90)
+def test_sigterm_to_one_worker_of_a_loop_with_nothing_to_stop_at_a_step_ends_it_as_without_ddprun(nodes, tmp_path):
+    """docs/preemption.md: a process with nothing that stops at a step (neither ddprun.fit nor an
+    on_preempt callback) ends at once by the signal, as without ddprun; every node names that rank
+    and exits 1, and no node calls it a preemption."""
+    job = nodes(2, 1, SLOW)
+    pids = job.worker_pids(range(2))
+    sent_at = time.monotonic()
+    os.kill(pids[1], signal.SIGTERM)
+    ended = job.finish(timeout=40)
+    assert [e.returncode for e in ended] == [1, 1], describe(ended)
+    for e in ended:
+        assert re.fullmatch(r"rank 1 \(node \d, \S+\) was killed by SIGTERM", cause_line(e.output)), describe(ended)
+        assert "preempt" not in e.output and "Traceback" not in e.output, describe(ended)
+    last = max(e.ended_at for e in ended) - sent_at
+    print(f"SIGTERM to one worker of a loop with nothing to stop at a step -> last node exited after {last:.1f} s")
+    assert last < 15, describe(ended)
+    assert_nothing_left(tmp_path)
+
+@pytest.mark.timeout(90)
 def test_a_worker_killed_on_a_node_of_two_leaves_its_sibling_stopped_not_failed_or_preempted(nodes, tmp_path):
     """torch stops the killed worker's sibling itself, with SIGTERM, one of the preemption signals:
     the sibling must take it as its agent's stop (no preemption request for the job) and be named as
