@@ -81,11 +81,18 @@ class Counting:
         return call
 
 
+OUTER_JOB = ("DDPRUN_", "TORCHELASTIC_", "SLURM_", "OMPI_", "PMI_", "PMIX_", "LSB_", "SM_", "SKYPILOT_", "PET_")
+"""Variables of a job the suite itself may run in (an ``salloc``, an mpirun, a SageMaker or Kubernetes
+job), and of ddprun's own: ddprun's detection reads them (cluster/), so a test's job would take that
+job's ranks (seen: an in-process test run inside an allocation)."""
+OUTER_JOB_KEYS = ("KUBERNETES_SERVICE_HOST", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                  "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def job_env(**extra: str) -> dict[str, str]:
-    """The environment for launched jobs: one OpenMP thread per rank (2 cores are shared)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DDPRUN_", "TORCHELASTIC_"))}
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
-        env.pop(k, None)
+    """The environment for launched jobs, without an outer job's (OUTER_JOB): one OpenMP thread per
+    rank (2 cores are shared)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(OUTER_JOB) and k not in OUTER_JOB_KEYS}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
@@ -190,10 +197,38 @@ class Watched:
 
 
 def kill_tree(p: subprocess.Popen) -> None:
+    """SIGKILL ``p``'s process group and every descendant of ``p``: torch's agent starts each worker
+    in a session of its own, which the group does not reach (PR_SET_PDEATHSIG would end it with its
+    agent, but only once the worker has set it, its first moment)."""
+    below = descendants(p.pid)
     try:
         os.killpg(p.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    for pid in below:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` now (/proc; Linux), children first."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop(0)
+        found.append(child)
+        todo += children.get(child, [])
+    return found
 
 
 def describe(results: list[Finished]) -> str:
