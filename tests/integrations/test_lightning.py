@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ddprun_nodes, describe, extra, run_agents
+from tests.helpers import DDPRUN, ddprun_nodes, describe, extra, run_agents
 
 pl = extra("lightning.pytorch")
 
@@ -201,6 +201,28 @@ def test_unmodified_lightning_script_uses_every_rank(tmp_path):
     assert sorted((f["global_rank"], f["node_rank"], f["local_rank"]) for f in ranks) == \
         [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
     assert {(f["world_size"], f["steps"], f["strategy"]) for f in ranks} == {(4, 5, "DDPStrategy")}
+
+
+@pytest.mark.timeout(150)
+def test_a_trainer_the_script_builds_keeps_lightnings_sigterm_handler_and_the_rank_then_ends_by_it(tmp_path):
+    """docs/preemption.md: under `ddprun run`, a Trainer the script builds itself keeps Lightning's own
+    SIGTERM handler (ddprun chains it, and suppresses it only under ddprun.fit). Nothing in that
+    script stops at an agreed step, so the signalled rank then ends by the signal, as a script with
+    nothing to save does, and the job fails naming it: no hang in Lightning's broadcast from the
+    handler, which the other rank never joins (lightning#21406)."""
+    out = tmp_path / "out"
+    cmd = [BORING, "--devices", "2", "--num-nodes", "1", "--max-steps", "400", "--out", str(out),
+           "--sigterm-rank", "1", "--sigterm-batch", "5"]
+    (r,) = run_agents([[DDPRUN, "run", "--nproc-per-node", "2", "--log-dir", "runs", "--rdzv-id", "own", *cmd]],
+                      timeout=130, cwd=tmp_path)
+    assert r.returncode == 1, describe([r])
+    assert re.search(r"^ddprun: the job failed: rank 1 \(node 0, \S+\) was killed by SIGTERM$", r.output, re.M), \
+        describe([r])
+    log = (tmp_path / "runs" / "own" / "logs" / "rank-1.log").read_text()
+    handled, said = log.find("[rank: 1] Received SIGTERM: 15"), log.find("rank 1: SIGTERM to itself at batch 5")
+    assert said >= 0 and handled > said, log  # Lightning's own handler ran on the signalled rank
+    assert not list(out.glob("rank-*.json")), "a rank trained to its end"
+    assert "Traceback" not in r.output, describe([r])
 
 
 def rendezvous_time(run_dir: Path) -> float:

@@ -4,12 +4,15 @@
 
 --out: each rank writes rank-<global rank>.json (what its Trainer saw, steps it ran) at the end of
 fit, so a test can count the ranks that trained. --stamp FILE: rank 0 appends time.time() at its first
-training batch (benchmarks/lightning_first_step.py). Arguments only choose the Trainer's settings.
+training batch (benchmarks/lightning_first_step.py). --sigterm-rank R --sigterm-batch B: rank R sends
+itself SIGTERM at its training batch B (a preemption of one rank: Lightning's own handler is the
+script's). Otherwise arguments only choose the Trainer's settings.
 """
 
 import argparse
 import json
 import os
+import signal
 import time
 
 from lightning.pytorch import Callback, Trainer
@@ -17,13 +20,16 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 
 class Facts(Callback):
-    def __init__(self, out, stamp):
-        self.out, self.stamp, self.steps = out, stamp, 0
+    def __init__(self, out, stamp, sigterm=(None, None)):
+        self.out, self.stamp, self.steps, self.sigterm = out, stamp, 0, sigterm
 
     def on_train_batch_start(self, trainer, *args):
         if self.steps == 0 and self.stamp and trainer.global_rank == 0:
             with open(self.stamp, "a") as fp:
                 fp.write(f"{time.time()}\n")
+        if self.sigterm == (trainer.global_rank, self.steps):
+            print(f"rank {trainer.global_rank}: SIGTERM to itself at batch {self.steps}", flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
         self.steps += 1
 
     def on_fit_end(self, trainer, pl_module):
@@ -44,10 +50,13 @@ def main():
     p.add_argument("--max-steps", type=int, default=8)
     p.add_argument("--out")
     p.add_argument("--stamp")
+    p.add_argument("--sigterm-rank", type=int)
+    p.add_argument("--sigterm-batch", type=int)
     args = p.parse_args()
+    facts = Facts(args.out, args.stamp, (args.sigterm_rank, args.sigterm_batch))
     trainer = Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=args.strategy,
                       max_steps=args.max_steps, limit_val_batches=2, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, callbacks=[Facts(args.out, args.stamp)])
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[facts])
     trainer.fit(BoringModel())
 
 
