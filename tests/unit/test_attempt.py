@@ -1,5 +1,6 @@
 """Attempt ids and the per-attempt store namespace that lets a restarted worker group start cleanly."""
 
+import os
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -129,3 +130,28 @@ def test_logs_spec_gives_every_worker_the_attempt_and_keeps_each_attempts_log(tm
     spec.reify(envs)
     assert envs[0]["DDPRUN_ATTEMPT"] == "r2" and seen == ["0", "0"]
     assert (tmp_path / "logs" / "rank-0.attempt-0.log").read_text() == "attempt 1\n"
+
+
+def test_a_round_that_moves_rank_0_elsewhere_leaves_this_node_only_its_new_ranks(tmp_path):
+    """An elastic round may give a node other ranks: rank 0 in round 0, rank 1 after a node that sorts
+    first joined. The node then no longer claims rank 0 (the run report, the console's summary), nor
+    the ranks it ran before (a failure's 'stopped because of it'), nor echoes rank 0's log, which the
+    new rank 0's node writes at the same path in a shared run directory (seen in the fault tier)."""
+    import io
+
+    from ddprun.agent.logs import LogFollower
+
+    out = io.StringIO()
+    follower = LogFollower(out, interval_s=3600)  # polled by hand
+    spec = RankLogsSpecs(str(tmp_path), follower, set(), WorkerEnv(run_dir=str(tmp_path)))
+    spec.reify({0: {"RANK": "0", "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0"}})
+    assert spec.has_rank0 and set(spec.local_workers) == {0}
+    log = tmp_path / "logs" / "rank-0.log"
+    log.write_text("round 0 on this node\nits last line, unended")
+    follower._pump()
+    spec.reify({0: {"RANK": "1", "GROUP_RANK": "1", "TORCHELASTIC_RESTART_COUNT": "0"}})
+    assert not spec.has_rank0 and set(spec.local_workers) == {1}
+    os.replace(log, tmp_path / "logs" / "elsewhere.log")  # the other node keeps it aside, and starts its rank 0
+    log.write_text("rank 0 on the other node\n")
+    follower.stop()
+    assert out.getvalue() == "round 0 on this node\nits last line, unended\n"

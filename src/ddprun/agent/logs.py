@@ -88,15 +88,40 @@ class LogFollower:
         self._thread = threading.Thread(target=self._loop, name="ddprun-log-follower", daemon=True)
         self._thread.start()
 
-    def follow(self, files: Mapping[str, str]) -> None:
-        """Follow ``path -> prefix`` from the start of each file, in addition to earlier ones. A path
-        followed already keeps its place (a restart's new file is found by the move)."""
+    def follow(self, files: Mapping[str, str], *, only: bool = False) -> None:
+        """Follow ``path -> prefix`` from the start of each file, in addition to earlier ones (``only``:
+        instead of them). A path followed already keeps its place (a restart's new file is found by
+        the move). A dropped path's lines are copied to the end of the file open on it, never from a
+        file that took its path since: another node's rank, in a run directory shared by the nodes
+        (an elastic round that moved rank 0 elsewhere; seen: both nodes echoed the new rank 0)."""
+        dropped: list[str] = []
         with self._lock:
+            if only:
+                for path in [p for p in self._files if p not in files]:
+                    dropped.append(self._drain(self._files.pop(path)))
             for path, prefix in files.items():
                 if path in self._files:
                     self._files[path].prefix = prefix
                 else:
                     self._files[path] = _Followed(prefix)
+        for text in dropped:
+            if text:
+                self._out.write(text)
+        self._out.flush()
+
+    @staticmethod
+    def _drain(f: _Followed) -> str:
+        """The rest of the file ``f`` has open (every line, the last one whole or not), then closed."""
+        if f.fp is None:
+            return _prefixed(f.pending, f.prefix)
+        try:
+            data = f.pending + f.fp.read()
+        except OSError:
+            data = f.pending
+        finally:
+            f.fp.close()
+            f.fp = None
+        return _prefixed(data, f.prefix)
 
     def _read(self, path: str, f: _Followed) -> bytes:
         """What is new at ``path``: the rest of the open file and, once another file took its path,
@@ -134,12 +159,7 @@ class LogFollower:
         # only whole lines, so a line being written is not split
         end = len(data) if final else data.rfind(b"\n") + 1
         f.pending = data[end:]
-        if end <= 0:
-            return ""
-        text = data[:end].decode("utf-8", errors="replace")
-        if f.prefix:
-            text = "".join(f.prefix + line for line in text.splitlines(keepends=True))
-        return text if text.endswith("\n") else text + "\n"
+        return _prefixed(data[:max(end, 0)], f.prefix)
 
     def _loop(self) -> None:
         while not self._stop.wait(self._interval):
@@ -155,6 +175,16 @@ class LogFollower:
                 if f.fp is not None:
                     f.fp.close()
                     f.fp = None
+
+
+def _prefixed(data: bytes, prefix: str) -> str:
+    """``data`` as console text: each line with ``prefix``, the last one ended ("" for nothing)."""
+    if not data:
+        return ""
+    text = data.decode("utf-8", errors="replace")
+    if prefix:
+        text = "".join(prefix + line for line in text.splitlines(keepends=True))
+    return text if text.endswith("\n") else text + "\n"
 
 
 def _same_file(path: str, fp: BinaryIO) -> bool:
@@ -177,7 +207,7 @@ class RankLogsSpecs(LogsSpecs):
         super().__init__(log_dir=run_dir)
         self._on_workers_start = on_workers_start
         self.has_rank0 = False
-        """Whether this node ran global rank 0 (it then writes the run report)."""
+        """Whether this node's latest workers include global rank 0 (it then writes the run report)."""
         self.local_workers: dict[int, tuple[int, str]] = {}
         """Global rank -> (local rank, error file) of this node's latest workers."""
         # restart count -> the job-wide attempt id (ddprun.agent.attempt.AttemptIds.current), asked once per start
@@ -203,6 +233,8 @@ class RankLogsSpecs(LogsSpecs):
         logs_dir = os.path.join(self._run_dir, "logs")
         os.makedirs(logs_dir, exist_ok=True)
         stdouts, stderrs, errors, follow = {}, {}, {}, {}
+        # this start's workers only: an elastic round may give this node other ranks than the last
+        self.has_rank0, self.local_workers = False, {}
         self._starts += 1
         attempt = ""
         if self._attempt_id is not None and envs:
@@ -236,8 +268,8 @@ class RankLogsSpecs(LogsSpecs):
                 follow[path] = ""
             elif local_rank in self._tee_local:
                 follow[path] = f"[rank{rank}] "
-        if self._follower is not None and follow:
-            self._follower.follow(follow)
+        if self._follower is not None:
+            self._follower.follow(follow, only=True)
         return LogsDest(stdouts, stderrs, {}, {}, errors,
                         os.path.join(logs_dir, "filtered_stdout.log"), os.path.join(logs_dir, "filtered_stderr.log"))
 
