@@ -4,7 +4,8 @@ scenarios (2 nodes on 127.0.0.1, gloo, examples/torchrun_style.py):
   missing node    the second node never starts: seconds until a message names the situation
   stalled rank    rank 3 sleeps before an all-reduce: seconds from the stall to a report naming it
   mismatch        nodes started with --nproc-per-node 2 and 1: named, or "succeeded" on WORLD_SIZE=3?
-  second job      another job on the same endpoint: refused, or mixed/hung?
+  second job      a 2-node job started on the endpoint of a shorter one that trains (another run
+                  id): refused, or does it run on that job's store and end with it?
   same command    the job's own command started once more while it runs (a retry on one node):
                   refused, or left waiting (torch's redundancy list)?
   late node       an elastic job with room (--nnodes 1:3, 2 running) and a third node of the job
@@ -143,18 +144,37 @@ def mismatch(name: str, bound: float, tmp: str) -> str:
 
 
 def second_job(name: str, bound: float, tmp: str) -> str:
-    port = free_port()
-    a = Streamed(launcher(name, 2, 1, port, f"jobA-{name}") + [EXAMPLE, "--steps", "10"], tmp)
-    time.sleep(3)
-    b = Streamed(launcher(name, 2, 1, port, f"jobB-{name}") + [EXAMPLE, "--steps", "10"], tmp)
-    wait_until(lambda: b.proc.poll() is not None, bound)
-    code = b.proc.poll()
-    refused = b.first("refused")
-    for p in (a, b):
+    """Job A (2 nodes, 100 steps of 0.1 s) trains; job B (2 nodes, another run id, 300 steps) is then
+    started on A's endpoint. Refused at once, or does B run on A's rendezvous store and end with it?"""
+    port, pids_a, pids_b = free_port(), Path(tmp, f"first-{name}"), Path(tmp, f"second-{name}")
+    pids_a.mkdir()
+    pids_b.mkdir()
+
+    def job(rdzv_id: str, pids: Path, steps: int) -> list[Streamed]:
+        cmd = launcher(name, 2, 1, port, rdzv_id) + [JOB, "--pids", str(pids), "--step-s", "0.1", "--steps", str(steps)]
+        return [Streamed(cmd, tmp) for _ in range(2)]
+
+    first = job(f"jobA-{name}", pids_a, 100)
+    if not training(pids_a, 2, bound):
+        for p in first:
+            p.kill()
+        return "job A did not start"
+    second = job(f"jobB-{name}", pids_b, 300)
+    wait_until(lambda: all(p.proc.poll() is not None for p in first), bound)
+    a_codes, a_end = [p.proc.poll() for p in first], time.monotonic()
+    wait_until(lambda: all(p.proc.poll() is not None for p in second), bound)
+    b_codes, b_end = [p.proc.poll() for p in second], time.monotonic()
+    trained = sum((pids_b / f"rank-{r}.pid").exists() for r in range(2))
+    said = [t for t in (p.first("[Rr]efused") for p in second) if t is not None]
+    for p in (*first, *second):
         p.kill()
-    if refused is not None:
-        return f"refused in {refused:.1f} s (exit {code})"
-    return f"not refused; second job {'still waiting' if code is None else f'exited {code}'} after {bound:.0f} s"
+    job_a = f"job A's exit codes {a_codes}"
+    if said:
+        return f"job B refused in {max(said):.1f} s (exit codes {b_codes}); {job_a}"
+    if None in b_codes:
+        return f"job B not refused, {trained} of 2 rank(s) trained, still running {bound:.0f} s after job A ended; {job_a}"
+    return (f"job B not refused: {trained} of 2 rank(s) trained on job A's store, exit codes {b_codes} "
+            f"{b_end - a_end:.1f} s after job A ended ({job_a})")
 
 
 def training(pids: Path, ranks: int, bound: float) -> bool:
