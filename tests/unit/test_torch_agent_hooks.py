@@ -271,3 +271,21 @@ def test_a_workers_store_that_cannot_be_bound_falls_back_to_torchs_and_says_so(c
     assert made == [("192.0.2.77", 0)]
     err = capsys.readouterr().err
     assert err.startswith("ddprun: note: the workers' store listens on every interface: 192.0.2.77 could not be bound")
+
+
+def test_a_node_waiting_to_join_while_the_job_stops_for_a_preemption_restarts_nothing():
+    """torch restarts a healthy group when num_nodes_waiting > 0 (a membership change, which no
+    restart budget bounds). During a preemption that restart would give the job a new attempt whose
+    workers never heard of the agreed stop step: the grace would then force the stop, without the
+    checkpoint. The waiting node joins the next launch instead."""
+    state = SimpleNamespace(participants={}, wait_list={"late"}, round=4)
+    handler = SimpleNamespace(_this_node=object(), _state_holder=SimpleNamespace(state=state),
+                              num_nodes_waiting=lambda: len(state.wait_list), shutdown=lambda: True)
+    preempting = [True]
+    agent = DdprunAgent.__new__(DdprunAgent)
+    agent._hooks = AgentHooks(preempting=lambda: preempting[0])
+    agent._dropped, agent._joined_round, agent._pcontext = False, 4, None
+    agent._watch_dropped(handler)
+    assert handler.num_nodes_waiting() == 0
+    preempting[0] = False  # no preemption: the node is taken in
+    assert handler.num_nodes_waiting() == 1

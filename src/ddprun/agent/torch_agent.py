@@ -199,8 +199,9 @@ class DdprunAgent(LocalElasticAgent):
     def _watch_dropped(self, handler: Any) -> None:
         """torch asks ``num_nodes_waiting()`` every monitor interval while the group is healthy (after
         syncing the rendezvous state): it also answers 1, once, when that state moved past this node's
-        round (:func:`round_moved_on`). The question never holds torch's loop (:class:`AnswerSoon`), and
-        the handler's ``shutdown`` is bounded (SHUTDOWN_S)."""
+        round (:func:`round_moved_on`). While preempting it answers 0: a restart then would give the
+        job a new attempt whose workers never heard of the stop step. The question never holds torch's
+        loop (:class:`AnswerSoon`), and the handler's ``shutdown`` is bounded (SHUTDOWN_S)."""
         if getattr(handler, "_ddprun_watches_drop", False):
             handler._ddprun_answers.forget()  # a new round: the last one's answer is no answer for it
             return
@@ -209,6 +210,8 @@ class DdprunAgent(LocalElasticAgent):
         waiting, shutdown = AnswerSoon(handler.num_nodes_waiting, 0), handler.shutdown
 
         def num_nodes_waiting() -> int:
+            if self._hooks.preempting():  # the job stops at one step: a waiting node joins the next launch
+                return 0
             n = int(waiting())
             dropped = n == 0 and not self._dropped and not self._hooks.preempting() and \
                 round_moved_on(handler, self._joined_round)
