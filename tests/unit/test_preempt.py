@@ -135,7 +135,15 @@ def test_inside_fit_the_optimizer_hook_leaves_the_stop_to_fit(monkeypatch):
     assert state.saved is None
 
 
-def test_requeue_runs_scontrol_once_and_says_what_happened_either_way(tmp_path):
+@pytest.fixture
+def sigterm_kept():
+    """requeue() leaves SIGTERM ignored once the job is requeued (the agent's end): put it back."""
+    before = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, before)
+
+
+def test_requeue_runs_scontrol_once_and_says_what_happened_either_way(tmp_path, sigterm_kept):
     import io
     import subprocess
 
@@ -164,26 +172,35 @@ def test_requeue_runs_scontrol_once_and_says_what_happened_either_way(tmp_path):
     assert "could not requeue SLURM job 9: scontrol did not answer within 30 s\nHINT: " in out.getvalue()
 
 
-def test_requeue_says_its_line_though_slurms_sigterm_comes_before_scontrol_returns():
-    """SLURM's requeue SIGTERMs the job's steps at once, the requeueing agent among them: its line
-    must still be said (in a child process: without the fix, the SIGTERM ends it)."""
+def test_requeue_says_its_line_and_the_agent_ends_its_own_way_though_slurms_sigterm_comes_meanwhile():
+    """SLURM's requeue SIGTERMs the job's steps at once, the requeueing agent among them, before or
+    after scontrol returns: the agent's line, and what it does after (its run report, its exit code),
+    must still happen. A requeue that failed puts the handler back. In a child process: without the
+    fix, the SIGTERM ends it."""
     import subprocess
     import sys
 
     code = (
         "import os, signal, subprocess, sys\n"
         "from ddprun.agent.preemption import requeue\n"
-        "def scontrol(cmd, **kw):\n"
-        "    os.kill(os.getpid(), signal.SIGTERM)\n"
-        "    return subprocess.CompletedProcess(cmd, 0, '', '')\n"
-        "assert requeue(['scontrol', 'requeue', '7'], sys.stdout, run=scontrol)\n"
+        "def scontrol(rc):\n"
+        "    def run(cmd, **kw):\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        return subprocess.CompletedProcess(cmd, rc, '', 'Invalid job id' if rc else '')\n"
+        "    return run\n"
+        "assert not requeue(['scontrol', 'requeue', '8'], sys.stdout, run=scontrol(1))\n"
         "assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, 'the handler was not put back'\n"
-        "print('after the requeue')\n"
+        "assert requeue(['scontrol', 'requeue', '7'], sys.stdout, run=scontrol(0))\n"
+        "os.kill(os.getpid(), signal.SIGTERM)  # SLURM's, after scontrol returned\n"
+        "print('the report, then exit 75')\n"
+        "sys.exit(75)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert (done.returncode, done.stderr) == (0, ""), done
-    assert done.stdout == ("ddprun: requeued SLURM job 7 (scontrol requeue 7): when SLURM starts it again, the "
-                           "same command resumes from this checkpoint\nafter the requeue\n")
+    assert (done.returncode, done.stderr) == (75, ""), done
+    assert done.stdout == ("ddprun: could not requeue SLURM job 8: Invalid job id\nHINT: requeue it yourself "
+                           "(scontrol requeue 8) or submit the same script again: it resumes from this checkpoint.\n"
+                           "ddprun: requeued SLURM job 7 (scontrol requeue 7): when SLURM starts it again, the "
+                           "same command resumes from this checkpoint\nthe report, then exit 75\n")
 
 
 class _Failures:

@@ -10,12 +10,11 @@ workers that have not stopped (SIGTERM, and SIGKILL after ``--stop-grace``).
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from ddprun.protocol import failure as fr
@@ -176,23 +175,19 @@ def requeue(command: list[str], out: TextIO, run: Callable[..., Any] = subproces
     REQUEUE_TIMEOUT_S; one line either way. True if SLURM took the job back.
 
     SLURM's requeue ends the job's steps at once (SIGCONT, SIGTERM, SIGKILL after its KillWait), this
-    agent's among them, often before scontrol has returned: SIGTERM is ignored until the line is out
-    (else it was lost: seen on the SLURM test bed after a forced stop)."""
-    with _sigterm_ignored():
-        return _requeue(command, out, run)
-
-
-@contextlib.contextmanager
-def _sigterm_ignored() -> Iterator[None]:
-    """SIGTERM ignored in the block (main thread only: elsewhere Python cannot set handlers)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    agent's among them, before or after scontrol returns (seen: the line lost on the SLURM test bed
+    after a forced stop). So SIGTERM is ignored from before the call and, once the job is requeued,
+    for the rest of this process: the agent's line, run report and exit code come first, and SLURM's
+    SIGKILL bounds it. When the requeue failed, the handler is put back. Main thread only (elsewhere
+    Python cannot set handlers: nothing is ignored)."""
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, signal.SIG_IGN) if main else None
+    ok = False
     try:
-        yield
+        ok = _requeue(command, out, run)
+        return ok
     finally:
-        if old is not None:  # None: a handler set from C, which Python cannot put back
+        if main and not ok and old is not None:  # None: a handler set from C, which Python cannot put back
             signal.signal(signal.SIGTERM, old)
 
 
