@@ -96,3 +96,22 @@ def test_the_thread_follows_a_file_created_after_follow(tmp_path):
     seen = out.getvalue()
     f.stop()
     assert seen == "hello\n" and out.getvalue() == "hello\n"
+
+
+def test_a_dropped_file_is_copied_by_the_next_poll_to_the_end_of_what_it_has_open(tmp_path, follower):
+    """follow(only=True) (a round gave this node other ranks) leaves the copying to the poller, so what
+    a poll read before is written first; the dropped file is read to its end, and a file that took
+    its path (another node's rank) is never read."""
+    f, out = follower
+    log = tmp_path / "rank-0.log"
+    write(log, "1\n")
+    f.follow({str(log): ""})
+    f._pump()
+    write(log, "2\nunended")
+    f.follow({}, only=True)
+    assert out.getvalue() == "1\n"  # nothing written by follow() itself
+    restart(log)
+    write(log, "another node's rank 0\n")
+    f._pump()
+    f._pump()
+    assert out.getvalue() == "1\n2\nunended\n"

@@ -83,6 +83,8 @@ class LogFollower:
         self._out = out
         self._interval = interval_s
         self._files: dict[str, _Followed] = {}
+        self._dropped: list[_Followed] = []
+        """Files no longer followed (:meth:`follow` ``only``), to copy to the end of what they have open."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ddprun-log-follower", daemon=True)
@@ -94,20 +96,14 @@ class LogFollower:
         the move). A dropped path's lines are copied to the end of the file open on it, never from a
         file that took its path since: another node's rank, in a run directory shared by the nodes
         (an elastic round that moved rank 0 elsewhere; seen: both nodes echoed the new rank 0)."""
-        dropped: list[str] = []
         with self._lock:
-            if only:
-                for path in [p for p in self._files if p not in files]:
-                    dropped.append(self._drain(self._files.pop(path)))
+            if only:  # copied by the next poll, after what it read before: the console keeps the order
+                self._dropped += [self._files.pop(path) for path in [p for p in self._files if p not in files]]
             for path, prefix in files.items():
                 if path in self._files:
                     self._files[path].prefix = prefix
                 else:
                     self._files[path] = _Followed(prefix)
-        for text in dropped:
-            if text:
-                self._out.write(text)
-        self._out.flush()
 
     @staticmethod
     def _drain(f: _Followed) -> str:
@@ -143,8 +139,10 @@ class LogFollower:
         return data
 
     def _pump(self, final: bool = False) -> None:
+        # one writer at a time (the follower's thread, or stop() once it has ended): lines keep their order
         with self._lock:  # a restart's follow() waits for a read in progress, never the console
-            texts = [self._lines(path, f, final) for path, f in self._files.items()]
+            dropped, self._dropped = self._dropped, []
+            texts = [*(self._drain(f) for f in dropped), *(self._lines(path, f, final) for path, f in self._files.items())]
         for text in texts:
             if text:
                 self._out.write(text)
