@@ -198,9 +198,13 @@ def test_a_signal_whose_stop_step_lies_past_the_runs_end_lets_it_finish_and_ever
     assert_nothing_left(tmp_path)
 
 @pytest.mark.timeout(120)
-def test_an_unmodified_loop_gets_its_on_preempt_callback_at_one_step_on_every_rank(tmp_path):
+@pytest.mark.parametrize("catch", [False, True], ids=["raises", "script-catches-preempted"])
+def test_an_unmodified_loop_gets_its_on_preempt_callback_at_one_step_on_every_rank(tmp_path, catch):
+    """Also when the script catches ddprun.Preempted and returns: rank 0 still tells the agents where
+    the job stopped (they said 'rank 0 did not say at which step')."""
     out = tmp_path / "out"
-    job = Nodes(tmp_path, 2, 1, ["--out", str(out), "--signal-rank", "1", "--signal-step", "5"], script=LOOP,
+    job = Nodes(tmp_path, 2, 1, ["--out", str(out), "--signal-rank", "1", "--signal-step", "5",
+                                 *(["--catch"] if catch else [])], script=LOOP,
                 extra=["--log-dir", str(tmp_path / "runs")])
     ended = job.finish(timeout=90)
     assert [e.returncode for e in ended] == [75, 75], describe(ended)
@@ -211,6 +215,7 @@ def test_an_unmodified_loop_gets_its_on_preempt_callback_at_one_step_on_every_ra
                "callbacks ran there" in e.output, describe(ended)
         assert "Traceback" not in e.output, describe(ended)
     assert not (out / "after-loop-0.txt").exists(), "the script went on past its stop step"
+    assert all((out / f"caught-{r}.txt").exists() == catch for r in (0, 1))
     assert_nothing_left(tmp_path)
 
 

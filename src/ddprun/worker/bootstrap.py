@@ -239,10 +239,11 @@ def main(argv: list[str] | None = None) -> None:
             if channel is not None:
                 channel.record_failure(channel.me(fr.ERROR, text))
             os.write(2, f"ddprun: {text} (and then {type(again).__name__}: {again})\n".encode(errors="replace"))
-    if by_itself and PREEMPT.saved is None and channel is not None and channel.rank == 0:
-        # the script ended by itself: a stop step asked for meanwhile is moot. Whether or not this rank
-        # heard of the request (its monitor reads it within ~1 s: a signal in the last steps is not)
-        _publish_saved(channel, -1, -1, "", 0.0)
+    if by_itself and channel is not None and channel.rank == 0:
+        # Where it stopped (a script that caught Preempted), else: it ended by itself, and a stop step
+        # asked for meanwhile is moot, whether or not this rank heard of the request (its monitor
+        # reads it within ~1 s: a signal in the last steps is not)
+        _publish_saved(channel, *(PREEMPT.saved or (-1, -1, "", 0.0, "fit")))
     if monitor is not None:
         monitor.flush_timing() if code == 0 else monitor.stop()
     ddp_exit.hard_exit(code, wenv.exit_timeout if wenv is not None else defaults.EXIT_TIMEOUT_S)
