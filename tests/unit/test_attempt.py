@@ -155,3 +155,19 @@ def test_a_round_that_moves_rank_0_elsewhere_leaves_this_node_only_its_new_ranks
     log.write_text("rank 0 on the other node\n")
     follower.stop()
     assert out.getvalue() == "round 0 on this node\nits last line, unended\n"
+
+
+def test_a_node_that_takes_over_a_rank_keeps_the_log_another_node_wrote_for_it_this_launch(tmp_path):
+    """Shared run dir, elastic: a node launched first but joining late becomes rank 0's. The early
+    node's rank-0.log of this launch (newer than the late node's launch: not an earlier launch's)
+    must not be emptied by torch's open("w"): it is kept as an attempt log, never over another."""
+    spec = RankLogsSpecs(str(tmp_path), None, set(), WorkerEnv(run_dir=str(tmp_path)))  # the late node's launch
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "rank-0.attempt-0.log").write_text("the early node's restart\n")
+    (logs / "rank-0.log").write_text("round 0 on the early node\n")  # written after the late node launched
+    spec.reify({0: {"RANK": "0", "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0"}})
+    assert not (logs / "rank-0.log").exists()
+    assert (logs / "rank-0.attempt-0.log").read_text() == "the early node's restart\n"
+    assert (logs / "rank-0.attempt-1.log").read_text() == "round 0 on the early node\n"
+    assert not list(logs.glob("before-*"))  # not taken for an earlier launch's

@@ -41,11 +41,25 @@ def remove_empty_early_logs(run_dir: str) -> None:
             pass
 
 
+def keep_as_attempt(path: str) -> None:
+    """Move ``rank-N.log`` aside to the first free ``rank-N.attempt-K.log`` (K from 0: a restart's
+    count on one node; free, since another node may have kept one of the same rank before)."""
+    stem = path[:-len(".log")]
+    k = 0
+    while os.path.exists(f"{stem}.attempt-{k}.log"):
+        k += 1
+    try:
+        os.replace(path, f"{stem}.attempt-{k}.log")
+    except OSError:  # gone meanwhile
+        pass
+
+
 def keep_earlier_launch(run_dir: str, rank: int | str, launch: str, started: float) -> None:
     """A relaunch into the same run directory (an explicit --rdzv-id, a requeued scheduler job): the
     logs and failure record rank ``rank`` left there before this launch ``started`` (epoch seconds)
     move to ``logs/before-<launch>/`` (this launch's start on this node), never overwritten. Files of
-    this launch (a node joining late into a shared run dir) stay; a file that cannot move stays too."""
+    this launch (another node's, in a shared run dir) stay: the live log among them is then kept as an
+    attempt's (:func:`keep_as_attempt`); a file that cannot move stays too."""
     logs = os.path.join(run_dir, "logs")
     names = [n for n in os.listdir(logs) if n.startswith(f"rank-{rank}.") and n.endswith((".log", ".json"))]
     moves = [(os.path.join(logs, n), n) for n in names]
@@ -244,10 +258,10 @@ class RankLogsSpecs(LogsSpecs):
             path = rank_log_path(self._run_dir, rank)
             if self._starts == 1:
                 keep_earlier_launch(self._run_dir, rank, self._launch, self._launch_t)
-            if self._starts > 1 and os.path.exists(path):
-                # keep every attempt's log: the failed one explains the restart. Counted here, not by
-                # TORCHELASTIC_RESTART_COUNT, which a membership-change restart does not advance.
-                os.replace(path, os.path.join(logs_dir, f"rank-{rank}.attempt-{self._starts - 2}.log"))
+            if os.path.exists(path):
+                # keep every attempt's log: the failed one explains the restart. Also one of this launch
+                # that another node wrote in an earlier round (a shared run dir; torch's "w" would empty it)
+                keep_as_attempt(path)
             error_file = os.path.join(logs_dir, f"rank-{rank}.error.json")
             if os.path.exists(error_file):
                 os.unlink(error_file)
