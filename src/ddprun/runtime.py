@@ -3,8 +3,10 @@
 Where the numbers come from: :func:`ddprun.cluster.detect.resolve` over the environment mapping
 (read once per call, never at import). A torchrun/``ddprun run`` worker states RANK, LOCAL_RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT itself; a cluster that starts one process per rank (srun
-tasks, mpirun) states them in its own variables, which resolve() translates. When resolve() finds no
-rank (plain ``python script.py``) this is one process and no process group is created.
+tasks, mpirun) states them in its own variables, which resolve() translates. A multi-node job that
+starts the script once per node (srun with one task per node, a PyTorchJob pod) makes it the node's
+rank (detect.one_rank_per_node). Otherwise, with no rank found (plain ``python script.py``), this is
+one process and no process group is created.
 
 Timeouts are two-phase (torchtitan's ``init_distributed``/``set_pg_timeouts``):
 joining the process group and the first step may be slow (every node imports torch, compiles,
@@ -108,10 +110,10 @@ def _device(local_rank: int | None, use_cuda: bool) -> torch.device:
 
 def _from_environ(environ: Mapping[str, str]):
     """(ClusterSpec, RankInfo-without-process-group) from the environment; pure apart from probing."""
-    from ddprun.cluster.detect import resolve
+    from ddprun.cluster.detect import one_rank_per_node, resolve
     from ddprun.config import LaunchConfig
 
-    spec = resolve(LaunchConfig(), environ, _node_facts())
+    spec = one_rank_per_node(resolve(LaunchConfig(), environ, _node_facts()))
     use_cuda = _use_cuda(environ)
     if spec.rank is None or spec.world_size is None:
         return spec, RankInfo(rank=0, local_rank=0, node_rank=0, world_size=1, local_world_size=1,

@@ -106,23 +106,26 @@ def test_sbatch_one_ddprun_per_node_reads_everything_from_slurm(slurm, tmp_path)
 
 
 @pytest.mark.timeout(120)
-def test_srun_one_task_per_rank_with_ddprun_init(slurm, tmp_path):
-    out = tmp_path / "out"
-    job = slurm.srun(["-N2", "--ntasks-per-node=2", PYTHON, INIT_TRAIN, "--out", str(out), "--steps", "5"],
+@pytest.mark.parametrize("tasks", [2, 1], ids=["2-tasks-per-node", "1-task-per-node"])
+def test_srun_one_task_per_rank_with_ddprun_init(slurm, tmp_path, tasks):
+    """One task per node too: each node's only process is that node's rank (as torch's env:// and
+    Lightning take it), never a job of one that trains alone."""
+    out, world = tmp_path / "out", 2 * tasks
+    job = slurm.srun(["-N2", f"--ntasks-per-node={tasks}", PYTHON, INIT_TRAIN, "--out", str(out), "--steps", "5"],
                      timeout=90, cwd=tmp_path)
     assert job.returncode == 0, slurm.describe(job)
     got = facts(out)
-    assert sorted(f["rank"] for f in got) == [0, 1, 2, 3], slurm.describe(job)
+    assert sorted(f["rank"] for f in got) == list(range(world)), slurm.describe(job)
     for f in got:
         assert f["rank"] == int(f["SLURM_PROCID"]) == f["group_rank"], f
         assert f["local_rank"] == int(f["SLURM_LOCALID"]) and f["node_rank"] == int(f["SLURM_NODEID"]), f
-        assert f["host"] == ("node1", "node2")[f["node_rank"]] and f["rank"] == f["node_rank"] * 2 + f["local_rank"], f
-        assert (f["world_size"], f["local_world_size"], f["group_size"]) == (4, 2, 4), f
+        assert f["host"] == ("node1", "node2")[f["node_rank"]] and f["rank"] == f["node_rank"] * tasks + f["local_rank"], f
+        assert (f["world_size"], f["local_world_size"], f["group_size"]) == (world, tasks, world), f
         assert (f["device"], f["backend"], f["steps"]) == ("cpu", "gloo", 5), f
         job_id = int(f["SLURM_JOB_ID"])
         assert (f["MASTER_ADDR"], f["MASTER_PORT"]) == ("node1", str(slurm_port(job_id))), f
         assert f["GLOO_SOCKET_IFNAME"] == "eth0", f  # gloo on the link between the nodes, not loopback
-    params_equal(out, (1, 2, 3))
+    params_equal(out, tuple(range(1, world)))
 
 
 @pytest.mark.timeout(180)

@@ -182,7 +182,8 @@ def resolve(cfg: LaunchConfig, environ: Mapping[str, str], node: NodeFacts,
     """Detect the environment, overlay the flags, fill defaults, validate. Pure.
 
     ``launcher``: True for ``ddprun run``/``plan`` (this process starts the node's workers), False for
-    a process that is itself a rank (``ddprun.init()``). See :func:`one_agent_per_node`.
+    a process that is itself a rank (``ddprun.init()``, which then applies :func:`one_rank_per_node`)
+    and for reading what the environment says. See :func:`one_agent_per_node`.
     ``dry_run``: True for ``ddprun plan``: a multi-node launch without a rendezvous host gets
     ``master_addr=None`` (its source says what is missing) instead of a ConfigError.
     """
@@ -329,6 +330,8 @@ AGENT_HINTS = {
            "or run the script itself under mpirun (mpirun -np N python train.py) with ddprun.init() in it.",
     "slurm": "Start one `ddprun run` per node: srun --ntasks-per-node=1 ddprun run train.py; "
              "or run the script itself under srun (srun python train.py) with ddprun.init() in it.",
+    "lsf": "Start one `ddprun run` per host from the job script: blaunch -z \"$(echo $LSB_MCPU_HOSTS | awk "
+           "'{for (i = 1; i <= NF; i += 2) print $i}')\" ddprun run train.py",
 }
 
 
@@ -356,6 +359,56 @@ def one_agent_per_node(reading: Reading, env_name: str) -> Reading:
         rank = out["node_rank"]
         out["node_rank"] = Fact(rank.value, f"{rank.source} (one `ddprun run` per node: the task rank is the node rank)")
     return out
+
+
+RANK_HINTS = {  # the environments whose scheduler starts the command once on every node
+    "slurm": "Start one process per GPU: srun --ntasks-per-node={n} python train.py; or one `ddprun run` per "
+             "node: srun --ntasks-per-node=1 ddprun run train.py.",
+    "kubernetes": "Make the pod's command `ddprun run train.py` (it starts one process per GPU), or "
+                  "set nprocPerNode to 1.",
+    "sagemaker": "Make the entry point `ddprun run train.py` (it starts one process per GPU), or use the "
+                 "estimator's distribution={{'torch_distributed': {{'enabled': True}}}}.",
+    "skypilot": "Make the task's run command `ddprun run train.py` (it starts one process per GPU).",
+}
+
+
+def one_rank_per_node(spec: ClusterSpec) -> ClusterSpec:
+    """``spec`` (resolve()'s, not a launcher's) for ``python train.py`` with ``ddprun.init()`` in it,
+    started once per node by a multi-node job that names nodes but no process ranks (srun with one
+    task per node, a PyTorchJob pod, SageMaker, SkyPilot).
+
+    Torch's ``env://`` and Lightning take such a process as one rank of the job; reading it as a job
+    of one would let every node train alone. One process per node planned: it is that node's rank
+    (rank = node rank, world = nodes). Several planned (a node's GPUs), an elastic job, node ranks by
+    arrival (c10d) or a job that runs the script on one host (LSF): ClusterError naming the launcher.
+    """
+    env_name, src = spec.environment, spec.sources
+    if spec.rank is not None or spec.max_nodes == 1 or env_name in ("torchrun", "local", "hostfile"):
+        return spec
+    nodes, nproc, node_rank = spec.max_nodes, spec.nproc_per_node, spec.node_rank
+    seen = (f"nodes {nodes} ({src['max_nodes']}), processes per node {nproc} ({src['nproc_per_node']}), "
+            f"node rank {'by arrival' if node_rank is None else node_rank} "
+            f"({src['rdzv_backend'] if node_rank is None else src['node_rank']})")
+    hint = RANK_HINTS.get(env_name, "")
+    if env_name not in RANK_HINTS:  # LSF runs the job script on its first host only
+        raise ClusterError(
+            f"A multi-node {env_name} job, but nothing says this process is one of its ranks: it runs on one "
+            "host only, and the other ranks never start.", seen=seen,
+            hint=AGENT_HINTS.get(env_name, "Start `ddprun run train.py` once on every node."))
+    if nproc > 1:
+        raise ClusterError(
+            f"This process was started once on its node, but the {env_name} job plans {nproc} processes "
+            "per node: alone it would use one GPU and the job's world size would be wrong.",
+            seen=seen, hint=hint.format(n=nproc))
+    if node_rank is None or spec.elastic:
+        raise ClusterError(
+            f"This process was started once on its node of an elastic {env_name} job (or one whose node ranks "
+            "come by arrival): only a launcher can give it a rank.", seen=seen,
+            hint="Start it with `ddprun run train.py` on every node.")
+    why = f"one process on each of {nodes} nodes ({src['max_nodes']}): the node rank"
+    return dataclasses.replace(spec, rank=node_rank, local_rank=0, world_size=nodes, sources={
+        **src, "rank": f"{src['node_rank']} ({why})", "local_rank": "the node's only process",
+        "world_size": src["max_nodes"]})
 
 
 def _check_per_process(facts: Reading, env_name: str) -> None:

@@ -1,0 +1,86 @@
+"""``python train.py`` with ``ddprun.init()``, started once on every node by a job that names its nodes
+but no process ranks (srun with one task per node, a PyTorchJob pod, SageMaker, SkyPilot): that
+process is its node's rank, as torch's ``env://`` and Lightning take it; never a job of one that
+trains alone on every node. Where one process cannot be right, one error says which launcher to use."""
+
+import pytest
+
+from ddprun.cluster.base import NodeFacts
+from ddprun.cluster.detect import one_rank_per_node, resolve
+from ddprun.config import LaunchConfig
+from ddprun.errors import ClusterError
+
+CPU = NodeFacts(hostname="node2", cpus=8, cuda_devices=0)
+GPUS4 = NodeFacts(hostname="node2", cpus=8, cuda_devices=4)
+
+SLURM_STEP = {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[1-2]",
+              "SLURM_STEP_ID": "0", "SLURM_NODEID": "1", "SLURM_PROCID": "1", "SLURM_LOCALID": "0",
+              "SLURM_NTASKS": "2", "SLURM_TASKS_PER_NODE": "1(x2)"}
+K8S_OLD = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456",
+           "WORLD_SIZE": "3", "RANK": "2"}
+K8S_PET = {**K8S_OLD, "PET_NNODES": "3", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": "2"}
+SAGEMAKER = {"SM_HOSTS": '["algo-1","algo-2"]', "SM_CURRENT_HOST": "algo-2"}
+SKYPILOT = {"SKYPILOT_NODE_RANK": "1", "SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2", "SKYPILOT_NUM_NODES": "2"}
+LSF = {"LSB_JOBID": "42", "LSB_MCPU_HOSTS": "node1 4 node2 4"}
+
+
+def in_process(environ, node=CPU):
+    return one_rank_per_node(resolve(LaunchConfig(), environ, node))
+
+
+@pytest.mark.parametrize("environ, rank, world, source", [
+    (SLURM_STEP, 1, 2, "SLURM_NODEID=1"),
+    (K8S_OLD, 2, 3, "RANK=2"),
+    (K8S_PET, 2, 3, "PET_NODE_RANK=2"),
+    (SAGEMAKER, 1, 2, "algo-2"),
+    (SKYPILOT, 1, 2, "SKYPILOT_NODE_RANK=1"),
+], ids=["slurm-1-task-per-node", "pytorchjob-older", "pytorchjob-pet", "sagemaker", "skypilot"])
+def test_the_nodes_one_process_is_the_nodes_rank_of_a_world_of_nodes(environ, rank, world, source):
+    spec = in_process(environ)
+    assert (spec.rank, spec.local_rank, spec.world_size, spec.node_rank) == (rank, 0, world, rank)
+    assert source in spec.sources["rank"] and "one process on each of" in spec.sources["rank"]
+    assert spec.master_addr and spec.master_port > 0
+
+
+def test_ddprun_run_under_the_same_variables_still_starts_the_nodes_workers_itself():
+    spec = resolve(LaunchConfig(), SLURM_STEP, GPUS4, launcher=True)  # what the agent plans with
+    assert (spec.rank, spec.world_size, spec.nproc_per_node, spec.node_rank) == (None, None, 4, 1)
+
+
+def test_one_node_is_still_one_process_that_joins_nothing():
+    spec = in_process({**SAGEMAKER, "SM_HOSTS": '["algo-2"]'}, GPUS4)
+    assert spec.rank is None and spec.max_nodes == 1
+
+
+@pytest.mark.parametrize("environ, hint", [
+    ({**SLURM_STEP, "SLURM_GPUS_ON_NODE": "4"}, "srun --ntasks-per-node=4 python train.py"),
+    ({**K8S_PET, "PET_NPROC_PER_NODE": "4"}, "Make the pod's command `ddprun run train.py`"),
+    (SAGEMAKER, "torch_distributed"),
+], ids=["slurm-4-gpus-1-task", "pytorchjob-nproc-4", "sagemaker-4-gpus"])
+def test_one_process_on_a_node_planned_for_several_is_refused_with_the_launcher_to_use(environ, hint):
+    with pytest.raises(ClusterError) as e:
+        in_process(environ, GPUS4)
+    text = str(e.value)
+    assert "started once on its node" in text and "processes per node 4" in text and hint in text
+
+
+def test_an_elastic_pytorchjob_pod_running_python_is_told_to_use_ddprun_run():
+    with pytest.raises(ClusterError) as e:
+        in_process({**K8S_PET, "PET_NNODES": "2:3", "PET_RDZV_BACKEND": "c10d"})
+    assert "only a launcher can give it a rank" in str(e.value) and "by arrival" in str(e.value)
+    assert "ddprun run train.py" in str(e.value)
+
+
+def test_an_lsf_job_script_running_python_on_its_first_host_is_told_to_blaunch():
+    with pytest.raises(ClusterError) as e:
+        in_process(LSF, NodeFacts(hostname="node1", cpus=8, cuda_devices=0))
+    assert "the other ranks never start" in str(e.value) and "blaunch" in str(e.value)
+
+
+def test_rank_info_in_such_a_process_reports_the_job(monkeypatch):
+    from ddprun import runtime
+
+    monkeypatch.setattr(runtime, "_node_facts", lambda: CPU)
+    info = runtime.rank_info(K8S_OLD)
+    assert (info.rank, info.world_size, info.local_rank, info.local_world_size, info.node_rank,
+            info.is_main) == (2, 3, 0, 1, 2, False)
