@@ -146,3 +146,16 @@ def test_the_gpu_count_asks_torch_only_on_a_node_with_a_gpu_device_file(tmp_path
     import torch
 
     assert probe() == f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} True"
+
+
+@pytest.mark.parametrize("flags, environ, source", [
+    ({"rdzv_backend": "etcd-v2"}, {}, "--rdzv-backend"),
+    ({}, {"PET_NNODES": "2", "PET_NODE_RANK": "0", "PET_MASTER_ADDR": "m", "PET_RDZV_BACKEND": "etcd"},
+     "PET_RDZV_BACKEND=etcd"),
+], ids=["flag", "pytorchjob"])
+def test_etcd_rendezvous_is_refused_for_c10d_with_where_it_came_from(flags, environ, source):
+    with pytest.raises(ConfigError) as e:
+        resolve(LaunchConfig(nnodes="2", master_addr="m", **flags) if flags else LaunchConfig(), environ, NODE,
+                launcher=True)
+    assert "does not run on torch's etcd rendezvous" in str(e.value) and source in str(e.value)
+    assert "--rdzv-backend c10d" in str(e.value)

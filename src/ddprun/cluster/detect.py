@@ -29,7 +29,8 @@ from ddprun.config import LaunchConfig
 from ddprun.errors import ClusterError, ConfigError
 
 DEFAULT_MASTER_PORT = 29500
-RDZV_BACKENDS = ("c10d", "static", "etcd", "etcd-v2")
+RDZV_BACKENDS = ("c10d", "static")
+ETCD_BACKENDS = ("etcd", "etcd-v2")
 
 PRIORITY: tuple[type[ClusterEnvironment], ...] = (
     TorchrunEnvironment, SlurmEnvironment, MpiEnvironment, LsfEnvironment, SkyPilotEnvironment,
@@ -166,7 +167,7 @@ def _overlay_flags(reading: Reading, cfg: LaunchConfig, node: NodeFacts) -> Read
         out["master_addr"] = Fact(host, f"--rdzv-endpoint {cfg.rdzv_endpoint}")
         out["master_port"] = Fact(port, f"--rdzv-endpoint {cfg.rdzv_endpoint}")
     if cfg.rdzv_backend is not None:
-        if cfg.rdzv_backend not in RDZV_BACKENDS:
+        if cfg.rdzv_backend not in (*RDZV_BACKENDS, *ETCD_BACKENDS):  # etcd: its own error (_with_rendezvous)
             raise ConfigError(
                 "Unknown --rdzv-backend.", seen=f"--rdzv-backend={cfg.rdzv_backend!r}",
                 hint=f"Use one of {', '.join(RDZV_BACKENDS)} (c10d is the default).",
@@ -252,6 +253,12 @@ def _with_rendezvous(facts: Reading) -> tuple[Reading, list[str]]:
     if "rdzv_backend" not in facts:
         facts["rdzv_backend"] = Fact("c10d", "default (c10d: node ranks by arrival, no duplicates)")
     backend = facts["rdzv_backend"].value
+    if backend in ETCD_BACKENDS:  # its store is etcd's, where ddprun's job store would be
+        raise ConfigError(
+            "ddprun does not run on torch's etcd rendezvous: admission, failure records, the stall watchdog and "
+            "preemption live in the rendezvous' TCPStore, which etcd rendezvous does not have.",
+            seen=f"{backend!r} ({facts['rdzv_backend'].source})",
+            hint="Use --rdzv-backend c10d (the default, torch's recommended backend; no etcd server needed).")
     if backend not in RDZV_BACKENDS:
         raise ConfigError("Unknown rendezvous backend.", seen=f"{backend!r} ({facts['rdzv_backend'].source})",
                           hint=f"Use one of {', '.join(RDZV_BACKENDS)} (c10d is the default).")
