@@ -7,6 +7,7 @@ so a torchrun launch line works by replacing the word ``torchrun``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -56,7 +57,8 @@ def add_topology_flags(p: argparse.ArgumentParser) -> None:
 
 def add_worker_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workers")
-    _flag(g, "--max-restarts", type=int, default=0, help="restarts of the worker group before failing (default 0)")
+    _flag(g, "--max-restarts", type=int, default=None,
+          help="restarts of the worker group before failing (default 0; a PyTorchJob's PET_MAX_RESTARTS)")
     _flag(g, "--monitor-interval", type=float, default=0.1, help="seconds between checks of the workers")
     _flag(g, "--start-method", default="spawn", choices=["spawn", "fork", "forkserver"])
     _flag(g, "--log-dir", help="root of run directories (default runs/); the run goes to LOG_DIR/<run id>")
@@ -226,6 +228,19 @@ def check_keep_alive(conf: dict[str, str], raw: str) -> None:
                  f"{defaults.TORCH_KEEP_ALIVE_INTERVAL_S} x {defaults.TORCH_KEEP_ALIVE_MAX_ATTEMPT}).")
 
 
+def join_timeout(flag: float, rdzv_conf: dict[str, str]) -> float:
+    """How long the nodes wait for each other (s): ``--rdzv-conf join_timeout=N`` is the same setting
+    as ``--join-timeout N``, so it also bounds ddprun's own waits and lines; both, differing: an error."""
+    if "join_timeout" not in rdzv_conf:
+        return flag
+    conf = float(rdzv_conf["join_timeout"])  # a whole number > 0 (parse_rdzv_conf)
+    if flag not in (DEFAULT_JOIN_TIMEOUT_S, conf):
+        raise ConfigError("--join-timeout and --rdzv-conf join_timeout disagree.",
+                          seen=f"--join-timeout {flag:g}, --rdzv-conf join_timeout={rdzv_conf['join_timeout']}",
+                          hint="Give one of them (they are the same setting).")
+    return conf
+
+
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     """Pure: parsed flags -> LaunchConfig."""
     entry = None
@@ -239,12 +254,13 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     check_rdzv_id(args)
     stall = getattr(args, "stall_timeout", DEFAULT_STALL_TIMEOUT_S)
     margin, windows = getattr(args, "straggler_margin", 0.2), getattr(args, "straggler_windows", 3)
+    rdzv_conf = parse_rdzv_conf(args.rdzv_conf)
     return LaunchConfig(
         entry=entry, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
         master_addr=args.master_addr, master_port=args.master_port, rdzv_backend=args.rdzv_backend,
-        rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, rdzv_conf=parse_rdzv_conf(args.rdzv_conf),
-        standalone=args.standalone, local_addr=args.local_addr, join_timeout=args.join_timeout,
-        max_restarts=getattr(args, "max_restarts", 0), monitor_interval=getattr(args, "monitor_interval", 0.1),
+        rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, rdzv_conf=rdzv_conf,
+        standalone=args.standalone, local_addr=args.local_addr, join_timeout=join_timeout(args.join_timeout, rdzv_conf),
+        max_restarts=getattr(args, "max_restarts", None), monitor_interval=getattr(args, "monitor_interval", 0.1),
         start_method=getattr(args, "start_method", "spawn"), log_dir=getattr(args, "log_dir", None),
         run_dir=getattr(args, "run_dir", None), redirects=getattr(args, "redirects", "0"),
         tee=getattr(args, "tee", "0"), hostfile=args.hostfile, stall_timeout=stall, doctor=doctor,
@@ -279,7 +295,7 @@ def check_numbers(args: argparse.Namespace) -> None:
                                    ("--telemetry-window", False, "2"), ("--stop-grace", True, "30"),
                                    ("--preempt-grace", False, "120")):
         _seconds(flag, getattr(args, flag[2:].replace("-", "_"), None), zero_ok=zero_ok, example=example)
-    if getattr(args, "max_restarts", 0) < 0:
+    if (getattr(args, "max_restarts", None) or 0) < 0:
         raise ConfigError("--max-restarts takes a number of restarts >= 0.", seen=f"--max-restarts {args.max_restarts}",
                           hint="0 (default): a failure ends the job; N: the worker group is restarted up to N times.")
     margin, windows = getattr(args, "straggler_margin", 0.2), getattr(args, "straggler_windows", 3)
@@ -395,6 +411,14 @@ def cmd_run(cfg: LaunchConfig, environ: Mapping[str, str]) -> int:
             standby.close()
 
 
+def with_cluster_restarts(cfg: LaunchConfig, spec) -> LaunchConfig:
+    """``cfg`` with its restarts decided: --max-restarts, else the cluster's (PET_MAX_RESTARTS, read
+    by cluster/kubernetes.py as torchrun reads it), else 0."""
+    if cfg.max_restarts is not None:
+        return cfg
+    return dataclasses.replace(cfg, max_restarts=int(spec.extra.get("max_restarts", 0)))
+
+
 def _launch(cfg: LaunchConfig, environ: Mapping[str, str], standby) -> int:
     from ddprun.agent.run import launch
     from ddprun.cluster.detect import resolve
@@ -402,6 +426,7 @@ def _launch(cfg: LaunchConfig, environ: Mapping[str, str], standby) -> int:
     node = probe_node(environ)
     spec = resolve(cfg, environ, node, launcher=True)
     check_endpoint(spec)
+    cfg = with_cluster_restarts(cfg, spec)
     for note in spec.notes:
         print(f"ddprun: note: {note}", file=sys.stderr)
     return launch(cfg, spec, environ, node.hostname, standby=standby).exit_code

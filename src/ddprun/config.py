@@ -45,13 +45,15 @@ class LaunchConfig:
     master_addr: str | None = None
     master_port: int | None = None
     rdzv_backend: str | None = None
-    """``c10d`` (ddprun's default) or ``static``; ``etcd``/``etcd-v2`` pass through to torch."""
+    """``c10d`` (ddprun's default) or ``static`` (etcd rendezvous is refused: cluster/detect.py)."""
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
     rdzv_conf: dict[str, str] = field(default_factory=dict)
     standalone: bool = False
     local_addr: str | None = None
-    max_restarts: int = 0
+    max_restarts: int | None = None
+    """Restarts of the worker group before failing; None: the cluster's (a PyTorchJob's
+    PET_MAX_RESTARTS, as torchrun reads it), else 0. ``ddprun run`` resolves it before launching."""
     monitor_interval: float = defaults.AGENT_MONITOR_INTERVAL_S
     """Seconds between the agent's checks of its workers."""
     join_timeout: float = DEFAULT_JOIN_TIMEOUT_S

@@ -45,6 +45,20 @@ def test_nonpositive_join_timeout_is_refused():
         cfg("--join-timeout", "0", "t.py")
 
 
+def test_rdzv_conf_join_timeout_is_the_join_timeout_ddprun_waits_and_prints_too():
+    c = cfg("--rdzv-conf", "join_timeout=300,read_timeout=60", "t.py")
+    assert c.join_timeout == 300 and c.rdzv_conf["join_timeout"] == "300"
+    assert cfg("--join-timeout", "300", "--rdzv-conf", "join_timeout=300", "t.py").join_timeout == 300
+    assert cfg("--join-timeout", "45", "t.py").join_timeout == 45
+
+
+def test_join_timeout_and_rdzv_conf_join_timeout_that_disagree_are_one_error(capsys):
+    assert main(["run", "--join-timeout", "60", "--rdzv-conf", "join_timeout=300", "t.py"]) == 2
+    err = capsys.readouterr().err
+    assert "--join-timeout and --rdzv-conf join_timeout disagree" in err
+    assert "--join-timeout 60, --rdzv-conf join_timeout=300" in err and "HINT" in err and "Traceback" not in err
+
+
 def test_run_inside_a_worker_is_an_error_with_hint(monkeypatch, capsys):
     for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "x", "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(k, v)
@@ -75,7 +89,7 @@ def test_the_defaults_are_the_ones_the_readme_tables():
     c = cfg("t.py")
     assert (c.join_timeout, c.stall_timeout, c.stall_end, c.exit_timeout, c.stop_grace) == (120, 300, None, 60, 30)
     assert (c.preempt_signals, c.preempt_grace, c.spot_notice, c.requeue) == ("TERM,INT,USR1,USR2,HUP", None, "off", False)
-    assert (c.telemetry_window, c.monitor_interval, c.max_restarts, c.start_method) == (2, 0.1, 0, "spawn")
+    assert (c.telemetry_window, c.monitor_interval, c.max_restarts, c.start_method) == (2, 0.1, None, "spawn")
     assert (c.warm_start, c.allow_uneven_nodes, c.rdzv_conf, c.log_dir, c.run_dir) == ("auto", False, {}, None, None)
     assert (c.straggler_margin, c.straggler_windows) == (0.2, 3)  # README, "Stragglers": 20%, 3 windows
 

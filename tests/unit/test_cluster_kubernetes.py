@@ -83,3 +83,25 @@ def test_bad_pet_nnodes_is_an_error_naming_it():
 def test_bad_rdzv_endpoint_is_an_error():
     with pytest.raises(ClusterError, match="PET_RDZV_ENDPOINT"):
         KubernetesEnvironment().read({"PET_NNODES": "2", "PET_RDZV_ENDPOINT": "host:port"}, NODE)
+
+
+def test_an_elastic_jobs_max_restarts_are_the_launchs_unless_the_flag_says_otherwise():
+    from ddprun.cli import build_parser, config_from_args, with_cluster_restarts
+
+    env = {"PET_NNODES": "1:3", "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": "job-worker-0:29400",
+           "PET_MAX_RESTARTS": "3"}
+    spec = resolve(LaunchConfig(), env, NODE, launcher=True)
+    assert (spec.extra["max_restarts"], spec.sources["max_restarts"]) == (3, "PET_MAX_RESTARTS=3")
+
+    def restarts(*flags):
+        return with_cluster_restarts(config_from_args(build_parser().parse_args(["run", *flags, "t.py"])), spec)
+    assert restarts().max_restarts == 3
+    assert restarts("--max-restarts", "0").max_restarts == 0 and restarts("--max-restarts", "5").max_restarts == 5
+    no_pet = resolve(LaunchConfig(), {k: v for k, v in env.items() if k != "PET_MAX_RESTARTS"}, NODE, launcher=True)
+    assert with_cluster_restarts(LaunchConfig(), no_pet).max_restarts == 0
+
+
+def test_a_max_restarts_that_is_no_count_is_named():
+    with pytest.raises(ClusterError, match="PET_MAX_RESTARTS"):
+        resolve(LaunchConfig(), {"PET_NNODES": "2", "PET_NODE_RANK": "0", "PET_MASTER_ADDR": "m",
+                                 "PET_MAX_RESTARTS": "lots"}, NODE, launcher=True)

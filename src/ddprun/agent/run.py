@@ -481,7 +481,7 @@ class _AgentRun:
         return TorchLaunchConfig(
             min_nodes=spec.min_nodes, max_nodes=spec.max_nodes, nproc_per_node=spec.nproc_per_node,
             logs_specs=self.logs_specs, run_id=run.rdzv_id, role="trainer", rdzv_endpoint=f"{run.dial}:{run.port}",
-            rdzv_backend=spec.rdzv_backend, rdzv_configs=rdzv, max_restarts=cfg.max_restarts,
+            rdzv_backend=spec.rdzv_backend, rdzv_configs=rdzv, max_restarts=cfg.max_restarts or 0,
             monitor_interval=cfg.monitor_interval, start_method=cfg.start_method, local_addr=cfg.local_addr)
 
     def run(self, err: TextIO) -> Outcome:

@@ -2,8 +2,9 @@
 
 The training operator states the topology in torchrun's ``PET_*`` mirrors of its flags
 (PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT, and for elastic
-jobs PET_RDZV_ENDPOINT, PET_RDZV_BACKEND, PET_RDZV_ID), plus MASTER_ADDR, MASTER_PORT, RANK and
-WORLD_SIZE. Every value is per node: the pod runs one launcher, which starts the processes.
+jobs PET_RDZV_ENDPOINT, PET_RDZV_BACKEND, PET_RDZV_ID, PET_MAX_RESTARTS), plus MASTER_ADDR,
+MASTER_PORT, RANK and WORLD_SIZE. PET_MAX_RESTARTS is the restarts when --max-restarts is not
+given. Every value is per node: the pod runs one launcher, which starts the processes.
 
 * With PET_NNODES (current operator): nodes = PET_NNODES (``N`` or ``MIN:MAX``), node rank =
   PET_NODE_RANK (else RANK), processes = PET_NPROC_PER_NODE. WORLD_SIZE is not read: the operator sets
@@ -100,4 +101,7 @@ class KubernetesEnvironment(ClusterEnvironment):
             reading["rdzv_backend"] = Fact("static", f"node rank known from {reading['node_rank'].source}")
         if "PET_RDZV_ID" in environ:
             reading["run_id"] = Fact(environ["PET_RDZV_ID"], f"PET_RDZV_ID={environ['PET_RDZV_ID']}")
+        if "PET_MAX_RESTARTS" in environ:  # the job's elasticPolicy.maxRestarts; --max-restarts wins
+            n = env_int(environ, "PET_MAX_RESTARTS")
+            reading["max_restarts"] = Fact(n, f"PET_MAX_RESTARTS={n}")
         return reading
