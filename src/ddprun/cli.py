@@ -374,7 +374,8 @@ def cmd_plan(cfg: LaunchConfig, args: argparse.Namespace, environ: Mapping[str, 
     print(render_plan(plan, title), end="")
     reason = unresolved_reason(spec)
     print(f"rendezvous: unresolved ({reason})" if reason else
-          f"rendezvous: {spec.rdzv_endpoint} ({spec.rdzv_backend}), run id {spec.run_id or '(generated at launch)'}")
+          f"rendezvous: {spec.rdzv_endpoint if spec.master_port else f'{spec.master_addr}, a free port'} "
+          f"({spec.rdzv_backend}), run id {spec.run_id or '(generated at launch)'}")
     if spec.node_rank is None and spec.max_nodes > 1:
         print("Node ranks follow rendezvous arrival order (c10d); the run prints the table it got.")
     if args.explain:
@@ -433,11 +434,15 @@ def _launch(cfg: LaunchConfig, environ: Mapping[str, str], standby) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from ddprun.report import write_report
+    from ddprun.report import RUN_FILES, write_report
 
     for d in filter(None, (args.run_dir, args.compare)):
-        if not os.path.isdir(d):
-            raise ConfigError("Not a run directory.", seen=d, hint="Give runs/<run id> (it holds plan.json, metrics.csv).")
+        why = ("no such directory" if not os.path.exists(d) else "not a directory" if not os.path.isdir(d) else
+               None if any(os.path.exists(os.path.join(d, f)) for f in RUN_FILES) else
+               f"it holds none of {', '.join(RUN_FILES)}")
+        if why:
+            raise ConfigError("Not a run directory.", seen=f"{d} ({why})",
+                              hint="Give runs/<run id> (it holds plan.json, metrics.csv).")
     print(write_report(args.run_dir, compare=args.compare, out=args.output))
     return 0
 

@@ -30,6 +30,8 @@ from ddprun.protocol.atomic import write_text_atomic
 REPORT = "report.html"
 TIMINGS = "timings.csv"
 EVENTS = "events.jsonl"
+RUN_FILES = ("plan.json", "metrics.csv", TIMINGS, EVENTS)
+"""What a report is made of: a directory with none of them is not a run directory."""
 TIMING_COLUMNS = ("t", "rank", "window", "n", "step", "data", "compute", "allreduce", "optim")
 
 

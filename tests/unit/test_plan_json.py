@@ -138,3 +138,14 @@ def test_values_come_in_the_order_environment_flags_defaults_and_a_flag_keeps_it
     assert values["master_port"] == {"value": 29999, "source": "--master-port 29999"}
     assert values["nproc_per_node"]["source"] == "--nproc-per-node 2"  # a flag only: after SLURM's values
     assert values["device"]["source"] == "4 CUDA devices visible"  # from this node's facts: last
+
+
+def test_the_text_plan_of_one_node_says_a_free_port_where_the_json_has_none(capsys):
+    import json
+
+    from ddprun.cli import main
+
+    assert main(["plan", "--standalone"]) == 0
+    assert "rendezvous: 127.0.0.1, a free port (c10d)" in capsys.readouterr().out
+    assert main(["plan", "--standalone", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rendezvous"]["port"] is None

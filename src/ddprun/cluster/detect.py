@@ -112,8 +112,9 @@ def parse_nproc(raw: str, node: NodeFacts) -> tuple[int, str]:
     return n, f"--nproc-per-node {n}"
 
 
-def parse_endpoint(raw: str, default_port: int | None) -> tuple[str, int | None]:
-    """``host:port``, ``[v6addr]:port`` or ``host`` (then ``default_port``)."""
+def parse_endpoint(raw: str, default_port: int | None, what: str = "--rdzv-endpoint") -> tuple[str, int | None]:
+    """``host:port``, ``[v6addr]:port`` or ``host`` (then ``default_port``); ``what``: where ``raw``
+    came from, for the message."""
     raw = raw.strip()
     if raw.startswith("["):
         host, _, rest = raw[1:].partition("]")
@@ -123,14 +124,16 @@ def parse_endpoint(raw: str, default_port: int | None) -> tuple[str, int | None]
     else:
         host, port_s = raw, ""
     if not host:
-        raise ConfigError("The rendezvous endpoint has no host.", seen=f"{raw!r}", hint="Use HOST:PORT, e.g. node1:29500.")
+        raise ConfigError("The rendezvous endpoint has no host.", seen=f"{what} {raw!r}",
+                          hint="Use HOST:PORT, e.g. node1:29500.")
     if not port_s:
         return host, default_port
     try:
         port = int(port_s)
     except ValueError:
-        raise ConfigError("The rendezvous endpoint's port is not a number.", seen=f"{raw!r}", hint="Use HOST:PORT.") from None
-    return host, check_port(port, raw)
+        raise ConfigError("The rendezvous endpoint's port is not a number.", seen=f"{what} {raw!r}",
+                          hint="Use HOST:PORT, e.g. node1:29500.") from None
+    return host, check_port(port, f"{what} {raw}")
 
 
 def check_port(port: int, seen: str) -> int:
@@ -284,7 +287,9 @@ def _with_rendezvous(facts: Reading) -> tuple[Reading, list[str]]:
         facts["node_rank"] = Fact(0, "default: single node")
     if backend == "static" and facts["min_nodes"].value != facts["max_nodes"].value:
         raise ConfigError(
-            "Static rendezvous cannot be elastic.", seen=f"nnodes {facts['min_nodes'].value}:{facts['max_nodes'].value}",
+            "Static rendezvous cannot be elastic.",
+            seen=f"nnodes {facts['min_nodes'].value}:{facts['max_nodes'].value} ({facts['max_nodes'].source}), "
+                 f"backend static ({facts['rdzv_backend'].source})",
             hint="Use --rdzv-backend c10d for --nnodes MIN:MAX.",
         )
     return facts, notes
