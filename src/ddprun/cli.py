@@ -95,10 +95,10 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
           help=f"seconds per step-timing window: each rank publishes its medians once per window "
                f"(default {TELEMETRY_WINDOW_S:g})")
     _flag(g, "--straggler-margin", type=float, default=0.2,
-          help="name a rank whose data wait / compute / step exceeds the other ranks' median by this fraction "
-               "(default 0.2 = 20%%)")
+          help="name a rank whose data wait / compute / optimizer / step exceeds the other ranks' median by "
+               "this fraction and by 5 ms (default 0.2 = 20%%)")
     _flag(g, "--straggler-windows", type=int, default=3,
-          help="... for this many consecutive 2-second windows (default 3)")
+          help="... for this many consecutive --telemetry-window windows (default 3)")
     g.add_argument("-r", "--redirects", default="0",
                    help="accepted for torchrun compatibility: ddprun always writes logs/rank-N.log")
     g.add_argument("-t", "--tee", default="0",

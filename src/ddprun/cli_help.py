@@ -44,6 +44,9 @@ examples:
   # SageMaker: make the entry point run this once per host (SM_HOSTS, SM_CURRENT_HOST, SM_NUM_GPUS are read)
   ddprun run train.py
 
+  # LSF: the job script runs on the first host only; blaunch starts one `ddprun run` on every host
+  blaunch -z "$(echo $LSB_MCPU_HOSTS | awk '{for (i = 1; i <= NF; i += 2) print $i}')" ddprun run train.py
+
   # one machine, every GPU
   ddprun run --standalone train.py
 

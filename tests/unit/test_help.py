@@ -77,3 +77,13 @@ def test_every_example_parses(name, argv):
 def test_the_dry_run_plan_example_runs(capsys):
     assert main(["plan", "--nnodes", "5", "--nproc-per-node", "4"]) == 0
     assert "rendezvous: unresolved" in capsys.readouterr().out
+
+
+def test_the_help_that_lsf_errors_point_to_shows_blaunch_starting_one_ddprun_per_host():
+    import inspect
+
+    import ddprun.cluster.lsf as lsf
+
+    assert "see `ddprun run --help`" in inspect.getsource(lsf)
+    line = next(line for line in EPILOGS["run"].splitlines() if line.lstrip().startswith("blaunch"))
+    assert "$LSB_MCPU_HOSTS" in line and line.rstrip().endswith("ddprun run train.py")

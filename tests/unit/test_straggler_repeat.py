@@ -1,0 +1,37 @@
+"""How often a straggler is named: once when it crosses, again only after repeat_after_s; never for tiny gaps."""
+
+import pytest
+
+from ddprun.worker.stragglers import StragglerDetector
+
+HOSTS = {0: "a", 1: "a", 2: "b", 3: "b"}
+
+
+def window(slow_data: float, data: float = 0.001) -> dict:
+    """Four ranks with equal steps and compute; rank 3 waits ``slow_data`` for its batches, the others ``data``."""
+    return {r: {"step": 0.05, "compute": 0.02, "data": slow_data if r == 3 else data} for r in range(4)}
+
+
+def test_a_rank_that_stays_slow_is_named_once_then_again_only_after_repeat_after_s():
+    det = StragglerDetector()  # the margin, windows and repeat StragglerWatch gets by default
+    assert det.repeat_after_s == 300.0
+    slow = window(0.040)
+    for t in range(det.k - 1):
+        assert det.update(slow, HOSTS, now=t) == []
+    first = det.k - 1
+    (event,) = det.update(slow, HOSTS, now=first)
+    assert (event.rank, event.host, event.what, event.window) == (3, "b", "data", det.k)
+    for t in (first + 1, first + 2, first + 100, first + det.repeat_after_s - 0.001):
+        assert det.update(slow, HOSTS, now=t) == []  # still slow, already said
+    (again,) = det.update(slow, HOSTS, now=first + det.repeat_after_s)
+    assert (again.rank, again.what) == (3, "data") and again.window > det.k
+    assert det.update(slow, HOSTS, now=first + det.repeat_after_s + 1) == []
+
+
+def test_a_gap_under_min_abs_s_is_never_named_however_large_the_ratio():
+    det = StragglerDetector(k=1)
+    tiny, big = 0.8 * det.min_abs_s, 1.6 * det.min_abs_s  # both 40x the others' data wait
+    for w in range(5):  # windows far enough apart that the repeat limit never holds a name back
+        assert det.update(window(tiny, data=tiny / 40), HOSTS, now=w * 2 * det.repeat_after_s) == []
+    (event,) = StragglerDetector(k=1).update(window(big, data=big / 40), HOSTS, now=0)
+    assert (event.rank, event.what) == (3, "data") and event.value_s / event.median_s == pytest.approx(40)
