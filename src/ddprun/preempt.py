@@ -54,11 +54,20 @@ class PreemptState:
     saved: tuple[int, int, str, float, str] | None = None
     """(steps, fit's step, checkpoint path, seconds, by) once this process stopped at the agreed step
     (protocol/preempt.py Saved)."""
+    publish: Callable[[tuple[int, int, str, float, str]], Any] | None = None
+    """Rank 0's way to tell the agents where it saved (set by worker/bootstrap.py; None elsewhere)."""
     _previous: dict[int, Any] = field(default_factory=dict)
 
     def due(self, steps: int) -> bool:
         """Whether a process that completed ``steps`` optimizer steps must stop now."""
         return self.stop_step is not None and steps >= self.stop_step
+
+    def checkpoint_written(self, saved: tuple[int, int, str, float, str]) -> None:
+        """The stop step's checkpoint is on disk: said at once, before the on_checkpoint hooks, so that
+        when one of them outlasts the grace the agents still say the next start resumes from it."""
+        self.saved = saved
+        if self.publish is not None:
+            self.publish(saved)  # bounded and quiet (bootstrap._publish_saved)
 
 
 PREEMPT = PreemptState()

@@ -339,11 +339,17 @@ def test_a_preemption_stop_the_grace_forced_is_requeued_too_and_the_next_start_f
         assert (record["kind"], record["signal"], record["by"]) == ("signal", "SIGUSR1", "agent"), record
         assert record["summary"].startswith("its preemption grace of 3 s (--preempt-grace) ended"), record
     # the second start trains to the end: from the stop step's checkpoint when it was written before
-    # the hook hung, else from the start (when the agreed step lies beyond the grace: timing)
+    # the hook hung, else from the start (when the agreed step lies beyond the grace: timing); each
+    # node's forced-stop line said which
     assert "step 60/60" in again and again.count("finished on this node") == 2, slurm.describe(job)
+    resumed = re.search(r"ddprun: resuming from .*?: step (\d+),", again)
+    said = (f"(rank 0 had saved the checkpoint at step {resumed[1]} (" if resumed else
+            "(the last checkpoint is the one before)")
+    assert first.count(said) == 2, slurm.describe(job)
     for rank in (0, 1):
         assert json.loads((out / f"facts-{rank}.json").read_text())["steps"] == 60
     assert "Traceback" not in job.output, slurm.describe(job)
     show = scontrol(slurm, "show", "job", job_id)
     assert "Restarts=1" in show and "JobState=COMPLETED" in show, show
-    print(f"forced stop -> requeued and finished {time.monotonic() - signalled:.1f} s after the signal")
+    print(f"forced stop -> requeued and finished {time.monotonic() - signalled:.1f} s after the signal, resumed "
+          f"from {f'step {resumed[1]}' if resumed else 'the start'}")

@@ -204,10 +204,13 @@ def test_requeue_says_its_line_and_the_agent_ends_its_own_way_though_slurms_sigt
 
 
 class _Failures:
-    """The part of AgentFailures that Preemption reads: the job's request and stop step."""
+    """The part of AgentFailures that Preemption reads: the job's request, stop step and rank 0's Saved."""
 
-    def __init__(self, node_rank, request=None, stop=None):
-        self.node_rank, self.preempt_request, self.preempt_stop = node_rank, request, stop
+    def __init__(self, node_rank, request=None, stop=None, saved=None):
+        self.node_rank, self.preempt_request, self.preempt_stop, self.saved = node_rank, request, stop, saved
+
+    def read_preempt_saved(self, wait_s=0.0):
+        return self.saved
 
 
 def _agent_preemption(failures, grace_s=3.0):
@@ -249,6 +252,38 @@ def test_a_peer_stopped_by_its_grace_is_this_nodes_forced_stop_and_any_other_fai
     assert pre.forced_line(peer).startswith("ddprun: the preemption grace of 3 s (--preempt-grace) ended before")
     assert pre.forced_why() == ("its preemption grace of 3 s (--preempt-grace) ended before its ranks stopped at "
                                 "the agreed step, and it stopped its workers")
+
+
+@pytest.mark.parametrize("saved, said", [
+    (None, "(the last checkpoint is the one before)"),
+    (pp.Saved(-1, -1, "", 0.0), "(the last checkpoint is the one before)"),
+    (pp.Saved(35, 135, "", 0.2, "on_preempt"), "(the last checkpoint is the one before)"),
+    (pp.Saved(35, 135, "/ck/step-135.pt", 0.4),
+     "(rank 0 had saved the checkpoint at step 135 (/ck/step-135.pt) before: the same command resumes from there)"),
+], ids=["nothing-said", "ended-by-itself", "on-preempt-callbacks", "checkpoint-written"])
+def test_a_forced_stop_names_the_stop_steps_checkpoint_when_rank_0_had_written_it(saved, said):
+    """An on_checkpoint hook that outlasts the grace: the checkpoint it follows is on disk, and the
+    next start resumes from it (rank 0 publishes it before the hooks: PREEMPT.checkpoint_written)."""
+    import time
+
+    from ddprun.protocol import failure as fr
+
+    pre = _agent_preemption(_Failures(0, pp.Request("SIGTERM", "rank 1", 1, "b", time.time()), stop=35, saved=saved))
+    pre.check()
+    peer = fr.FailureRecord(fr.SIGNAL, -1, "its preemption grace ended", 1, "b", signal="SIGTERM", by="agent")
+    assert pre.forced_line(peer).endswith(f"stopped before the agreed step {said}.")
+    pre._since -= 3.0
+    assert f"workers stopped {said}. HINT: a longer --preempt-grace" in pre.forced_line()
+
+
+def test_the_stop_steps_checkpoint_is_published_before_the_hooks_that_follow_it(monkeypatch):
+    from ddprun.preempt import PREEMPT
+
+    said = []
+    monkeypatch.setattr(PREEMPT, "publish", said.append)
+    monkeypatch.setattr(PREEMPT, "saved", None)
+    PREEMPT.checkpoint_written((35, 135, "/ck/step-135.pt", 0.4, "fit"))
+    assert said == [(35, 135, "/ck/step-135.pt", 0.4, "fit")] and PREEMPT.saved == said[0]
 
 
 def test_each_way_a_preempted_job_ends_gets_its_line_and_exit_code():

@@ -189,3 +189,24 @@ def test_bad_model_and_data_are_config_errors(tmp_path):
         fit(tmp_path, data=[(torch.zeros(8), torch.zeros(1))])
     with pytest.raises(ConfigError, match="pair"):
         fit(tmp_path, data=TensorDataset(torch.zeros(4, 8)), max_steps=1)
+
+
+def test_at_the_stop_step_the_checkpoint_is_published_before_on_checkpoint_runs(tmp_path, monkeypatch):
+    """A preemption's stop step in fit: rank 0 says the checkpoint is written before the on_checkpoint
+    hooks run, so a hook that outlasts the grace cannot hide it from the agents (agent/preemption.py)."""
+    from ddprun import preempt
+    from ddprun.telemetry import PROGRESS
+    from ddprun.train import loop
+    from ddprun.worker import progress
+
+    progress.install()  # counts optimizer steps (PROGRESS.steps), as in a ddprun run worker
+    published, seen_by_hook = [], []
+    state = preempt.PreemptState(stop_step=PROGRESS.steps + 3, signame="SIGTERM", requested=True,
+                                 publish=published.append)
+    monkeypatch.setattr(loop, "PREEMPT", state)
+    with pytest.raises(preempt.Preempted) as e:
+        fit(tmp_path, batch_size=8, epochs=5, on_checkpoint=lambda saved: seen_by_hook.append(list(published)))
+    assert e.value.step == 3 and e.value.saved.endswith(".pt")
+    (steps, fit_step, path, seconds, by), = published
+    assert (steps, fit_step, path, by) == (state.stop_step, 3, e.value.saved, "fit") and seconds >= 0
+    assert seen_by_hook == [published]  # already said when the hook ran

@@ -117,7 +117,8 @@ class Saved:
     counting resumed ones), the checkpoint ``path`` written in ``seconds`` ("" when nothing saved).
     ``step`` -1: the script ended by itself (rank 0 publishes that at every clean end of its script,
     since it may not have heard of a request made in its last steps; agents read it only after one):
-    nothing to resume."""
+    nothing to resume. A checkpoint written at the stop step is published at once, before the
+    on_checkpoint hooks run, and again when rank 0 ends (then ``seconds`` include the hooks)."""
 
     step: int
     fit_step: int

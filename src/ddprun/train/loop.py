@@ -699,6 +699,8 @@ class _Loop:
             self._flush_window()
         path, _ = self._checkpoint_here()
         seconds = time.monotonic() - t0
+        if path:
+            PREEMPT.checkpoint_written((PROGRESS.steps, self.step, path, seconds, "fit"))
         self._on_checkpoint(CheckpointSaved(path, self.step, self.epoch, False,
                                             dict(self.history[-1] if self.history else {})))
         PREEMPT.saved = (PROGRESS.steps, self.step, path or "", seconds, "fit")

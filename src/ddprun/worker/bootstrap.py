@@ -190,6 +190,12 @@ def _stopped_for_preemption(e: Preempted, channel: JobChannel | None) -> None:
         _publish_saved(channel, steps, fit_step, path, seconds, by)
 
 
+def _publish_saved_early(channel: JobChannel | None) -> None:
+    """Rank 0 tells the agents of the stop step's checkpoint as soon as it is written (PREEMPT.publish)."""
+    if channel is not None and channel.rank == 0:
+        PREEMPT.publish = lambda saved: _publish_saved(channel, *saved)
+
+
 def _publish_saved(channel: JobChannel, steps: int, fit_step: int, path: str, seconds: float, by: str = "fit") -> None:
     from ddprun.protocol.preempt import Saved
 
@@ -213,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     wenv = _worker_env()
     channel = _open_channel(argv, wenv)
     monitor = Monitor(channel).start(_preemption_signals(wenv)) if channel is not None else None
+    _publish_saved_early(channel)
     # Each attempt's process group in its own part of the agent's store, which outlives attempts:
     # without it a restarted group reads the dead group's gloo/NCCL keys (agent/attempt.py).
     namespace_process_groups(os.environ)
