@@ -212,14 +212,19 @@ def kill_tree(p: subprocess.Popen) -> None:
             pass
 
 
+def parent_of(pid: int) -> int:
+    """``pid``'s parent (/proc; Linux). OSError when it is gone; the name may hold ')' or spaces."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below ``pid`` now (/proc; Linux), children first."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                ppid = parent_of(int(entry))
             except (OSError, IndexError, ValueError):  # gone meanwhile
                 continue
             children.setdefault(ppid, []).append(int(entry))

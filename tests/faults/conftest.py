@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import DDPRUN, free_port, job_env
+from tests.helpers import DDPRUN, free_port, job_env, parent_of
 
 JOB = str(Path(__file__).parent / "scripts" / "job.py")
 
@@ -32,10 +32,6 @@ def processes_in(directory: Path) -> list[int]:
         if state != "Z" and (cwd == root or cwd.startswith(root + "/")):
             out.append(int(entry))
     return out
-
-
-def parent_of(pid: int) -> int:
-    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
 
 
 @dataclass

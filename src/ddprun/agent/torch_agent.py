@@ -213,8 +213,7 @@ class DdprunAgent(LocalElasticAgent):
             if self._hooks.preempting():  # the job stops at one step: a waiting node joins the next launch
                 return 0
             n = int(waiting())
-            dropped = n == 0 and not self._dropped and not self._hooks.preempting() and \
-                round_moved_on(handler, self._joined_round)
+            dropped = n == 0 and not self._dropped and round_moved_on(handler, self._joined_round)
             # a restart is looked at after the answer (the agent may have been stopped while it waited):
             # torch's next poll sees the group FAILED or SUCCEEDED, which comes first
             if (n or dropped) and self._workers_ended():
