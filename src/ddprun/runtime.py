@@ -108,12 +108,16 @@ def _device(local_rank: int | None, use_cuda: bool) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def _from_environ(environ: Mapping[str, str]):
-    """(ClusterSpec, RankInfo-without-process-group) from the environment; pure apart from probing."""
+def _from_environ(environ: Mapping[str, str], per_node: bool = True):
+    """(ClusterSpec, RankInfo-without-process-group) from the environment; pure apart from probing.
+    ``per_node``: a process a multi-node job started once per node is that node's rank
+    (detect.one_rank_per_node); False when a process group exists already, whose ranks are the truth."""
     from ddprun.cluster.detect import one_rank_per_node, resolve
     from ddprun.config import LaunchConfig
 
-    spec = one_rank_per_node(resolve(LaunchConfig(), environ, _node_facts()))
+    spec = resolve(LaunchConfig(), environ, _node_facts())
+    if per_node:
+        spec = one_rank_per_node(spec)
     use_cuda = _use_cuda(environ)
     if spec.rank is None or spec.world_size is None:
         return spec, RankInfo(rank=0, local_rank=0, node_rank=0, world_size=1, local_world_size=1,
@@ -156,7 +160,7 @@ def _info_from_group(environ: Mapping[str, str]) -> RankInfo:
     """RankInfo for a process group somebody else created (Lightning, the user's own init)."""
     import torch.distributed as dist
 
-    spec, env_info = _from_environ(environ)
+    spec, env_info = _from_environ(environ, per_node=False)  # e.g. mp.spawn'ed ranks under srun 1 task/node
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = spec.local_rank if spec.rank is not None else None
     device = _device(local_rank, _use_cuda(environ))

@@ -84,3 +84,32 @@ def test_rank_info_in_such_a_process_reports_the_job(monkeypatch):
     info = runtime.rank_info(K8S_OLD)
     assert (info.rank, info.world_size, info.local_rank, info.local_world_size, info.node_rank,
             info.is_main) == (2, 3, 0, 1, 2, False)
+
+
+def test_a_process_group_made_before_is_taken_as_it_is_even_where_one_process_per_node_is_refused(monkeypatch):
+    """`srun --ntasks-per-node=1 python train.py` that mp.spawn's one process per GPU and makes its own
+    group: dist's ranks are the truth, never the one-process-per-node refusal."""
+    import torch.distributed as dist
+
+    from ddprun import runtime
+    from tests.helpers import free_port
+
+    monkeypatch.setattr(runtime, "_node_facts", lambda: GPUS4)
+    monkeypatch.setattr(runtime, "_use_cuda", lambda environ: False)
+    env = {**SLURM_STEP, "SLURM_GPUS_ON_NODE": "4"}
+    with pytest.raises(ClusterError):
+        runtime.rank_info(env)  # no group: one process on a node planned for 4
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=__import__("datetime").timedelta(seconds=10))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        info = runtime.rank_info(env)
+        assert (info.rank, info.world_size, info.distributed) == (0, 1, True)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_torchrun_worker_inside_such_a_job_keeps_its_own_ranks():
+    worker = {**K8S_PET, "PET_NPROC_PER_NODE": "4", "LOCAL_RANK": "3", "RANK": "3", "WORLD_SIZE": "4",
+              "LOCAL_WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "x"}
+    spec = in_process(worker, GPUS4)  # K8S_PET alone would be refused: 4 processes planned per node
+    assert (spec.environment, spec.rank, spec.local_rank, spec.world_size) == ("torchrun", 3, 3, 4)

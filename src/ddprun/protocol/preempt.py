@@ -118,7 +118,7 @@ class Saved:
     ``step`` -1: the script ended by itself (rank 0 publishes that at every clean end of its script,
     since it may not have heard of a request made in its last steps; agents read it only after one):
     nothing to resume. A checkpoint written at the stop step is published at once, before the
-    on_checkpoint hooks run, and again when rank 0 ends (then ``seconds`` include the hooks)."""
+    on_checkpoint hooks run, and again when rank 0 ends (``seconds``: the save's, in both)."""
 
     step: int
     fit_step: int
