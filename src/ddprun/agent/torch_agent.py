@@ -213,6 +213,8 @@ class DdprunAgent(LocalElasticAgent):
             if self._hooks.preempting():  # the job stops at one step: a waiting node joins the next launch
                 return 0
             n = int(waiting())
+            if self._hooks.preempting():  # a signal may have come while waiting() asked the store
+                return 0
             dropped = n == 0 and not self._dropped and round_moved_on(handler, self._joined_round)
             # a restart is looked at after the answer (the agent may have been stopped while it waited):
             # torch's next poll sees the group FAILED or SUCCEEDED, which comes first
