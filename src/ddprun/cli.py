@@ -51,7 +51,7 @@ def add_topology_flags(p: argparse.ArgumentParser) -> None:
     _flag(g, "--allow-uneven-nodes", action="store_true",
           help="let nodes run different numbers of processes (e.g. 8 + 4 GPUs), on every node; "
                "without it preflight refuses the job")
-    _flag(g, "--join-timeout", type=float, default=DEFAULT_JOIN_TIMEOUT_S,
+    _flag(g, "--join-timeout", type=float, default=None,
           help=f"seconds to wait for all nodes (default {DEFAULT_JOIN_TIMEOUT_S:.0f}; torchrun waits 600)")
 
 
@@ -228,13 +228,14 @@ def check_keep_alive(conf: dict[str, str], raw: str) -> None:
                  f"{defaults.TORCH_KEEP_ALIVE_INTERVAL_S} x {defaults.TORCH_KEEP_ALIVE_MAX_ATTEMPT}).")
 
 
-def join_timeout(flag: float, rdzv_conf: dict[str, str]) -> float:
+def join_timeout(flag: float | None, rdzv_conf: dict[str, str]) -> float:
     """How long the nodes wait for each other (s): ``--rdzv-conf join_timeout=N`` is the same setting
-    as ``--join-timeout N``, so it also bounds ddprun's own waits and lines; both, differing: an error."""
+    as ``--join-timeout N``, so it also bounds ddprun's own waits and lines; both, differing: an error
+    (``flag`` None: no --join-timeout given)."""
     if "join_timeout" not in rdzv_conf:
-        return flag
+        return DEFAULT_JOIN_TIMEOUT_S if flag is None else flag
     conf = float(rdzv_conf["join_timeout"])  # a whole number > 0 (parse_rdzv_conf)
-    if flag not in (DEFAULT_JOIN_TIMEOUT_S, conf):
+    if flag not in (None, conf):
         raise ConfigError("--join-timeout and --rdzv-conf join_timeout disagree.",
                           seen=f"--join-timeout {flag:g}, --rdzv-conf join_timeout={rdzv_conf['join_timeout']}",
                           hint="Give one of them (they are the same setting).")
@@ -287,7 +288,8 @@ def check_numbers(args: argparse.Namespace) -> None:
     from ddprun.agent.run import parse_local_ranks
 
     _seconds("--join-timeout", args.join_timeout, zero_ok=False, example="120")
-    if args.join_timeout < 1:  # torch's rendezvous takes whole seconds: int(0.5) would be 0, refused inside it
+    # torch's rendezvous takes whole seconds: int(0.5) would be 0, refused inside it
+    if args.join_timeout is not None and args.join_timeout < 1:
         raise ConfigError("--join-timeout takes at least 1 second.", seen=f"--join-timeout {args.join_timeout}",
                           hint="e.g. --join-timeout 120 (how long the nodes wait for each other)")
     for flag, zero_ok, example in (("--stall-timeout", True, "300"), ("--stall-end-after", True, "300"),

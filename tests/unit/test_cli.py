@@ -50,6 +50,12 @@ def test_rdzv_conf_join_timeout_is_the_join_timeout_ddprun_waits_and_prints_too(
     assert c.join_timeout == 300 and c.rdzv_conf["join_timeout"] == "300"
     assert cfg("--join-timeout", "300", "--rdzv-conf", "join_timeout=300", "t.py").join_timeout == 300
     assert cfg("--join-timeout", "45", "t.py").join_timeout == 45
+    assert cfg("t.py").join_timeout == 120  # the default, when neither is given
+
+
+def test_an_explicit_join_timeout_equal_to_the_default_still_disagrees_with_rdzv_conf(capsys):
+    assert main(["run", "--join-timeout", "120", "--rdzv-conf", "join_timeout=300", "t.py"]) == 2
+    assert "--join-timeout 120, --rdzv-conf join_timeout=300" in capsys.readouterr().err
 
 
 def test_join_timeout_and_rdzv_conf_join_timeout_that_disagree_are_one_error(capsys):
