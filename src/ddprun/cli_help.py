@@ -45,7 +45,7 @@ examples:
   ddprun run train.py
 
   # LSF: the job script runs on the first host only; blaunch starts one `ddprun run` on every host
-  blaunch -z "$(echo $LSB_MCPU_HOSTS | awk '{for (i = 1; i <= NF; i += 2) print $i}')" ddprun run train.py
+  blaunch -z "$(echo $LSB_MCPU_HOSTS | awk '{for (i = 1; i <= NF; i += 2) printf "%s ", $i}')" ddprun run train.py
 
   # one machine, every GPU
   ddprun run --standalone train.py

@@ -158,4 +158,4 @@ def test_etcd_rendezvous_is_refused_for_c10d_with_where_it_came_from(flags, envi
         resolve(LaunchConfig(nnodes="2", master_addr="m", **flags) if flags else LaunchConfig(), environ, NODE,
                 launcher=True)
     assert "does not run on torch's etcd rendezvous" in str(e.value) and source in str(e.value)
-    assert "--rdzv-backend c10d" in str(e.value)
+    assert "--rdzv-backend c10d" in str(e.value) and "elasticPolicy.rdzvBackend to c10d" in str(e.value)

@@ -74,7 +74,9 @@ def test_an_elastic_pytorchjob_pod_running_python_is_told_to_use_ddprun_run():
 def test_an_lsf_job_script_running_python_on_its_first_host_is_told_to_blaunch():
     with pytest.raises(ClusterError) as e:
         in_process(LSF, NodeFacts(hostname="node1", cpus=8, cuda_devices=0))
-    assert "the other ranks never start" in str(e.value) and "blaunch" in str(e.value)
+    msg = str(e.value)
+    assert "gives a process started on a host (by the job script or blaunch) no rank" in msg
+    assert "blaunch -z" in msg and "ddprun run train.py" in msg
 
 
 def test_rank_info_in_such_a_process_reports_the_job(monkeypatch):

@@ -261,7 +261,9 @@ def _with_rendezvous(facts: Reading) -> tuple[Reading, list[str]]:
             "ddprun does not run on torch's etcd rendezvous: admission, failure records, the stall watchdog and "
             "preemption live in the rendezvous' TCPStore, which etcd rendezvous does not have.",
             seen=f"{backend!r} ({facts['rdzv_backend'].source})",
-            hint="Use --rdzv-backend c10d (the default, torch's recommended backend; no etcd server needed).")
+            hint="Use --rdzv-backend c10d (the default, torch's recommended backend; no etcd server needed). "
+                 "From PET_RDZV_BACKEND (a Kubeflow PyTorchJob): set its elasticPolicy.rdzvBackend to c10d, "
+                 "whose endpoint is the master pod's host:port, not an etcd server.")
     if backend not in RDZV_BACKENDS:
         raise ConfigError("Unknown rendezvous backend.", seen=f"{backend!r} ({facts['rdzv_backend'].source})",
                           hint=f"Use one of {', '.join(RDZV_BACKENDS)} (c10d is the default).")
@@ -343,7 +345,7 @@ AGENT_HINTS = {
     "slurm": "Start one `ddprun run` per node: srun --ntasks-per-node=1 ddprun run train.py; "
              "or run the script itself under srun (srun python train.py) with ddprun.init() in it.",
     "lsf": "Start one `ddprun run` per host from the job script: blaunch -z \"$(echo $LSB_MCPU_HOSTS | awk "
-           "'{for (i = 1; i <= NF; i += 2) print $i}')\" ddprun run train.py",
+           "'{for (i = 1; i <= NF; i += 2) printf \"%s \", $i}')\" ddprun run train.py",
 }
 
 
@@ -404,13 +406,13 @@ def one_rank_per_node(spec: ClusterSpec) -> ClusterSpec:
     hint = RANK_HINTS.get(env_name, "")
     if env_name not in RANK_HINTS:  # LSF runs the job script on its first host only
         raise ClusterError(
-            f"A multi-node {env_name} job, but nothing says this process is one of its ranks: it runs on one "
-            "host only, and the other ranks never start.", seen=seen,
+            f"A multi-node {env_name} job, but nothing says which of its ranks this process is: {env_name} gives "
+            "a process started on a host (by the job script or blaunch) no rank of its own.", seen=seen,
             hint=AGENT_HINTS.get(env_name, "Start `ddprun run train.py` once on every node."))
     if nproc > 1:
         raise ClusterError(
             f"This process was started once on its node, but the {env_name} job plans {nproc} processes "
-            "per node: alone it would use one GPU and the job's world size would be wrong.",
+            "per node: as the node's only rank it would use one of them, and the job's world size would be wrong.",
             seen=seen, hint=hint.format(n=nproc))
     if node_rank is None or spec.elastic:
         raise ClusterError(
