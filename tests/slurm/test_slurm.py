@@ -343,8 +343,8 @@ def test_a_preemption_stop_the_grace_forced_is_requeued_too_and_the_next_start_f
     # node's forced-stop line said which
     assert "step 60/60" in again and again.count("finished on this node") == 2, slurm.describe(job)
     resumed = re.search(r"ddprun: resuming from .*?: step (\d+),", again)
-    said = (f"(rank 0 had saved the checkpoint at step {resumed[1]} (" if resumed else
-            "(the last checkpoint is the one before)")
+    said = (f"; rank 0 had saved the stop step's checkpoint first (step {resumed[1]}, " if resumed else
+            "; the last checkpoint is the one before.")
     assert first.count(said) == 2, slurm.describe(job)
     for rank in (0, 1):
         assert json.loads((out / f"facts-{rank}.json").read_text())["steps"] == 60

@@ -111,7 +111,8 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path):
 def test_restarts_without_periodic_checkpoints_are_named(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
     run(tmp_path, max_steps=1)
-    assert "saves no periodic checkpoints" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "TORCHELASTIC_MAX_RESTARTS=2" in err and "saves no periodic checkpoints" in err
 
 
 @pytest.mark.parametrize("n, world, batch", [(64, 4, 3), (37, 3, 2), (10, 4, 1)])

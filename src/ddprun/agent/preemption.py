@@ -164,9 +164,9 @@ class Preemption:
         the node that stopped first, when this node's own grace is not over yet."""
         if cause is not None and not self.grace_over():
             return (f"ddprun: the preemption stop did not complete on every node: {cause.headline()}; this node's "
-                    f"workers stopped before the agreed step ({self._last_checkpoint()}).")
+                    f"workers stopped before the agreed step; {self._last_checkpoint()}.")
         return (f"ddprun: the preemption grace of {self.grace_s:g} s ({self.grace_src}) ended before every rank "
-                f"of this node stopped at the agreed step; workers stopped ({self._last_checkpoint()}). "
+                f"of this node stopped at the agreed step; workers stopped; {self._last_checkpoint()}. "
                 "HINT: a longer --preempt-grace, if the cluster gives that long.")
 
     def _last_checkpoint(self) -> str:
@@ -175,8 +175,8 @@ class Preemption:
         saved = self.saved or self.failures.read_preempt_saved()
         if saved is None or saved.step < 0 or not saved.path:
             return "the last checkpoint is the one before"
-        return (f"rank 0 had saved the checkpoint at step {saved.fit_step} ({saved.path}) before: the same command "
-                "resumes from there")
+        return (f"rank 0 had saved the stop step's checkpoint first (step {saved.fit_step}, {saved.path}): the same "
+                "command resumes from there")
 
 
 def requeue(command: list[str], out: TextIO, run: Callable[..., Any] = subprocess.run) -> bool:

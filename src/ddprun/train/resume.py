@@ -284,7 +284,9 @@ def warn_no_periodic(info: RankInfo, every: int | None, environ: Any = None) -> 
     """Rank 0: one line when torch's agent may restart the workers but fit saves only at the end."""
     environ = os.environ if environ is None else environ
     if every is None and info.is_main and environ.get("TORCHELASTIC_MAX_RESTARTS", "0") not in ("", "0"):
-        print("ddprun: --max-restarts is set but fit() saves no periodic checkpoints: a restart starts from step 0. "
+        print(f"ddprun: torch's agent may restart the workers (TORCHELASTIC_MAX_RESTARTS="
+              f"{environ['TORCHELASTIC_MAX_RESTARTS']}: --max-restarts or PET_MAX_RESTARTS) but fit() saves no "
+              "periodic checkpoints: a restart starts from step 0. "
               "HINT: fit(..., checkpoint_every=N).", file=sys.stderr, flush=True)
 
 
