@@ -52,7 +52,8 @@ class PreemptState:
     """ddprun.fit's loop runs: it checkpoints and stops at the stop step itself."""
     callbacks: list[Callable[[int], Any]] = field(default_factory=list)
     saved: tuple[int, int, str, float, str] | None = None
-    """(steps, fit's step, checkpoint path, seconds, by) once this process stopped at the agreed step
+    """(steps, fit's step, checkpoint path, seconds, by) once the stop step's checkpoint is written
+    (checkpoint_written, before the on_checkpoint hooks) or this process stopped at the agreed step
     (protocol/preempt.py Saved)."""
     publish: Callable[[tuple[int, int, str, float, str]], Any] | None = None
     """Rank 0's way to tell the agents where it saved (set by worker/bootstrap.py; None elsewhere)."""

@@ -137,7 +137,8 @@ def _from_environ(environ: Mapping[str, str], per_node: bool = True):
 
 
 def _export(spec, target: MutableMapping[str, str]) -> None:
-    """Write what ``init_method="env://"`` reads, for launchers that did not (srun, mpirun).
+    """Write what ``init_method="env://"`` reads, for launchers that did not (srun, mpirun, a
+    script a multi-node job starts once per node).
 
     The one place ddprun writes the environment of a running process. A value already present and
     different is an error rather than overwritten: two launchers disagree about this process.
@@ -179,7 +180,8 @@ def init(backend: str | None = None, *, timeout: float = DEFAULT_INIT_TIMEOUT_S,
     and for collectives until :func:`use_training_timeout` is called; ``train_timeout``: seconds after
     that. ``environ``: the environment to read, default ``os.environ`` (read now, not at import).
 
-    Under srun/mpirun (resolve() found the rank in the cluster's own variables) MASTER_ADDR,
+    Under srun/mpirun (resolve() found the rank in the cluster's own variables), or in a script a
+    multi-node job starts once per node (its node rank is its rank: detect.one_rank_per_node), MASTER_ADDR,
     MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK are exported to ``os.environ`` before
     ``init_process_group(init_method="env://")``: the one explicit export ddprun does in a worker.
 

@@ -76,7 +76,8 @@ class ClusterSpec:
     """``cuda`` or ``cpu``: what each process's ``LOCAL_RANK`` indexes."""
     sources: Mapping[str, str] = field(default_factory=dict)
     rank: int | None = None
-    """Set only when the cluster started one process per rank (srun tasks, mpirun)."""
+    """Set only when the cluster started one process per rank (srun tasks, mpirun), or when a script a
+    multi-node job starts once per node is the node's one rank (detect.one_rank_per_node)."""
     local_rank: int | None = None
     world_size: int | None = None
     notes: tuple[str, ...] = ()

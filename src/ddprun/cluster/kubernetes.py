@@ -4,7 +4,9 @@ The training operator states the topology in torchrun's ``PET_*`` mirrors of its
 (PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT, and for elastic
 jobs PET_RDZV_ENDPOINT, PET_RDZV_BACKEND, PET_RDZV_ID, PET_MAX_RESTARTS), plus MASTER_ADDR,
 MASTER_PORT, RANK and WORLD_SIZE. PET_MAX_RESTARTS is the restarts when --max-restarts is not
-given. Every value is per node: the pod runs one launcher, which starts the processes.
+given. Every value is per node: the pod runs one launcher (``ddprun run``), which starts the
+processes; a pod that runs ``python train.py`` itself is its node's one rank
+(detect.one_rank_per_node, applied by runtime).
 
 * With PET_NNODES (current operator): nodes = PET_NNODES (``N`` or ``MIN:MAX``), node rank =
   PET_NODE_RANK (else RANK), processes = PET_NPROC_PER_NODE. WORLD_SIZE is not read: the operator sets
