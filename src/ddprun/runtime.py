@@ -5,8 +5,9 @@ Where the numbers come from: :func:`ddprun.cluster.detect.resolve` over the envi
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT itself; a cluster that starts one process per rank (srun
 tasks, mpirun) states them in its own variables, which resolve() translates. A multi-node job that
 starts the script once per node (srun with one task per node, a PyTorchJob pod) makes it the node's
-rank (detect.one_rank_per_node). Otherwise, with no rank found (plain ``python script.py``), this is
-one process and no process group is created.
+rank (detect.one_rank_per_node). Otherwise, with no rank found (plain ``python script.py``; a
+SageMaker, SkyPilot or LSF host running the script itself, said in one line by init()), this is one
+process and no process group is created.
 
 Timeouts are two-phase (torchtitan's ``init_distributed``/``set_pg_timeouts``):
 joining the process group and the first step may be slow (every node imports torch, compiles,
@@ -108,16 +109,17 @@ def _device(local_rank: int | None, use_cuda: bool) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def _from_environ(environ: Mapping[str, str], per_node: bool = True):
+def _from_environ(environ: Mapping[str, str], per_node: bool = True, joining: bool = False):
     """(ClusterSpec, RankInfo-without-process-group) from the environment; pure apart from probing.
     ``per_node``: a process a multi-node job started once per node is that node's rank
-    (detect.one_rank_per_node); False when a process group exists already, whose ranks are the truth."""
+    (detect.one_rank_per_node, which refuses what cannot join only when ``joining``); False when a
+    process group exists already, whose ranks are the truth."""
     from ddprun.cluster.detect import one_rank_per_node, resolve
     from ddprun.config import LaunchConfig
 
     spec = resolve(LaunchConfig(), environ, _node_facts())
     if per_node:
-        spec = one_rank_per_node(spec)
+        spec = one_rank_per_node(spec, joining=joining)
     use_cuda = _use_cuda(environ)
     if spec.rank is None or spec.world_size is None:
         return spec, RankInfo(rank=0, local_rank=0, node_rank=0, world_size=1, local_world_size=1,
@@ -213,8 +215,13 @@ def init(backend: str | None = None, *, timeout: float = DEFAULT_INIT_TIMEOUT_S,
         _state = _State(info, timeout, train_timeout, users_group=True)
         return info
 
-    spec, info = _from_environ(environ)
+    spec, info = _from_environ(environ, joining=True)
     if spec.rank is None:
+        from ddprun.cluster.detect import alone_note
+
+        note = alone_note(spec)
+        if note:
+            print(note, file=sys.stderr, flush=True)
         _state = _State(info, timeout, train_timeout)
         return info
     if not dist.is_available():

@@ -1,12 +1,18 @@
-"""``python train.py`` with ``ddprun.init()``, started once on every node by a job that names its nodes
-but no process ranks (srun with one task per node, a PyTorchJob pod, SageMaker, SkyPilot): that
-process is its node's rank, as torch's ``env://`` and Lightning take it; never a job of one that
-trains alone on every node. Where one process cannot be right, one error says which launcher to use."""
+"""``python train.py`` with ``ddprun.init()``, started once on every node by a job that states it is one
+of its processes but names no process rank (an srun step with one task per node, a PyTorchJob pod,
+SageMaker):
+that process is its node's rank, as torch's ``env://`` and Lightning take it; never a job of one that
+trains alone on every node. Where one process cannot be right, init() says which launcher to use;
+rank_info(), a query, never refuses. SkyPilot and LSF name hosts only (a script on the head node alone
+is as likely): such a process is a job of one, and init() says so in one line."""
+
+import os
 
 import pytest
 
+from ddprun import runtime
 from ddprun.cluster.base import NodeFacts
-from ddprun.cluster.detect import one_rank_per_node, resolve
+from ddprun.cluster.detect import alone_note, one_rank_per_node, resolve
 from ddprun.config import LaunchConfig
 from ddprun.errors import ClusterError
 
@@ -24,8 +30,18 @@ SKYPILOT = {"SKYPILOT_NODE_RANK": "1", "SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2"
 LSF = {"LSB_JOBID": "42", "LSB_MCPU_HOSTS": "node1 4 node2 4"}
 
 
-def in_process(environ, node=CPU):
-    return one_rank_per_node(resolve(LaunchConfig(), environ, node))
+def in_process(environ, node=CPU, joining=True):
+    return one_rank_per_node(resolve(LaunchConfig(), environ, node), joining=joining)
+
+
+@pytest.fixture
+def clean_runtime():
+    saved = dict(os.environ)
+    runtime._reset()
+    yield
+    runtime._reset()
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.mark.parametrize("environ, rank, world, source", [
@@ -33,13 +49,38 @@ def in_process(environ, node=CPU):
     (K8S_OLD, 2, 3, "RANK=2"),
     (K8S_PET, 2, 3, "PET_NODE_RANK=2"),
     (SAGEMAKER, 1, 2, "algo-2"),
-    (SKYPILOT, 1, 2, "SKYPILOT_NODE_RANK=1"),
-], ids=["slurm-1-task-per-node", "pytorchjob-older", "pytorchjob-pet", "sagemaker", "skypilot"])
+], ids=["slurm-1-task-per-node", "pytorchjob-older", "pytorchjob-pet", "sagemaker"])
 def test_the_nodes_one_process_is_the_nodes_rank_of_a_world_of_nodes(environ, rank, world, source):
     spec = in_process(environ)
     assert (spec.rank, spec.local_rank, spec.world_size, spec.node_rank) == (rank, 0, world, rank)
     assert source in spec.sources["rank"] and "one process on each of" in spec.sources["rank"]
     assert spec.master_addr and spec.master_port > 0
+
+
+@pytest.mark.parametrize("environ, node, hint", [
+    (SKYPILOT, CPU, "make the task's run command `ddprun run train.py`"),
+    (SKYPILOT, GPUS4, "make the task's run command `ddprun run train.py`"),
+    (LSF, NodeFacts(hostname="node1", cpus=8, cuda_devices=0), "start one `ddprun run` per host from the job "
+                                                               "script: blaunch -z"),
+], ids=["skypilot", "skypilot-4-gpus", "lsf"])
+def test_a_host_that_runs_the_script_itself_where_only_hosts_are_named_is_a_job_of_one_said_in_one_line(
+        environ, node, hint):
+    """A SkyPilot task's head-node-only eval step, or a helper script, must run, not wait for ranks
+    that never come; a script on every host trains alone, and the note says how to train on all."""
+    spec = in_process(environ, node)
+    assert spec.rank is None and spec.max_nodes == 2
+    note = alone_note(spec)
+    assert note.startswith(f"ddprun: note: a multi-node {spec.environment} job (2 nodes: ")
+    assert "nothing names this process one of its ranks: it runs as a job of one" in note and hint in note
+
+
+def test_init_on_a_skypilot_head_node_alone_runs_at_once_as_a_job_of_one(clean_runtime, monkeypatch, capsys):
+    monkeypatch.setattr(runtime, "_node_facts", lambda: CPU)
+    info = runtime.init(environ={**SKYPILOT, "SKYPILOT_NODE_RANK": "0"}, timeout=5)
+    assert (info.rank, info.world_size, info.distributed) == (0, 1, False)
+    err = capsys.readouterr().err
+    assert err.count("ddprun: note: a multi-node skypilot job (2 nodes: ") == 1 and "ddprun run train.py" in err
+    assert "RANK" not in os.environ and "MASTER_ADDR" not in os.environ  # nothing exported for a job of one
 
 
 def test_ddprun_run_under_the_same_variables_still_starts_the_nodes_workers_itself():
@@ -52,36 +93,32 @@ def test_one_node_is_still_one_process_that_joins_nothing():
     assert spec.rank is None and spec.max_nodes == 1
 
 
-@pytest.mark.parametrize("environ, hint", [
-    ({**SLURM_STEP, "SLURM_GPUS_ON_NODE": "4"}, "srun --ntasks-per-node=4 python train.py"),
-    ({**K8S_PET, "PET_NPROC_PER_NODE": "4"}, "Make the pod's command `ddprun run train.py`"),
-    (SAGEMAKER, "torch_distributed"),
+@pytest.mark.parametrize("environ, hint, rank, world", [
+    ({**SLURM_STEP, "SLURM_GPUS_ON_NODE": "4"}, "srun --ntasks-per-node=4 python train.py", 1, 2),
+    ({**K8S_PET, "PET_NPROC_PER_NODE": "4"}, "Make the pod's command `ddprun run train.py`", 2, 3),
+    (SAGEMAKER, "torch_distributed", 1, 2),
 ], ids=["slurm-4-gpus-1-task", "pytorchjob-nproc-4", "sagemaker-4-gpus"])
-def test_one_process_on_a_node_planned_for_several_is_refused_with_the_launcher_to_use(environ, hint):
+def test_one_process_on_a_node_planned_for_several_is_refused_by_init_with_the_launcher_to_use(
+        environ, hint, rank, world):
     with pytest.raises(ClusterError) as e:
         in_process(environ, GPUS4)
     text = str(e.value)
     assert "started once on its node" in text and "processes per node 4" in text and hint in text
+    assert "creates its process group before ddprun.init()" in text  # the way out for model parallel
+    spec = in_process(environ, GPUS4, joining=False)  # rank_info(): a query, never refused
+    assert (spec.rank, spec.world_size) == (rank, world)
 
 
 def test_an_elastic_pytorchjob_pod_running_python_is_told_to_use_ddprun_run():
+    elastic = {**K8S_PET, "PET_NNODES": "2:3", "PET_RDZV_BACKEND": "c10d"}
     with pytest.raises(ClusterError) as e:
-        in_process({**K8S_PET, "PET_NNODES": "2:3", "PET_RDZV_BACKEND": "c10d"})
+        in_process(elastic)
     assert "only a launcher can give it a rank" in str(e.value) and "by arrival" in str(e.value)
     assert "ddprun run train.py" in str(e.value)
-
-
-def test_an_lsf_job_script_running_python_on_its_first_host_is_told_to_blaunch():
-    with pytest.raises(ClusterError) as e:
-        in_process(LSF, NodeFacts(hostname="node1", cpus=8, cuda_devices=0))
-    msg = str(e.value)
-    assert "gives a process started on a host (by the job script or blaunch) no rank" in msg
-    assert "blaunch -z" in msg and "ddprun run train.py" in msg
+    assert in_process(elastic, joining=False).rank is None  # rank_info(): no rank to give, no error
 
 
 def test_rank_info_in_such_a_process_reports_the_job(monkeypatch):
-    from ddprun import runtime
-
     monkeypatch.setattr(runtime, "_node_facts", lambda: CPU)
     info = runtime.rank_info(K8S_OLD)
     assert (info.rank, info.world_size, info.local_rank, info.local_world_size, info.node_rank,
@@ -100,7 +137,7 @@ def test_a_process_group_made_before_is_taken_as_it_is_even_where_one_process_pe
     monkeypatch.setattr(runtime, "_use_cuda", lambda environ: False)
     env = {**SLURM_STEP, "SLURM_GPUS_ON_NODE": "4"}
     with pytest.raises(ClusterError):
-        runtime.rank_info(env)  # no group: one process on a node planned for 4
+        runtime._from_environ(env, joining=True)  # what init() reads with no group: one process, 4 planned
     store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=__import__("datetime").timedelta(seconds=10))
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:

@@ -375,46 +375,50 @@ def one_agent_per_node(reading: Reading, env_name: str) -> Reading:
     return out
 
 
-RANK_HINTS = {  # the environments whose scheduler starts the command once on every node
+OWN_GROUP = ("A process that drives every GPU of its node itself (model parallel inside the node) creates its "
+             "process group before ddprun.init(), which takes it as it is.")
+RANK_HINTS = {  # the environments that state this process is one of the job's processes
     "slurm": "Start one process per GPU: srun --ntasks-per-node={n} python train.py; or one `ddprun run` per "
-             "node: srun --ntasks-per-node=1 ddprun run train.py.",
+             "node: srun --ntasks-per-node=1 ddprun run train.py. " + OWN_GROUP,
     "kubernetes": "Make the pod's command `ddprun run train.py` (it starts one process per GPU), or "
-                  "set nprocPerNode to 1.",
+                  "set nprocPerNode to 1. " + OWN_GROUP,
     "sagemaker": "Make the entry point `ddprun run train.py` (it starts one process per GPU), or use the "
-                 "estimator's distribution={{'torch_distributed': {{'enabled': True}}}}.",
-    "skypilot": "Make the task's run command `ddprun run train.py` (it starts one process per GPU).",
+                 "estimator's distribution={{'torch_distributed': {{'enabled': True}}}}. " + OWN_GROUP,
 }
+"""An srun step's task (SLURM_PROCID of SLURM_NTASKS), a PyTorchJob pod (the operator's RANK and
+WORLD_SIZE, which torch's ``env://`` reads) and a SageMaker entry point (run on every instance, always)
+are ranks. SkyPilot and LSF name hosts only and run what the user's script says where it says: a
+script on the head node alone (an eval step) is as likely as one on every node, so such a process is
+a job of one, said by :func:`alone_note`."""
 
 
-def one_rank_per_node(spec: ClusterSpec) -> ClusterSpec:
+def one_rank_per_node(spec: ClusterSpec, *, joining: bool = True) -> ClusterSpec:
     """``spec`` (resolve()'s, not a launcher's) for ``python train.py`` with ``ddprun.init()`` in it,
-    started once per node by a multi-node job that names nodes but no process ranks (srun with one
-    task per node, a PyTorchJob pod, SageMaker, SkyPilot).
+    started once per node by a multi-node job that states it is one of the job's processes but names
+    no process rank: an srun step with one task per node, a PyTorchJob pod, SageMaker (RANK_HINTS).
 
     Torch's ``env://`` and Lightning take such a process as one rank of the job; reading it as a job
     of one would let every node train alone. One process per node planned: it is that node's rank
-    (rank = node rank, world = nodes). Several planned (a node's GPUs), an elastic job, node ranks by
-    arrival (c10d) or a job that runs the script on one host (LSF): ClusterError naming the launcher.
+    (rank = node rank, world = nodes). ``joining`` (init()): a node planned for several processes (its
+    GPUs: the "one GPU per node" failure) or node ranks by arrival (elastic, c10d) is a ClusterError
+    naming the launcher. Not joining (rank_info(), a query): never an error; the node's rank where the
+    node rank is known, else the spec as it is (a job of one).
     """
     env_name, src = spec.environment, spec.sources
-    if spec.rank is not None or spec.max_nodes == 1 or env_name in ("torchrun", "local", "hostfile"):
+    if spec.rank is not None or spec.max_nodes == 1 or env_name not in RANK_HINTS:
         return spec
     nodes, nproc, node_rank = spec.max_nodes, spec.nproc_per_node, spec.node_rank
     seen = (f"nodes {nodes} ({src['max_nodes']}), processes per node {nproc} ({src['nproc_per_node']}), "
             f"node rank {'by arrival' if node_rank is None else node_rank} "
             f"({src['rdzv_backend'] if node_rank is None else src['node_rank']})")
-    hint = RANK_HINTS.get(env_name, "")
-    if env_name not in RANK_HINTS:  # LSF runs the job script on its first host only
-        raise ClusterError(
-            f"A multi-node {env_name} job, but nothing says which of its ranks this process is: {env_name} gives "
-            "a process started on a host (by the job script or blaunch) no rank of its own.", seen=seen,
-            hint=AGENT_HINTS.get(env_name, "Start `ddprun run train.py` once on every node."))
-    if nproc > 1:
+    if joining and nproc > 1:
         raise ClusterError(
             f"This process was started once on its node, but the {env_name} job plans {nproc} processes "
             "per node: as the node's only rank it would use one of them, and the job's world size would be wrong.",
-            seen=seen, hint=hint.format(n=nproc))
+            seen=seen, hint=RANK_HINTS[env_name].format(n=nproc))
     if node_rank is None or spec.elastic:
+        if not joining:
+            return spec
         raise ClusterError(
             f"This process was started once on its node of an elastic {env_name} job (or one whose node ranks "
             "come by arrival): only a launcher can give it a rank.", seen=seen,
@@ -423,6 +427,24 @@ def one_rank_per_node(spec: ClusterSpec) -> ClusterSpec:
     return dataclasses.replace(spec, rank=node_rank, local_rank=0, world_size=nodes, sources={
         **src, "rank": f"{src['node_rank']} ({why})", "local_rank": "the node's only process",
         "world_size": src["max_nodes"]})
+
+
+ALONE_HINTS = {
+    "skypilot": "make the task's run command `ddprun run train.py` (one process per GPU on every node).",
+    "lsf": "start one `ddprun run` per host from the job script: blaunch -z \"$(echo $LSB_MCPU_HOSTS | awk "
+           "'{for (i = 1; i <= NF; i += 2) printf \"%s \", $i}')\" ddprun run train.py",
+}
+
+
+def alone_note(spec: ClusterSpec) -> str | None:
+    """The line init() prints when a multi-node job's process runs as a job of one because nothing
+    names it a rank (SkyPilot, LSF: see RANK_HINTS); None otherwise."""
+    if spec.rank is not None or spec.max_nodes == 1 or spec.environment in ("torchrun", "local", "hostfile"):
+        return None
+    return (f"ddprun: note: a multi-node {spec.environment} job ({spec.max_nodes} nodes: "
+            f"{spec.sources.get('max_nodes', '?')}), but nothing names this process one of its ranks: it runs as "
+            "a job of one. To train on every node: " + ALONE_HINTS.get(
+                spec.environment, "start `ddprun run train.py` once on every node."))
 
 
 def _check_per_process(facts: Reading, env_name: str) -> None:
