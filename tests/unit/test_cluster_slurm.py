@@ -66,11 +66,25 @@ def test_master_is_first_host_of_a_mixed_nodelist():
     assert r["master_addr"].value == "cpu3"
 
 
-def test_port_is_derived_from_the_job_id_unless_master_port_is_set():
+def test_port_is_derived_from_the_job_id_and_master_addr_and_master_port_in_the_environment_win():
     r = read(job(SLURM_JOB_ID="123456"))
     assert r["master_port"].value == 20000 + 123456 % 20000 == 23456
     assert "SLURM_JOB_ID=123456" in r["master_port"].source
     assert read(job(MASTER_PORT="31000"))["master_port"].value == 31000
+    addr = read(job(MASTER_ADDR="10.1.0.1"))["master_addr"]  # e.g. the first host's InfiniBand address
+    assert addr.value == "10.1.0.1" and addr.source == "MASTER_ADDR=10.1.0.1"
+
+
+@pytest.mark.parametrize("addr", ["localhost", "127.0.0.1"])
+def test_a_loopback_master_addr_left_in_a_multi_node_job_is_refused_naming_it(addr):
+    """Left over from a one-node recipe, it would have every other node dial itself until the join timeout."""
+    with pytest.raises(ClusterError) as e:
+        read(job(MASTER_ADDR=addr))
+    msg = str(e.value)
+    assert f"MASTER_ADDR={addr}" in msg and "loopback" in msg and "Unset MASTER_ADDR" in msg and "gpu01" in msg
+    one_node = job(MASTER_ADDR=addr, SLURM_JOB_NUM_NODES="1", SLURM_NNODES="1", SLURM_JOB_NODELIST="gpu01",
+                   SLURM_NODEID="0", SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_TASKS_PER_NODE="1")
+    assert read(one_node)["master_addr"].value == addr  # one node: loopback is where the rendezvous is
 
 
 def test_nproc_falls_back_to_cuda_visible_devices_then_to_the_default():

@@ -23,7 +23,8 @@ SLURM_NTASKS_PER_NODE, else one):
 
 Rendezvous is static (SLURM_NODEID is the node rank) at the first host of the nodelist, on
 port ``20000 + SLURM_JOB_ID % 20000``: every node computes the same port without talking, and
-concurrent jobs on one master node rarely collide. MASTER_PORT in the environment wins.
+concurrent jobs on one master node rarely collide. MASTER_ADDR and MASTER_PORT in the environment win
+(as in Lightning's SLURMEnvironment: a recipe that exports the first host, or an InfiniBand address).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import hostlist
 from ddprun.cluster._values import check_rank_rule, count, env_int, env_port
 from ddprun.cluster.base import ClusterEnvironment, Fact, NodeFacts, Reading
 from ddprun.cluster.mpi import started_by_mpi_launcher
+from ddprun.cluster.netaddr import is_loopback
 from ddprun.errors import ClusterError, ConfigError
 
 PORT_BASE = 20000
@@ -102,6 +104,22 @@ def _visible_gpus(environ: Mapping[str, str]) -> Fact | None:
     return None
 
 
+def _master_addr(environ: Mapping[str, str], nnodes: Fact, nodelist_key: str, hosts: list[str]) -> Fact:
+    """MASTER_ADDR when set, else the nodelist's first host. A loopback MASTER_ADDR in a job of several
+    nodes (left over from a one-node recipe; sbatch passes the submit shell's environment on) is an
+    error: every other node would wait out its join timeout dialling itself."""
+    addr = environ.get("MASTER_ADDR", "")
+    if not addr:
+        return Fact(hosts[0], f"first host of {nodelist_key}={environ[nodelist_key]}")
+    if nnodes.value > 1 and is_loopback(addr):
+        raise ClusterError(
+            "MASTER_ADDR is a loopback address, but the SLURM job spans several nodes: the others cannot reach it.",
+            seen=f"MASTER_ADDR={addr}, {nnodes.source}",
+            hint=f"Unset MASTER_ADDR (ddprun then uses the first host, {hosts[0]}), or set it to an address "
+                 "every node reaches.")
+    return Fact(addr, f"MASTER_ADDR={addr}")
+
+
 def _check_in_step(environ: Mapping[str, str], nnodes: Fact, counts: list[int], counts_src: str) -> None:
     """A job of several tasks needs ddprun inside an srun step (which sets SLURM_STEP_ID).
 
@@ -135,7 +153,7 @@ class SlurmEnvironment(ClusterEnvironment):
         reading: Reading = {
             "min_nodes": nnodes,
             "max_nodes": nnodes,
-            "master_addr": Fact(hosts[0], f"first host of {nodelist_key}={environ[nodelist_key]}"),
+            "master_addr": _master_addr(environ, nnodes, nodelist_key, hosts),
             "rdzv_backend": Fact("static", "node ranks known from SLURM_NODEID"),
             "run_id": Fact(f"slurm-{job_id}", f"SLURM_JOB_ID={job_id}"),
         }
