@@ -228,18 +228,23 @@ def check_keep_alive(conf: dict[str, str], raw: str) -> None:
                  f"{defaults.TORCH_KEEP_ALIVE_INTERVAL_S} x {defaults.TORCH_KEEP_ALIVE_MAX_ATTEMPT}).")
 
 
+JOIN_KEYS = ("join_timeout", "timeout")
+"""The ``--rdzv-conf`` keys torch bounds the join with: c10d's ``join_timeout``, static's ``timeout``."""
+
+
 def join_timeout(flag: float | None, rdzv_conf: dict[str, str]) -> float:
-    """How long the nodes wait for each other (s): ``--rdzv-conf join_timeout=N`` is the same setting
-    as ``--join-timeout N``, so it also bounds ddprun's own waits and lines; both, differing: an error
-    (``flag`` None: no --join-timeout given)."""
-    if "join_timeout" not in rdzv_conf:
-        return DEFAULT_JOIN_TIMEOUT_S if flag is None else flag
-    conf = float(rdzv_conf["join_timeout"])  # a whole number > 0 (parse_rdzv_conf)
-    if flag not in (None, conf):
-        raise ConfigError("--join-timeout and --rdzv-conf join_timeout disagree.",
-                          seen=f"--join-timeout {flag:g}, --rdzv-conf join_timeout={rdzv_conf['join_timeout']}",
-                          hint="Give one of them (they are the same setting).")
-    return conf
+    """How long the nodes wait for each other (s): ``--rdzv-conf join_timeout=N`` (c10d) or
+    ``timeout=N`` (static, ddprun's rendezvous on SLURM, LSF, SageMaker...) is the same setting as
+    ``--join-timeout N``, so it also bounds ddprun's own waits and lines; any two that differ: an
+    error (``flag`` None: no --join-timeout given)."""
+    given = {f"--rdzv-conf {k}": (float(rdzv_conf[k]), rdzv_conf[k]) for k in JOIN_KEYS if k in rdzv_conf}
+    if flag is not None:  # in rdzv_conf: whole numbers > 0 (parse_rdzv_conf)
+        given = {"--join-timeout": (flag, f"{flag:g}"), **given}
+    if len({seconds for seconds, _ in given.values()}) > 1:
+        raise ConfigError(f"{' and '.join(given)} disagree.",
+                          seen=", ".join(f"{k}{' ' if k == '--join-timeout' else '='}{raw}" for k, (_, raw) in given.items()),
+                          hint="Give one of them (they are the same setting: how long the nodes wait for each other).")
+    return next((seconds for seconds, _ in given.values()), DEFAULT_JOIN_TIMEOUT_S)
 
 
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:

@@ -58,6 +58,19 @@ def test_an_explicit_join_timeout_equal_to_the_default_still_disagrees_with_rdzv
     assert "--join-timeout 120, --rdzv-conf join_timeout=300" in capsys.readouterr().err
 
 
+def test_static_rendezvous_timeout_in_rdzv_conf_is_the_join_timeout_too(capsys):
+    """torch's static rendezvous (ddprun's on SLURM, LSF, SageMaker) bounds the join with ``timeout``:
+    the other nodes' admission must wait as long, not 120 s."""
+    assert cfg("--rdzv-conf", "timeout=900", "t.py").join_timeout == 900
+    assert cfg("--rdzv-conf", "timeout=900,join_timeout=900", "--join-timeout", "900", "t.py").join_timeout == 900
+    assert main(["run", "--rdzv-conf", "join_timeout=300,timeout=900", "t.py"]) == 2
+    err = capsys.readouterr().err
+    assert "--rdzv-conf join_timeout and --rdzv-conf timeout disagree" in err
+    assert "--rdzv-conf join_timeout=300, --rdzv-conf timeout=900" in err
+    assert main(["run", "--join-timeout", "60", "--rdzv-conf", "timeout=900", "t.py"]) == 2
+    assert "--join-timeout and --rdzv-conf timeout disagree" in capsys.readouterr().err
+
+
 def test_join_timeout_and_rdzv_conf_join_timeout_that_disagree_are_one_error(capsys):
     assert main(["run", "--join-timeout", "60", "--rdzv-conf", "join_timeout=300", "t.py"]) == 2
     err = capsys.readouterr().err
