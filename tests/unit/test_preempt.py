@@ -246,7 +246,8 @@ def test_a_peer_stopped_by_its_grace_is_this_nodes_forced_stop_and_any_other_fai
     assert not _agent_preemption(_Failures(1, pre.request, stop=35)).forced_by_peer(peer)  # its own record
     assert pre.forced_line(peer) == (
         "ddprun: the preemption stop did not complete on every node: node 1 (b) was stopped by SIGTERM: its preemption "
-        "grace ended; this node's workers stopped before the agreed step; the last checkpoint is the one before.")
+        "grace ended; this node's workers were stopped before the stop completed; the last checkpoint is the one "
+        "before.")
     assert pre.forced_why() is None
     pre._since -= 3.0
     assert pre.forced_line(peer).startswith("ddprun: the preemption grace of 3 s (--preempt-grace) ended before")
@@ -272,7 +273,7 @@ def test_a_forced_stop_names_the_stop_steps_checkpoint_when_rank_0_had_written_i
     pre = _agent_preemption(_Failures(0, pp.Request("SIGTERM", "rank 1", 1, "b", time.time()), stop=35, saved=saved))
     pre.check()
     peer = fr.FailureRecord(fr.SIGNAL, -1, "its preemption grace ended", 1, "b", signal="SIGTERM", by="agent")
-    assert pre.forced_line(peer).endswith(f"stopped before the agreed step{said}")
+    assert pre.forced_line(peer).endswith(f"were stopped before the stop completed{said}")
     pre._since -= 3.0
     assert f"workers stopped{said} HINT: a longer --preempt-grace" in pre.forced_line()
 

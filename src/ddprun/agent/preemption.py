@@ -164,7 +164,7 @@ class Preemption:
         the node that stopped first, when this node's own grace is not over yet."""
         if cause is not None and not self.grace_over():
             return (f"ddprun: the preemption stop did not complete on every node: {cause.headline()}; this node's "
-                    f"workers stopped before the agreed step; {self._last_checkpoint()}.")
+                    f"workers were stopped before the stop completed; {self._last_checkpoint()}.")
         return (f"ddprun: the preemption grace of {self.grace_s:g} s ({self.grace_src}) ended before every rank "
                 f"of this node stopped at the agreed step; workers stopped; {self._last_checkpoint()}. "
                 "HINT: a longer --preempt-grace, if the cluster gives that long.")

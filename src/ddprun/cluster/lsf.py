@@ -4,7 +4,7 @@ LSF runs the job script on the first execution host only; it lists the job's hos
 LSB_MCPU_HOSTS (``"hostA 4 hostB 4"``: each host once, with its slots) and LSB_HOSTS (each host once
 per slot: ``"hostA hostA hostA hostA hostB ..."``). Start one ddprun per host from the script::
 
-    blaunch -z "$(echo $LSB_MCPU_HOSTS | awk '{for (i = 1; i <= NF; i += 2) print $i}')" ddprun run train.py
+    blaunch -z "$(echo $LSB_MCPU_HOSTS | awk '{for (i = 1; i <= NF; i += 2) printf "%s ", $i}')" ddprun run train.py
 
 Detected when LSB_JOBID and LSB_MCPU_HOSTS (or LSB_HOSTS) are present; an MPI launcher inside the
 job wins by priority (its rank variables describe the process). nodes = the hosts in LSF's order,
