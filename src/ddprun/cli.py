@@ -237,12 +237,13 @@ def join_timeout(flag: float | None, rdzv_conf: dict[str, str]) -> float:
     ``timeout=N`` (static, ddprun's rendezvous on SLURM, LSF, SageMaker...) is the same setting as
     ``--join-timeout N``, so it also bounds ddprun's own waits and lines; any two that differ: an
     error (``flag`` None: no --join-timeout given)."""
-    given = {f"--rdzv-conf {k}": (float(rdzv_conf[k]), rdzv_conf[k]) for k in JOIN_KEYS if k in rdzv_conf}
-    if flag is not None:  # in rdzv_conf: whole numbers > 0 (parse_rdzv_conf)
-        given = {"--join-timeout": (flag, f"{flag:g}"), **given}
+    # name -> (seconds, as given); in rdzv_conf whole numbers > 0 (parse_rdzv_conf)
+    given = {f"--rdzv-conf {k}": (float(rdzv_conf[k]), f"--rdzv-conf {k}={rdzv_conf[k]}")
+             for k in JOIN_KEYS if k in rdzv_conf}
+    if flag is not None:
+        given = {"--join-timeout": (flag, f"--join-timeout {flag:g}"), **given}
     if len({seconds for seconds, _ in given.values()}) > 1:
-        raise ConfigError(f"{' and '.join(given)} disagree.",
-                          seen=", ".join(f"{k}{' ' if k == '--join-timeout' else '='}{raw}" for k, (_, raw) in given.items()),
+        raise ConfigError(f"{' and '.join(given)} disagree.", seen=", ".join(shown for _, shown in given.values()),
                           hint="Give one of them (they are the same setting: how long the nodes wait for each other).")
     return next((seconds for seconds, _ in given.values()), DEFAULT_JOIN_TIMEOUT_S)
 

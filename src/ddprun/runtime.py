@@ -4,10 +4,10 @@ Where the numbers come from: :func:`ddprun.cluster.detect.resolve` over the envi
 (read once per call, never at import). A torchrun/``ddprun run`` worker states RANK, LOCAL_RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT itself; a cluster that starts one process per rank (srun
 tasks, mpirun) states them in its own variables, which resolve() translates. A multi-node job that
-starts the script once per node (srun with one task per node, a PyTorchJob pod) makes it the node's
-rank (detect.one_rank_per_node). Otherwise, with no rank found (plain ``python script.py``; a
-SageMaker, SkyPilot or LSF host running the script itself, said in one line by init()), this is one
-process and no process group is created.
+starts the script once per node (srun with one task per node, a PyTorchJob pod, SageMaker) makes it
+the node's rank (detect.one_rank_per_node). Otherwise, with no rank found (plain ``python script.py``; a
+SkyPilot or LSF host running the script itself, said in one line by init()), this is one process and
+no process group is created.
 
 Timeouts are two-phase (torchtitan's ``init_distributed``/``set_pg_timeouts``):
 joining the process group and the first step may be slow (every node imports torch, compiles,

@@ -339,13 +339,16 @@ PER_PROCESS_KEYS = ("rank", "local_rank", "world_size")
 
 LAUNCHERS = {"mpi": "mpirun", "slurm": "srun"}
 
+LSF_BLAUNCH = ("blaunch -z \"$(echo $LSB_MCPU_HOSTS | awk '{for (i = 1; i <= NF; i += 2) printf \"%s \", $i}')\" "
+               "ddprun run train.py")
+"""One ``ddprun run`` on every host of an LSF job, from its job script (space-separated hosts for -z)."""
+
 AGENT_HINTS = {
     "mpi": "Start one `ddprun run` per node: mpirun -N 1 (or --map-by ppr:1:node) ddprun run train.py; "
            "or run the script itself under mpirun (mpirun -np N python train.py) with ddprun.init() in it.",
     "slurm": "Start one `ddprun run` per node: srun --ntasks-per-node=1 ddprun run train.py; "
              "or run the script itself under srun (srun python train.py) with ddprun.init() in it.",
-    "lsf": "Start one `ddprun run` per host from the job script: blaunch -z \"$(echo $LSB_MCPU_HOSTS | awk "
-           "'{for (i = 1; i <= NF; i += 2) printf \"%s \", $i}')\" ddprun run train.py",
+    "lsf": "Start one `ddprun run` per host from the job script: " + LSF_BLAUNCH,
 }
 
 
@@ -392,7 +395,7 @@ script on the head node alone (an eval step) is as likely as one on every node, 
 a job of one, said by :func:`alone_note`."""
 
 
-def one_rank_per_node(spec: ClusterSpec, *, joining: bool = True) -> ClusterSpec:
+def one_rank_per_node(spec: ClusterSpec, *, joining: bool) -> ClusterSpec:
     """``spec`` (resolve()'s, not a launcher's) for ``python train.py`` with ``ddprun.init()`` in it,
     started once per node by a multi-node job that states it is one of the job's processes but names
     no process rank: an srun step with one task per node, a PyTorchJob pod, SageMaker (RANK_HINTS).
@@ -431,15 +434,15 @@ def one_rank_per_node(spec: ClusterSpec, *, joining: bool = True) -> ClusterSpec
 
 ALONE_HINTS = {
     "skypilot": "make the task's run command `ddprun run train.py` (one process per GPU on every node).",
-    "lsf": "start one `ddprun run` per host from the job script: blaunch -z \"$(echo $LSB_MCPU_HOSTS | awk "
-           "'{for (i = 1; i <= NF; i += 2) printf \"%s \", $i}')\" ddprun run train.py",
+    "lsf": "start one `ddprun run` per host from the job script: " + LSF_BLAUNCH,
 }
 
 
 def alone_note(spec: ClusterSpec) -> str | None:
     """The line init() prints when a multi-node job's process runs as a job of one because nothing
     names it a rank (SkyPilot, LSF: see RANK_HINTS); None otherwise."""
-    if spec.rank is not None or spec.max_nodes == 1 or spec.environment in ("torchrun", "local", "hostfile"):
+    if (spec.rank is not None or spec.max_nodes == 1 or spec.environment in RANK_HINTS
+            or spec.environment in ("torchrun", "local", "hostfile")):
         return None
     return (f"ddprun: note: a multi-node {spec.environment} job ({spec.max_nodes} nodes: "
             f"{spec.sources.get('max_nodes', '?')}), but nothing names this process one of its ranks: it runs as "
