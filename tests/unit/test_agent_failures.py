@@ -373,3 +373,18 @@ def test_a_new_attempt_after_a_lost_store_is_not_stopped_for_the_old_stores_loss
     finally:
         a.stop()
     assert out.getvalue().count("stopping this node's workers") == 1, out.getvalue()
+
+
+def test_the_agreed_stop_step_is_read_on_demand_before_a_beat_reads_it(agent, store):
+    from ddprun.protocol import preempt as pp
+
+    a, _ = agent
+    keys = Keys("ddprun/job/r1/")
+    assert a.read_preempt_stop() is None  # no request: nothing to read
+    a.preempt_request = pp.Request("SIGTERM", "agent", 1, "host-b", time.time())
+    assert a.read_preempt_stop() is None  # asked, not answered
+    store.set(keys.preempt_stop, pp.NO_STEP)  # a rank answered; no beat has read it
+    assert a.read_preempt_stop() == pp.NO_STEP and a.preempt_stop == pp.NO_STEP
+    store.set(keys.preempt_stop, "35")  # once read, the answer is kept (the workers set it once: compare_set)
+    assert a.read_preempt_stop() == pp.NO_STEP
+

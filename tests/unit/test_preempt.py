@@ -206,11 +206,16 @@ def test_requeue_says_its_line_and_the_agent_ends_its_own_way_though_slurms_sigt
 class _Failures:
     """The part of AgentFailures that Preemption reads: the job's request, stop step and rank 0's Saved."""
 
-    def __init__(self, node_rank, request=None, stop=None, saved=None):
+    def __init__(self, node_rank, request=None, stop=None, saved=None, stored=None):
         self.node_rank, self.preempt_request, self.preempt_stop, self.saved = node_rank, request, stop, saved
+        self.stored = stored if stop is None else stop  # the stop step in the store, not read by a beat yet
 
     def read_preempt_saved(self, wait_s=0.0):
         return self.saved
+
+    def read_preempt_stop(self):
+        self.preempt_stop = self.preempt_stop or self.stored
+        return self.preempt_stop
 
 
 def _agent_preemption(failures, grace_s=3.0):
@@ -253,6 +258,26 @@ def test_a_peer_stopped_by_its_grace_is_this_nodes_forced_stop_and_any_other_fai
     assert pre.forced_line(peer).startswith("ddprun: the preemption grace of 3 s (--preempt-grace) ended before")
     assert pre.forced_why() == ("its preemption grace of 3 s (--preempt-grace) ended before its ranks stopped at "
                                 "the agreed step, and it stopped its workers")
+
+
+@pytest.mark.parametrize(("stored", "forced"), [(pp.NO_STEP, False), (None, False), ("35", True)])
+def test_a_peer_signalled_before_this_node_read_the_answer_is_forced_only_if_the_job_agreed_on_a_step(stored, forced):
+    """The peer's ranks answered NO_STEP (a script with nothing to save), so its agent stopped them at
+    once, and this node's ranks failed of it before its beat read that answer: a failure of the job (exit
+    1 naming that node), not a preemption's forced stop (128 + SIGTERM). The answer is read then; a step
+    agreed but not read yet is still a forced stop; no answer at all (or no store) is a failure."""
+    import time
+
+    from ddprun.protocol import failure as fr
+
+    peer = fr.FailureRecord(fr.SIGNAL, -1, "its agent got SIGTERM and stopped its workers", 1, "b",
+                            signal="SIGTERM", by="agent")
+    failures = _Failures(0, pp.Request("SIGTERM", "agent", 1, "b", time.time()), stored=stored)
+    pre = _agent_preemption(failures)
+    pre.check()
+    assert pre.preempting()  # asked, and no NO_STEP read yet
+    assert pre.forced_by_peer(peer) is forced
+    assert failures.preempt_stop == stored
 
 
 @pytest.mark.parametrize("saved, said", [

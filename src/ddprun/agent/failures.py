@@ -583,6 +583,20 @@ class AgentFailures:
             self._store = None
         self.preempt_request = self.preempt_request or req
 
+    def read_preempt_stop(self) -> str | None:
+        """The agreed stop step as stored (NO_STEP: none), read now where the beats have not read it
+        yet: a peer whose ranks answered NO_STEP stops its workers at once, and their peers here may
+        fail of that before this node's next beat. None: no answer yet, or the store is gone."""
+        keys = self._keys
+        if self.preempt_stop is None and self.preempt_request is not None and keys is not None:
+            try:
+                store = self._client()
+                if store.check([keys.preempt_stop]):
+                    self.preempt_stop = text(store.get(keys.preempt_stop))
+            except Exception:  # noqa: BLE001 - the store's host has ended: what the beats read is all there is
+                self._store = None
+        return self.preempt_stop
+
     def read_preempt_saved(self, wait_s: float = 0.0) -> pp.Saved | None:
         """Where rank 0 stopped (protocol/preempt.py Saved), waiting at most ``wait_s`` for it; None if
         it is not there. Rank 0 writes it as it ends, so the others' agents wait for it before the

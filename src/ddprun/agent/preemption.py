@@ -106,7 +106,10 @@ class Preemption:
         return lag if 0.0 <= lag <= CLOCK_TRUST_S else 0.0
 
     def before_exit(self) -> None:
-        """The workers ended: read where rank 0 stopped while the store's host still waits for us."""
+        """The workers ended: read the job's answer to a request (a beat may not have read it yet) and
+        where rank 0 stopped, while the store's host still waits for us."""
+        if self.request is not None:
+            self.failures.read_preempt_stop()
         if self.preempting():
             self.saved = self.failures.read_preempt_saved(wait_s=SAVED_WAIT_S)
 
@@ -148,9 +151,14 @@ class Preemption:
         """Whether ``cause`` (the job's root failure record) is another node going while the job stops
         at a step: its agent stopped its workers (its grace ended, or a second signal came, first) or
         it was lost (the node hosting the store stopped so: its record went with the store), and this
-        node's workers failed of it. The preemption's forced stop, not a failure of the job's own."""
-        return (cause is not None and self.preempting() and cause.kind in (fr.SIGNAL, fr.LOST) and cause.rank < 0
-                and cause.node_rank != self.failures.node_rank)
+        node's workers failed of it. The preemption's forced stop, not a failure of the job's own.
+        Only once the job agreed on a step: a request its ranks answered NO_STEP (or not yet) makes the
+        signalled node stop its workers at once, as torch's agent does, and that is the job's failure."""
+        if cause is None or cause.kind not in (fr.SIGNAL, fr.LOST) or cause.rank >= 0:
+            return False
+        if cause.node_rank == self.failures.node_rank or not self.preempting():
+            return False
+        return self.failures.read_preempt_stop() not in (None, pp.NO_STEP)
 
     def forced_why(self) -> str | None:
         """What this agent's record says when its grace ends (None: not a preemption's forced stop)."""
