@@ -81,6 +81,28 @@ def test_an_elastic_job_that_loses_the_store_host_says_so_and_ends(nodes, tmp_pa
     assert_nothing_left(tmp_path)
 
 
+@pytest.mark.timeout(120)
+def test_sigterm_to_one_node_of_an_elastic_job_with_nothing_to_save_restarts_the_other(nodes, tmp_path):
+    """The signalled node's rank answers the preemption request "none" (nothing stops at a step): its
+    agent stops it at once and leaves, as torchrun's would. The other node's agent read the request
+    (which forbids restarts while the job stops at a step), maybe before that answer: it restarts its
+    worker alone (--max-restarts) and finishes, as under torchrun."""
+    job = nodes(2, 1, ["--steps", "30", "--step-s", "0.1"], nnodes="1:2",
+                extra=["--max-restarts", "2", "--rdzv-conf",
+                       "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5"])
+    job.worker_pids(range(2))
+    victim = 1 - job.store_host()  # torch's rendezvous state lives on the store host: it must stay
+    job.signal(victim, signal.SIGTERM)
+    ended = job.finish(timeout=90)
+    stopped, other = ended[victim], ended[1 - victim]
+    assert stopped.returncode == 128 + signal.SIGTERM and other.returncode == 0, describe(ended)
+    assert "ddprun: stopped by SIGTERM; workers stopped." in stopped.output, describe(ended)
+    assert re.search(rf"^ddprun: node {victim} \(\S+\) was stopped by SIGTERM: its agent got SIGTERM and stopped "
+                     r"its workers; restarting the workers \(restart 1 of 2\)$", other.output, re.M), describe(ended)
+    assert "preempt" not in other.output and "Traceback" not in other.output, describe(ended)
+    assert_nothing_left(tmp_path)
+
+
 @pytest.mark.timeout(60)
 def test_torchs_unshared_store_switch_is_said_not_silent(nodes, tmp_path):
     from tests.helpers import job_env

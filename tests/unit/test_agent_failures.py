@@ -383,8 +383,12 @@ def test_the_agreed_stop_step_is_read_on_demand_before_a_beat_reads_it(agent, st
     assert a.read_preempt_stop() is None  # no request: nothing to read
     a.preempt_request = pp.Request("SIGTERM", "agent", 1, "host-b", time.time())
     assert a.read_preempt_stop() is None  # asked, not answered
-    store.set(keys.preempt_stop, pp.NO_STEP)  # a rank answered; no beat has read it
+    # a rank answered as the workers do (compare_set waits for the reply; a set from another client
+    # may reach the server after this agent's next read); no beat has read it
+    store.compare_set(keys.preempt_stop, "", pp.NO_STEP)
     assert a.read_preempt_stop() == pp.NO_STEP and a.preempt_stop == pp.NO_STEP
     store.set(keys.preempt_stop, "35")  # once read, the answer is kept (the workers set it once: compare_set)
     assert a.read_preempt_stop() == pp.NO_STEP
-
+    a.on_workers_started("r2", 0, 2, {0: (0, 0, ""), 1: (1, 0, "")}, world_size=4,
+                         store=("127.0.0.1", store.port), last_attempt=False)
+    assert a.preempt_request is None and a.preempt_stop is None  # the last attempt's: not this one's

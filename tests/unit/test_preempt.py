@@ -280,6 +280,25 @@ def test_a_peer_signalled_before_this_node_read_the_answer_is_forced_only_if_the
     assert failures.preempt_stop == stored
 
 
+def test_a_request_answered_no_step_runs_no_grace_and_a_new_request_starts_its_own():
+    """A peer's request its ranks answered NO_STEP: this node's grace, started when the beat read the
+    request, stops (it would otherwise stop this node's workers at its end); a later request (a new
+    attempt's) counts its grace from its own time."""
+    import time
+
+    req = pp.Request("SIGTERM", "agent", 1, "b", time.time())
+    failures = _Failures(0, req)
+    pre = _agent_preemption(failures)
+    assert pre.check() is None and pre._since is not None  # asked, not answered yet: the grace runs
+    failures.preempt_stop = pp.NO_STEP
+    pre._since -= 10.0  # well past the 3 s grace
+    assert pre.check() is None and not pre.grace_over() and pre._since is None
+    failures.preempt_request, failures.preempt_stop = None, None  # a new attempt
+    assert pre.check() is None and pre._since is None
+    failures.preempt_request, failures.preempt_stop = pp.Request("SIGTERM", "agent", 1, "b", time.time()), "7"
+    assert pre.check() is None and pre.preempting() and not pre.grace_over()
+
+
 @pytest.mark.parametrize("saved, said", [
     (None, "; the last checkpoint is the one before."),
     (pp.Saved(-1, -1, "", 0.0), "; the last checkpoint is the one before."),

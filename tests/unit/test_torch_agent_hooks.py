@@ -289,3 +289,25 @@ def test_a_node_waiting_to_join_while_the_job_stops_for_a_preemption_restarts_no
     assert handler.num_nodes_waiting() == 0
     preempting[0] = False  # no preemption: the node is taken in
     assert handler.num_nodes_waiting() == 1
+
+
+@pytest.mark.parametrize(("preempting", "left"), [(False, 2), (True, 0)])
+def test_a_failed_group_is_restarted_unless_the_job_stops_at_a_step_as_read_when_it_failed(monkeypatch, preempting,
+                                                                                            left):
+    """Whether a preemption forbids the restart is asked when the group failed, with the job's answer
+    read then (preempting_now): a peer's SIGTERM that its ranks answered NO_STEP (it stops at once,
+    nothing to save) is a failure an elastic job restarts from, also where this node's beat had read
+    the request and not yet the answer (preempting() was true meanwhile)."""
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    agent = DdprunAgent.__new__(DdprunAgent)
+    agent._hooks = AgentHooks(preempting=lambda: True, preempting_now=lambda: preempting)
+    agent._remaining_restarts = 2
+    agent._report_exits = lambda group: None
+    states = iter([WorkerState.HEALTHY, WorkerState.FAILED])
+    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", lambda self, group: RunResult(state=next(states)))
+    agent._monitor_workers(SimpleNamespace())  # healthy, asked (the beat read the request only)
+    assert agent._remaining_restarts == 2
+    agent._monitor_workers(SimpleNamespace())
+    assert agent._remaining_restarts == left

@@ -158,6 +158,8 @@ class AgentFailures:
             self._local.clear()
             self._cache.clear()
             self.lost, self.stopping_for = None, None
+            # the request and its answer live under the last attempt's keys: this attempt's are read afresh
+            self.preempt_request, self.preempt_stop = None, None
             if self._kill_later is not None:  # the last attempt's workers are gone; their pids may be reused
                 self._kill_later.cancel()
                 self._kill_later = None
@@ -363,14 +365,18 @@ class AgentFailures:
         moved (every writer of them advances it after the write); the agreed stop step, which is not
         announced, every beat while a preemption waits for it."""
         alarm = int(store.add(keys.alarm, 0))
+        request, stop = self.preempt_request, self.preempt_stop
         if alarm != self._alarm:
             self._read_records(store, keys)
-            if self.preempt_request is None and store.check([keys.preempt]):
-                self.preempt_request = pp.Request.parse(store.get(keys.preempt))
+            if request is None and store.check([keys.preempt]):
+                request = pp.Request.parse(store.get(keys.preempt))
             self._say_hang_report(store, keys)
-        if self.preempt_request is not None and self.preempt_stop is None and store.check([keys.preempt_stop]):
-            self.preempt_stop = text(store.get(keys.preempt_stop))
+        if request is not None and stop is None and store.check([keys.preempt_stop]):
+            stop = text(store.get(keys.preempt_stop))
         if keys is self._keys:  # not a value of the attempt before one that started meanwhile
+            # set once, never back to None: the main thread may have set them meanwhile (publish_preempt)
+            self.preempt_request = self.preempt_request or request
+            self.preempt_stop = self.preempt_stop or stop
             self._alarm = alarm  # only once all of it was read: a failing read reads it again next beat
 
     def _enforce_end(self) -> None:
@@ -589,6 +595,8 @@ class AgentFailures:
         fail of that before this node's next beat. None: no answer yet, or the store is gone."""
         keys = self._keys
         if self.preempt_stop is None and self.preempt_request is not None and keys is not None:
+            if self._store is None and not self._reachable():
+                return None  # its host is gone: a client's connect would wait seconds for nothing
             try:
                 store = self._client()
                 if store.check([keys.preempt_stop]):

@@ -68,6 +68,13 @@ class Preemption:
         asked = self.sig is not None or self.notice is not None or self.request is not None
         return asked and self.failures.preempt_stop != pp.NO_STEP
 
+    def preempting_now(self) -> bool:
+        """:meth:`preempting`, with the job's answer read from the store where no beat has read it yet
+        (a beat reads it every 0.5 s): a request its ranks answered NO_STEP is no preemption."""
+        if self.request is not None:
+            self.failures.read_preempt_stop()
+        return self.preempting()
+
     def check(self) -> int | None:
         """From the agent's monitor loop: publish this node's request, start the grace when the job's
         request is known; the signal to stop the workers with once the grace is over, else None."""
@@ -79,7 +86,9 @@ class Preemption:
             self._say(f"got {name}: asking every rank to stop after one agreed optimizer step (ddprun.fit saves "
                       f"its checkpoint there; a script with nothing to save stops now); workers still running in "
                       f"{self.grace_s:g} s ({self.grace_src}) are stopped; a second signal stops them now")
-        if self._since is None and self.preempting():
+        if not self.preempting():  # none asked, answered NO_STEP, or a new attempt: no grace runs
+            self._since, self._said_stop = None, False
+        elif self._since is None:
             self._since = time.monotonic() - self._lag()
         stop, req = self.failures.preempt_stop, self.request
         if not self._said_stop and stop not in (None, pp.NO_STEP) and req is not None:
@@ -108,13 +117,12 @@ class Preemption:
     def before_exit(self) -> None:
         """The workers ended: read the job's answer to a request (a beat may not have read it yet) and
         where rank 0 stopped, while the store's host still waits for us."""
-        if self.request is not None:
-            self.failures.read_preempt_stop()
-        if self.preempting():
+        if self.preempting_now():
             self.saved = self.failures.read_preempt_saved(wait_s=SAVED_WAIT_S)
 
     def grace_over(self) -> bool:
-        return self._since is not None and time.monotonic() - self._since >= self.grace_s
+        """The grace ended while the job stops at a step (a request answered NO_STEP has none)."""
+        return self._since is not None and self.preempting() and time.monotonic() - self._since >= self.grace_s
 
     def _say(self, text: str) -> None:
         print(f"ddprun: {text}", file=self.out, flush=True)
@@ -156,9 +164,9 @@ class Preemption:
         signalled node stop its workers at once, as torch's agent does, and that is the job's failure."""
         if cause is None or cause.kind not in (fr.SIGNAL, fr.LOST) or cause.rank >= 0:
             return False
-        if cause.node_rank == self.failures.node_rank or not self.preempting():
+        if cause.node_rank == self.failures.node_rank or not self.preempting_now():
             return False
-        return self.failures.read_preempt_stop() not in (None, pp.NO_STEP)
+        return self.failures.preempt_stop is not None
 
     def forced_why(self) -> str | None:
         """What this agent's record says when its grace ends (None: not a preemption's forced stop)."""

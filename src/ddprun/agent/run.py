@@ -494,7 +494,8 @@ class _AgentRun:
                            on_signal=self._on_signal, exit_barrier_done=self.failures.exit_barrier_done,
                            stop_grace_s=self.run_.cfg.stop_grace, preempt_signals=self.preemption.signals,
                            on_preempt_signal=self.preemption.on_signal, preempt_check=self.preemption.check,
-                           preempting=self.preemption.preempting, on_stopping=self.failures.mark_stopping,
+                           preempting=self.preemption.preempting,
+                           preempting_now=self.preemption.preempting_now, on_stopping=self.failures.mark_stopping,
                            before_exit_barrier=self.preemption.before_exit, standby=self.run_.standby)
         spot = self._spot_watch(err)
         try:

@@ -76,6 +76,9 @@ class AgentHooks:
     preempt_check: Callable[[], int | None] = lambda: None
     """Every monitor interval: a signal to stop the workers with now (the grace is over), else None."""
     preempting: Callable[[], bool] = lambda: False
+    """The job stops at an agreed step, as this agent's beats last read it (agent/preemption.py)."""
+    preempting_now: Callable[[], bool] = lambda: False
+    """:attr:`preempting`, with the job's answer read first: where it decides that no restart is made."""
     before_exit_barrier: Callable[[], None] = lambda: None
     """The workers ended: called before the agents' exit barrier, while every node's store still answers."""
     on_stopping: Callable[[], None] = lambda: None
@@ -160,13 +163,13 @@ class DdprunAgent(LocalElasticAgent):
         forced = self._hooks.preempt_check()
         if forced is not None:
             _signal_exception(forced, None)
-        if self._hooks.preempting():
-            self._remaining_restarts = 0  # a node going away: no restart
         result = super()._monitor_workers(worker_group)
         if result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
             # a worker that ended between the poll above and torch's is reported before torch
             # restarts or stops the group (its handler is gone after that)
             self._report_exits(worker_group)
+            if self._hooks.preempting_now():
+                self._remaining_restarts = 0  # the job stops at a step, or this node goes away: no restart
         return result
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
