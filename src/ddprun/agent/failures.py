@@ -123,6 +123,8 @@ class AgentFailures:
         self._last: Bounded | None = None
         """A new client is tried again from then on (the last try timed out)."""
         self._stop = threading.Event()
+        self._reforming = False
+        """torch re-forms the group (a restart, a node joining or dropped): no workers, no store to lose."""
         self._thread: threading.Thread | None = None
         self._oom0 = oom_kills()
         self.lost: fr.FailureRecord | None = None
@@ -149,7 +151,7 @@ class AgentFailures:
             # a store named lost in the last attempt is tried afresh: this round's may be another (a new
             # group rank 0 hosts it, agent/torch_agent.py follow_round_store) or back; lost again only
             # after lost_after of this attempt's own failing ticks (_loop)
-            self._store_given_up, self._retry_at = False, 0.0
+            self._store_given_up, self._retry_at, self._reforming = False, 0.0, False
             self._node, self._nnodes, self._workers = node_rank, nnodes, dict(workers)
             self._world = world_size or len(workers)
             self._last_attempt, self._cause_seen = last_attempt, None
@@ -334,7 +336,14 @@ class AgentFailures:
             if self._stop.is_set():
                 return
 
+    def on_reforming(self) -> None:
+        """torch stopped this attempt's workers to re-form the group: the attempt's store may be gone
+        with a node that left (it hosted it), which is no loss to name until the next attempt starts."""
+        self._reforming = True
+
     def _lost_since(self, failing_since: float | None) -> None:
+        if self._reforming:
+            return
         if failing_since is not None and time.monotonic() - failing_since >= self._lost_after and self.lost is None:
             self._store_lost()
 

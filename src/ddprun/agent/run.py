@@ -446,6 +446,7 @@ class _AgentRun:
 
     def _reforming(self) -> None:
         """torch is about to restart this round's group: a node coming back is let in from now on."""
+        self.failures.on_reforming()
         if self.run_.endpoint_store is not None:
             admission.publish_reforming(self.run_.endpoint_store, self._round)
 
