@@ -183,11 +183,14 @@ def test_a_frozen_agent_is_named_lost_and_its_workers_end_while_it_stays_frozen(
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("ignore", [False, True], ids=["worker-stops", "worker-ignores-sigterm"])
-def test_sigterm_to_an_agent_stops_its_workers_and_the_others_name_that_node(nodes, tmp_path, ignore):
+@pytest.mark.parametrize(("ignore", "rank"), [(False, 1), (True, 1), (False, 0)],
+                         ids=["worker-stops", "worker-ignores-sigterm", "store-host-worker-stops"])
+def test_sigterm_to_an_agent_stops_its_workers_and_the_others_name_that_node(nodes, tmp_path, ignore, rank):
+    """rank 0's node hosts the workers' store, and with it the record of its stop: it stays up until
+    the other node read it (AgentFailures.linger), which then names it, not a lost store."""
     job = nodes(2, 1, SLOW + (["--ignore-sigterm"] if ignore else []), extra=["--stop-grace", "3"])
     pids = job.worker_pids(range(2))
-    victim = job.agent_of(pids[1])
+    victim = job.agent_of(pids[rank])
     sent_at = job.signal(victim, signal.SIGTERM)
     ended = job.finish(timeout=40)
     stopped, other = ended[victim], ended[1 - victim]

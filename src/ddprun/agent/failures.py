@@ -264,9 +264,10 @@ class AgentFailures:
     def linger(self, timeout_s: float = 5.0) -> None:
         """Keep this agent (and the store, if it hosts it) up until every rank of the job has a record
         (its own failure, or that it was stopped: it read the cause), at most ``timeout_s``: an agent
-        that hosts the store and exits at once would take the cause's record with it."""
+        that hosts the store and exits at once would take the cause's record with it (also this node's
+        own: a signal that stopped its workers, :meth:`on_signal`)."""
         keys = self._keys
-        cause = self.root_cause()
+        cause = self.root_cause() or self.stopping_for
         # torch's c10d hosts the workers' store on node 0's agent; a cause that is only an echo is
         # worth nothing to the others (they probe for the lost node themselves)
         if keys is None or self._world <= 1 or self._node != 0 or cause is None or cause.is_echo:

@@ -628,6 +628,7 @@ def ending(e: BaseException, agent: _AgentRun, err: TextIO) -> Outcome:
         if agent.watcher is not None and agent.watcher.refused:
             return Outcome(1, run.rundir.path, 0.0)  # the refusal is printed already
         sig = int(getattr(e, "sigval", 15))
+        agent.failures.linger()  # the store's host keeps its record of the stop up for the others to read
         if agent.preemption.preempting() and agent.preemption.grace_over():
             print(agent.preemption.forced_line(), file=err, flush=True)
             agent.requeue(err)  # the work since the last checkpoint is lost, the job is not done
