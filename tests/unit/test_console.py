@@ -1,6 +1,7 @@
 """Failure records and the one classifier behind every node's console and WorkerFailed."""
 
 import json
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -84,6 +85,27 @@ def test_a_rank_that_died_here_shows_its_log_tail_without_cpp_frames(tmp_path):
     killed = fr.from_exit(1, -9, node_rank=0, host="a", local_rank=1, t=2.0)
     text = console.summary({1: killed}, [], RunDir(str(tmp_path)), "a")
     assert "[rank1] step 4" in text and "frame #" not in text
+
+
+def test_a_cpp_warnings_stack_after_the_python_traceback_does_not_hide_it(tmp_path):
+    """A store call that fails as the process ends (its peer's store closed) makes torch log a warning
+    with a C++ stack after the traceback: the excerpt shows the traceback, not that stack."""
+    (tmp_path / "logs").mkdir()
+    cpp = ["[rank1]:[W1204 05:52:00.549125409 TCPStore.cpp:125] [c10d] recvValue failed on SocketImpl(fd=3): "
+           "Failed to recv, got 0 bytes. Connection was likely closed. ",
+           "Exception raised from recvBytes at /__w/pytorch/pytorch/torch/csrc/distributed/c10d/Utils.hpp:787 "
+           "(most recent call first):",
+           *[f"frame #{i}: c10::Error::Error(c10::SourceLocation) + 0x9d (0x7fac in libc10.so)" for i in range(9)],
+           "<omitting python frames>", "frame #20: <unknown function> + 0x891f5 (0x7fac in libc.so.6)", ""]
+    py = ["Traceback (most recent call last):", '  File "job.py", line 101, in main',
+          '    raise RuntimeError(f"injected failure on rank {rank}")', "RuntimeError: injected failure on rank 1"]
+    (tmp_path / "logs" / "rank-1.log").write_text("\n".join(["step 3", *py, *cpp]) + "\n")
+    failed = fr.FailureRecord(fr.ERROR, 1, "RuntimeError: injected failure on rank 1", 0, "a", local_rank=1)
+    text = console.summary({1: failed}, [], RunDir(str(tmp_path)), "a", followed=())
+    assert "[rank1] Traceback (most recent call last):" in text and "[rank1] RuntimeError: injected" in text, text
+    assert not re.search(r"frame #|omitting|Exception raised|TCPStore|recvValue", text), text
+    assert console._CPP_NOISE.match("  [rank0] frame #22: __libc_start_main + 0x80")
+    assert not console._CPP_NOISE.match("RuntimeError: frame #3 is missing")
 
 
 def test_a_rank_stopped_by_another_says_so_in_one_line():

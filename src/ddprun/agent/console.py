@@ -7,6 +7,7 @@ Pure text from failure records (protocol/failure.py) and log tails; the launcher
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Mapping
 
 from ddprun._util import tail_lines
@@ -37,12 +38,23 @@ def local_records(failures: Mapping[int, object], recorded: Mapping[int, fr.Fail
     return out
 
 
+_CPP_NOISE = re.compile(r"\s*(\[rank\d+\]:?\s*)?(frame #\d+|<omitting python frames>|Exception raised from |"
+                        r"\[W\d{4} \d\d:\d\d:\d\d\.\d+ [^\]]*\] )")
+"""Lines of a C++ warning's stack trace (``frame #22: __libc_start_main``; torch logs one when a store
+call fails as the process ends, after its Python traceback): noise on a console."""
+
+
+def log_tail(path: str, n: int) -> list[str]:
+    """The last ``n`` lines of a log without C++ stack traces (of its last 60 lines)."""
+    return [t for t in tail_lines(path, 60) if not _CPP_NOISE.match(t)][-n:]
+
+
 def _tail(rundir: RunDir, rank: int, summary: str) -> list[str]:
-    """The last lines of rank's log, unless it ends with the one line already shown."""
+    """The last lines of rank's log without C++ stack traces, unless it ends with the one line already
+    shown."""
     lines = []
     for log in (rundir.early_log(rank), rundir.rank_log(rank)):
-        # C++ frames of a torch error (``frame #22: __libc_start_main``) are noise on a console
-        tail = [t for t in tail_lines(log, 12) if "frame #" not in t][-8:]
+        tail = log_tail(log, 8)
         if tail and tail[-1].strip() != f"ddprun: {summary}":
             lines.append(f"  last lines of {os.path.relpath(log)}:")
             lines.extend(f"    [rank{rank}] {line}" for line in tail)

@@ -93,7 +93,7 @@ def _payload(fn: Callable, args: tuple, kwargs: dict, *, return_all: bool, timeo
 
 def _root_cause(outcome: Any, directory: str) -> WorkerFailed | LaunchTimeout:
     """One exception for a failed launch: the rank whose own failure ended it, never an echo of it."""
-    from ddprun._util import tail_lines
+    from ddprun.agent.console import log_tail
     from ddprun.protocol import failure as fr
     from ddprun.protocol import payload
     from ddprun.protocol.rundir import RunDir
@@ -116,7 +116,7 @@ def _root_cause(outcome: Any, directory: str) -> WorkerFailed | LaunchTimeout:
     msg = (cause.summary or cause.how()) if cause is not None else "the job failed"
     if cause is not None and cause.kind in (fr.SIGNAL, fr.EXIT):
         msg = f"the process {cause.how()} without a Python error"
-    tail = "\n".join(tail_lines(log, 12))
+    tail = "\n".join(log_tail(log, 12))
     return WorkerFailed(rank, msg, traceback=tail and f"(last lines of its log)\n{tail}", log=log, others=also,
                         hint=cause.hint if cause is not None and cause.hint else None)
 
