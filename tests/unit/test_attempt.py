@@ -1,6 +1,7 @@
 """Attempt ids and the per-attempt store namespace that lets a restarted worker group start cleanly."""
 
 import os
+import time
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -166,6 +167,10 @@ def test_a_node_that_takes_over_a_rank_keeps_the_log_another_node_wrote_for_it_t
     logs.mkdir()
     (logs / "rank-0.attempt-0.log").write_text("the early node's restart\n")
     (logs / "rank-0.log").write_text("round 0 on the early node\n")  # written after the late node launched
+    # a file's mtime comes from the kernel's coarse clock, which may lag time.time() at the launch by
+    # a tick: the test says "after" in seconds, as two nodes' launches differ
+    later = time.time() + 1.0
+    os.utime(logs / "rank-0.log", (later, later))
     spec.reify({0: {"RANK": "0", "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0"}})
     assert not (logs / "rank-0.log").exists()
     assert (logs / "rank-0.attempt-0.log").read_text() == "the early node's restart\n"
