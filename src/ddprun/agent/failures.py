@@ -383,11 +383,12 @@ class AgentFailures:
             self._say_hang_report(store, keys)
         if request is not None and stop is None and store.check([keys.preempt_stop]):
             stop = text(store.get(keys.preempt_stop))
-        if keys is self._keys:  # not a value of the attempt before one that started meanwhile
-            # set once, never back to None: the main thread may have set them meanwhile (publish_preempt)
-            self.preempt_request = self.preempt_request or request
-            self.preempt_stop = self.preempt_stop or stop
-            self._alarm = alarm  # only once all of it was read: a failing read reads it again next beat
+        with self._lock:  # on_workers_started resets them under it: no old attempt's value after that
+            if keys is self._keys:  # not a value of the attempt before one that started meanwhile
+                # set once, never back to None: the main thread may have set them meanwhile (publish_preempt)
+                self.preempt_request = self.preempt_request or request
+                self.preempt_stop = self.preempt_stop or stop
+                self._alarm = alarm  # only once all of it was read: a failing read reads it again next beat
 
     def _enforce_end(self) -> None:
         """Another rank's failure ended the job (last attempt), but a local worker still runs after
