@@ -107,6 +107,29 @@ def test_sigterm_to_one_node_of_an_elastic_job_with_nothing_to_save_restarts_the
     assert_nothing_left(tmp_path)
 
 
+@pytest.mark.timeout(120)
+def test_sigterm_to_every_process_of_one_node_of_an_elastic_job_restarts_only_the_other(nodes, tmp_path):
+    """As SLURM or Kubernetes stop a node: its agent and its worker get SIGTERM. The worker, with
+    nothing to save at a step, dies of it at once, maybe before its agent read that answer: the
+    signalled node goes away all the same, as torchrun's agent does on a signal (it never restarts,
+    and leaves the rendezvous open); the other restarts alone and finishes."""
+    job = nodes(2, 1, ["--steps", "30", "--step-s", "0.1"], nnodes="1:2",
+                extra=["--max-restarts", "2", "--rdzv-conf",
+                       "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5"])
+    pids = job.worker_pids(range(2))
+    victim = 1 - job.store_host()
+    for pid in [job.procs[victim].pid, *(p for p in pids.values() if job.agent_of(p) == victim)]:
+        os.kill(pid, signal.SIGTERM)
+    ended = job.finish(timeout=90)
+    stopped, other = ended[victim], ended[1 - victim]
+    assert stopped.returncode == 128 + signal.SIGTERM and other.returncode == 0, describe(ended)
+    assert "ddprun: stopped by SIGTERM; workers stopped." in stopped.output, describe(ended)
+    assert "restarting the workers" not in stopped.output, describe(ended)
+    assert re.search(r"^ddprun: .*restarting the workers \(restart 1 of 2\)$", other.output, re.M), describe(ended)
+    assert "Traceback" not in other.output, describe(ended)
+    assert_nothing_left(tmp_path)
+
+
 @pytest.mark.timeout(60)
 def test_torchs_unshared_store_switch_is_said_not_silent(nodes, tmp_path):
     from tests.helpers import job_env

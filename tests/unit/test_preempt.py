@@ -280,6 +280,23 @@ def test_a_peer_signalled_before_this_node_read_the_answer_is_forced_only_if_the
     assert failures.preempt_stop == stored
 
 
+@pytest.mark.parametrize(("own", "stored", "forbidden"), [
+    (False, pp.NO_STEP, False),  # a peer's signal, nothing to save: it stops at once; this node may restart
+    (False, "35", True),  # the job stops at step 35
+    (False, None, True),  # asked, not answered yet: the job may stop at a step
+    (True, pp.NO_STEP, True),  # this node got the signal: it goes away, whatever the job answered
+])
+def test_a_failed_group_restarts_only_where_no_preemption_holds_it(own, stored, forbidden):
+    import time
+
+    failures = _Failures(0, pp.Request("SIGTERM", "agent", 0 if own else 1, "b", time.time()), stored=stored)
+    pre = _agent_preemption(failures)
+    if own:
+        pre.on_signal(signal.SIGTERM)
+    assert pre.restart_forbidden() is forbidden
+    assert failures.preempt_stop == stored  # read when asked
+
+
 def test_a_request_answered_no_step_runs_no_grace_and_a_new_request_starts_its_own():
     """A peer's request its ranks answered NO_STEP: this node's grace, started when the beat read the
     request, stops (it would otherwise stop this node's workers at its end); a later request (a new

@@ -291,19 +291,17 @@ def test_a_node_waiting_to_join_while_the_job_stops_for_a_preemption_restarts_no
     assert handler.num_nodes_waiting() == 1
 
 
-@pytest.mark.parametrize(("preempting", "left"), [(False, 2), (True, 0)])
-def test_a_failed_group_is_restarted_unless_the_job_stops_at_a_step_as_read_when_it_failed(monkeypatch, preempting,
-                                                                                            left):
-    """Whether a preemption forbids the restart is asked when the group failed, with the job's answer
-    read then (preempting_now): a peer's SIGTERM that its ranks answered NO_STEP (it stops at once,
-    nothing to save) is a failure an elastic job restarts from, also where this node's beat had read
-    the request and not yet the answer (preempting() was true meanwhile)."""
+@pytest.mark.parametrize(("forbidden", "left"), [(False, 2), (True, 0)])
+def test_a_failed_group_is_restarted_unless_forbidden_when_it_failed(monkeypatch, forbidden, left):
+    """Whether a preemption forbids the restart is asked when the group failed (restart_forbidden,
+    which reads the job's answer then), not on a poll while only the request is known: a peer's
+    SIGTERM that its ranks answered NO_STEP is a failure an elastic job restarts from."""
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     agent = DdprunAgent.__new__(DdprunAgent)
-    agent._hooks = AgentHooks(preempting=lambda: True, preempting_now=lambda: preempting)
-    agent._remaining_restarts = 2
+    agent._hooks = AgentHooks(preempting=lambda: True, restart_forbidden=lambda: forbidden)
+    agent._remaining_restarts, agent._preempt_said = 2, None
     agent._report_exits = lambda group: None
     states = iter([WorkerState.HEALTHY, WorkerState.FAILED])
     monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", lambda self, group: RunResult(state=next(states)))
@@ -311,3 +309,27 @@ def test_a_failed_group_is_restarted_unless_the_job_stops_at_a_step_as_read_when
     assert agent._remaining_restarts == 2
     agent._monitor_workers(SimpleNamespace())
     assert agent._remaining_restarts == left
+
+
+@pytest.mark.parametrize("agreed", [False, True])
+def test_a_group_that_died_of_this_agents_own_signal_ends_the_agent_as_a_signal_unless_the_job_stops_at_a_step(
+        monkeypatch, agreed):
+    """SIGTERM to every process of a node, the job answering that nothing stops at a step: its workers
+    die of it in the poll where the agent reads that answer. The agent ends as on a signal (torch then
+    leaves the rendezvous open for an elastic job's other nodes), not as a failed group (which closes
+    it). Where the job stops at a step, a failed group is a failure of the stop, said as such."""
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    agent = DdprunAgent.__new__(DdprunAgent)
+    agent._hooks = AgentHooks(preempting=lambda: agreed, restart_forbidden=lambda: True)
+    agent._remaining_restarts, agent._preempt_said = 2, 15
+    agent._report_exits = lambda group: None
+    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", lambda self, group: RunResult(state=WorkerState.FAILED))
+    if agreed:
+        assert agent._monitor_workers(SimpleNamespace()).state == WorkerState.FAILED
+    else:
+        with pytest.raises(SignalException, match="got signal: 15"):
+            agent._monitor_workers(SimpleNamespace())
+    assert agent._remaining_restarts == 0

@@ -75,6 +75,11 @@ class Preemption:
             self.failures.read_preempt_stop()
         return self.preempting()
 
+    def restart_forbidden(self) -> bool:
+        """No restart of a failed group: this node got a preemption signal or notice (it goes away,
+        whatever the job answered), or the job stops at a step (:meth:`preempting_now`)."""
+        return self.preempting_now() or self.sig is not None or self.notice is not None
+
     def check(self) -> int | None:
         """From the agent's monitor loop: publish this node's request, start the grace when the job's
         request is known; the signal to stop the workers with once the grace is over, else None."""

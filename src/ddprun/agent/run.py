@@ -496,7 +496,7 @@ class _AgentRun:
                            stop_grace_s=self.run_.cfg.stop_grace, preempt_signals=self.preemption.signals,
                            on_preempt_signal=self.preemption.on_signal, preempt_check=self.preemption.check,
                            preempting=self.preemption.preempting,
-                           preempting_now=self.preemption.preempting_now, on_stopping=self.failures.mark_stopping,
+                           restart_forbidden=self.preemption.restart_forbidden, on_stopping=self.failures.mark_stopping,
                            before_exit_barrier=self.preemption.before_exit, standby=self.run_.standby)
         spot = self._spot_watch(err)
         try:
@@ -628,11 +628,12 @@ def ending(e: BaseException, agent: _AgentRun, err: TextIO) -> Outcome:
         if agent.watcher is not None and agent.watcher.refused:
             return Outcome(1, run.rundir.path, 0.0)  # the refusal is printed already
         sig = int(getattr(e, "sigval", 15))
-        agent.failures.linger()  # the store's host keeps its record of the stop up for the others to read
         if agent.preemption.preempting() and agent.preemption.grace_over():
+            # requeued at once (the cluster's kill is near); the others read this node as lost
             print(agent.preemption.forced_line(), file=err, flush=True)
             agent.requeue(err)  # the work since the last checkpoint is lost, the job is not done
         else:
+            agent.failures.linger()  # the store's host keeps its record of the stop up for the others to read
             print(f"ddprun: stopped by {fr.signal_name(-sig)}; workers stopped.", file=err, flush=True)
         return Outcome(128 + sig, run.rundir.path, 0.0)
     return _from_records(agent, err, f"ddprun: the launcher failed: {name}: {e}\n"

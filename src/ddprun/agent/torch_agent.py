@@ -77,8 +77,9 @@ class AgentHooks:
     """Every monitor interval: a signal to stop the workers with now (the grace is over), else None."""
     preempting: Callable[[], bool] = lambda: False
     """The job stops at an agreed step, as this agent's beats last read it (agent/preemption.py)."""
-    preempting_now: Callable[[], bool] = lambda: False
-    """:attr:`preempting`, with the job's answer read first: where it decides that no restart is made."""
+    restart_forbidden: Callable[[], bool] = lambda: False
+    """Asked when the group failed: no restart (this node got a preemption signal, or the job stops at
+    a step, the job's answer read first)."""
     before_exit_barrier: Callable[[], None] = lambda: None
     """The workers ended: called before the agents' exit barrier, while every node's store still answers."""
     on_stopping: Callable[[], None] = lambda: None
@@ -168,8 +169,13 @@ class DdprunAgent(LocalElasticAgent):
             # a worker that ended between the poll above and torch's is reported before torch
             # restarts or stops the group (its handler is gone after that)
             self._report_exits(worker_group)
-            if self._hooks.preempting_now():
-                self._remaining_restarts = 0  # the job stops at a step, or this node goes away: no restart
+            if self._hooks.restart_forbidden():
+                self._remaining_restarts = 0
+                if self._preempt_said is not None and not self._hooks.preempting():
+                    # the job answered that nothing stops at a step, and its workers died of the signal
+                    # this agent got too (SLURM, Kubernetes signal every process): what preempt_check()
+                    # does a poll later, now; torch then leaves the rendezvous open for the other nodes
+                    _signal_exception(self._preempt_said, None)
         return result
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
