@@ -3,7 +3,10 @@ rank's last Flight Recorder entries, the workers' recorder settings, and a real 
 
 import json
 import os
+import subprocess
+import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -48,6 +51,31 @@ def test_the_workers_get_the_recorder_unless_the_user_set_it(tmp_path):
                    "TORCH_FR_DUMP_TEMP_FILE": os.path.join(str(tmp_path), "nccl-trace-rank-")}
     assert flight_recorder_env({"TORCH_NCCL_TRACE_BUFFER_SIZE": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"},
                                str(tmp_path)) == {}
+    assert "TORCH_FR_BUFFER_SIZE" not in flight_recorder_env({"TORCH_FR_BUFFER_SIZE": "0"}, str(tmp_path))
+
+
+RECORD_THREE = """
+import sys, torch, torch.distributed as dist
+from ddprun.worker.collectives import last_collectives
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+for _ in range(3):
+    dist.all_reduce(torch.ones(1))
+print("LAST", last_collectives())
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_buffer_size_of_0_turns_the_recorder_off(tmp_path):
+    """The README's off switch: torch reads the size once per process, hence a process per value."""
+    def last(size: str) -> str:
+        env = {**os.environ, "TORCH_FR_BUFFER_SIZE": size, "OMP_NUM_THREADS": "1"}
+        out = subprocess.run([sys.executable, "-c", RECORD_THREE, str(free_port())], env=env, timeout=50,
+                             capture_output=True, text=True, check=True).stdout
+        return out.split("LAST ", 1)[1].strip()
+
+    assert last("0") == "None"
+    assert "'op': 'gloo:all_reduce'" in last("50")  # the same script records when the size is not 0
 
 
 def test_a_real_gloo_group_records_its_collectives_and_the_trace_is_written(tmp_path, monkeypatch):

@@ -108,6 +108,20 @@ def test_an_nvml_that_does_not_answer_is_given_up_on_in_bounded_time():
     assert time.monotonic() - t0 < 2
 
 
+def test_nccl_conf_file_replaces_the_home_config_in_the_hashes(tmp_path):
+    """NCCL reads NCCL_CONF_FILE instead of ~/.nccl.conf: that file is the one hashed in its place."""
+    import hashlib
+
+    (tmp_path / "home/u").mkdir(parents=True)
+    (tmp_path / "home/u/.nccl.conf").write_text("NCCL_IB_DISABLE=0\n")
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared/nccl.conf").write_text("NCCL_IB_DISABLE=1\n")
+    home = gpufacts.nccl_conf_hashes({"HOME": "/home/u"}, root=str(tmp_path))
+    chosen = gpufacts.nccl_conf_hashes({"HOME": "/home/u", "NCCL_CONF_FILE": "/shared/nccl.conf"}, root=str(tmp_path))
+    assert home == {"/etc/nccl.conf": "", "~/.nccl.conf": hashlib.sha256(b"NCCL_IB_DISABLE=0\n").hexdigest()[:16]}
+    assert chosen == {"/etc/nccl.conf": "", "~/.nccl.conf": hashlib.sha256(b"NCCL_IB_DISABLE=1\n").hexdigest()[:16]}
+
+
 def test_nccl_settings_config_files_plugins_and_hcas_come_from_the_given_root(tmp_path, nvml):
     (tmp_path / "etc").mkdir()
     (tmp_path / "etc/nccl.conf").write_text("NCCL_IB_DISABLE=0\n")

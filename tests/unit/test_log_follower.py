@@ -115,3 +115,21 @@ def test_a_dropped_file_is_copied_by_the_next_poll_to_the_end_of_what_it_has_ope
     f._pump()
     f._pump()
     assert out.getvalue() == "1\n2\nunended\n"
+
+
+def test_tee_puts_the_chosen_local_ranks_on_the_console_prefixed_and_no_other(tmp_path, follower):
+    """`ddprun run --tee 1:3 --nproc-per-node 3` on node 1 of a 2 × 3 job (ranks 3-5): its local
+    rank 1 (rank 4) is followed with a ``[rank4]`` prefix, local ranks 0 and 2 stay in their logs."""
+    from ddprun.agent.logs import RankLogsSpecs
+    from ddprun.agent.run import parse_local_ranks
+    from ddprun.protocol.env import WorkerEnv
+
+    f, out = follower
+    tee = parse_local_ranks("1:3", 3)
+    spec = RankLogsSpecs(str(tmp_path), f, tee, WorkerEnv(run_dir=str(tmp_path)))
+    spec.reify({lr: {"RANK": str(3 + lr), "GROUP_RANK": "1", "TORCHELASTIC_RESTART_COUNT": "0"} for lr in range(3)})
+    for rank in (3, 4, 5):
+        write(tmp_path / "logs" / f"rank-{rank}.log", f"step 1 on rank {rank}\n")
+    f._pump()
+    assert (tee, out.getvalue()) == ({1}, "[rank4] step 1 on rank 4\n")
+    assert parse_local_ranks("3", 3) == {0, 1, 2} and parse_local_ranks("0", 3) == set()

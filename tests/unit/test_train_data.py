@@ -184,3 +184,35 @@ def test_fits_loader_workers_outlive_a_preemption_signal_and_end_with_fit(monkey
         if other.pid is not None and other.is_alive():
             other.kill()
     assert os.path.exists(f"/proc/{server}")
+
+
+@pytest.mark.timeout(60)
+def test_a_loader_of_your_own_outside_fit_survives_the_preemption_signal_with_preemption_safe_init(monkeypatch):
+    """The README's recipe for a DataLoader outside fit: worker_init_fn=PreemptionSafeInit(PREEMPT.signals,
+    your_fn). Its worker ignores the signal and runs the user's init; the same loader without it dies
+    of the signal, as a rank's worker would under SLURM's signal to every process of the step."""
+    import os
+    import signal
+    import time
+
+    from ddprun.preempt import PREEMPT
+    from ddprun.train.data import PreemptionSafeInit
+
+    monkeypatch.setattr(PREEMPT, "signals", (signal.SIGUSR1,))  # what ddprun run's bootstrap sets
+
+    def loader(init):
+        return DataLoader(Pids(), batch_size=4, num_workers=1, persistent_workers=True, worker_init_fn=init,
+                          multiprocessing_context="fork")
+
+    safe, plain = loader(PreemptionSafeInit(PREEMPT.signals, mark_worker)), loader(mark_worker)
+    workers = [{int(b[0, 0]) for b in dl} for dl in (safe, plain)]
+    assert all(len(w) == 1 and os.getpid() not in w for w in workers), workers
+    os.kill(min(workers[0]), signal.SIGUSR1)
+    time.sleep(0.2)
+    batches = list(safe)
+    assert {int(b[0, 0]) for b in batches} == workers[0]  # the same worker serves on
+    assert all(int(b[0, 1]) for b in batches)  # the user's init ran there
+    with pytest.raises(RuntimeError, match="killed by signal"):  # torch's SIGCHLD handler, or the next batch
+        os.kill(min(workers[1]), signal.SIGUSR1)
+        time.sleep(0.5)
+        list(plain)
