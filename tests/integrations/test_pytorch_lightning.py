@@ -171,3 +171,29 @@ def test_uneven_nodes_are_refused_by_trainer_kwargs_on_every_node(module):
     even = RankInfo(rank=0, local_rank=0, node_rank=0, world_size=4, local_world_size=2,
                     device=torch.device("cpu"), is_main=True)
     assert nodes(even, {"GROUP_WORLD_SIZE": "2"}) == 2
+
+
+@pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])
+def test_ddprun_fit_refuses_a_lightning_module_on_uneven_nodes_before_it_builds_a_trainer(package, monkeypatch):
+    """ddprun.fit(LightningModule) on node 1 of a 2 + 1 job: the ConfigError, not a Trainer that
+    would count 3 nodes (runtime.init replaced by this node's RankInfo: no process group needed)."""
+    import importlib
+
+    import ddprun
+    from ddprun.errors import ConfigError
+    from ddprun.runtime import RankInfo
+
+    pl = extra(package)
+    from torch.utils.data import TensorDataset
+
+    glue = importlib.import_module("ddprun.lightning" if package == "lightning.pytorch" else "ddprun.pytorch_lightning")
+    node1 = RankInfo(rank=2, local_rank=0, node_rank=1, world_size=3, local_world_size=1,
+                     device=torch.device("cpu"), is_main=False)
+    monkeypatch.setattr(glue.runtime, "init", lambda: node1)
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    built = []
+    monkeypatch.setattr(pl, "Trainer", lambda *a, **k: built.append(k))
+    model = importlib.import_module(f"{package}.demos.boring_classes").BoringModel()
+    with pytest.raises(ConfigError, match="(?s)same number of processes.*WORLD_SIZE=3.*LOCAL_WORLD_SIZE=1"):
+        ddprun.fit(model, TensorDataset(torch.randn(8, 32)), batch_size=2, max_steps=1)
+    assert built == []
