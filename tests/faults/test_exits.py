@@ -81,15 +81,21 @@ def test_an_elastic_job_that_loses_the_store_host_says_so_and_ends(nodes, tmp_pa
     assert_nothing_left(tmp_path)
 
 
+def elastic_pair(nodes):
+    """2 x 1 nodes of an elastic job (--nnodes 1:2, 2 restarts, 3 s of training) whose rendezvous
+    re-forms within seconds: a 1 s last call, keep-alives every second."""
+    return nodes(2, 1, ["--steps", "30", "--step-s", "0.1"], nnodes="1:2",
+                 extra=["--max-restarts", "2", "--rdzv-conf",
+                        "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5"])
+
+
 @pytest.mark.timeout(120)
 def test_sigterm_to_one_node_of_an_elastic_job_with_nothing_to_save_restarts_the_other(nodes, tmp_path):
     """The signalled node's rank answers the preemption request "none" (nothing stops at a step): its
     agent stops it at once and leaves, as torchrun's would. The other node's agent read the request
     (which forbids restarts while the job stops at a step), maybe before that answer: it restarts its
     worker alone (--max-restarts) and finishes, as under torchrun."""
-    job = nodes(2, 1, ["--steps", "30", "--step-s", "0.1"], nnodes="1:2",
-                extra=["--max-restarts", "2", "--rdzv-conf",
-                       "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5"])
+    job = elastic_pair(nodes)
     job.worker_pids(range(2))
     victim = 1 - job.store_host()  # torch's rendezvous state lives on the store host: it must stay
     job.signal(victim, signal.SIGTERM)
@@ -113,9 +119,7 @@ def test_sigterm_to_every_process_of_one_node_of_an_elastic_job_restarts_only_th
     nothing to save at a step, dies of it at once, maybe before its agent read that answer: the
     signalled node goes away all the same, as torchrun's agent does on a signal (it never restarts,
     and leaves the rendezvous open); the other restarts alone and finishes."""
-    job = nodes(2, 1, ["--steps", "30", "--step-s", "0.1"], nnodes="1:2",
-                extra=["--max-restarts", "2", "--rdzv-conf",
-                       "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5"])
+    job = elastic_pair(nodes)
     pids = job.worker_pids(range(2))
     victim = 1 - job.store_host()
     for pid in [job.procs[victim].pid, *(p for p in pids.values() if job.agent_of(p) == victim)]:

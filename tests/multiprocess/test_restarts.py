@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.faults.conftest import assert_nothing_left
 from tests.helpers import DDPRUN, ddprun_nodes, describe, free_port, run_agents
 
 pytestmark = pytest.mark.multiprocess
@@ -61,10 +62,12 @@ def test_a_sigkilled_worker_is_restarted_and_fit_resumes_bitwise(tmp_path):
     assert f"ddprun: resuming from {ckdir / 'step-00000006.pt'}: step 6" in both, describe(results)
     got = [facts(out, r) for r in range(4)]
     assert {(f["world_size"], f["steps"]) for f in got} == {(4, STEPS)}
+    assert all(str(f["restart_count"]).isdigit() for f in got), got  # torchrun's variable, in every worker
     # one attempt id on every node (the rendezvous round), whatever each agent's restart count says
     assert len({f["attempt"] for f in got}) == 1 and got[0]["attempt"] != "r0", got
     assert (tmp_path / "runs" / "rs2x2" / "logs" / "rank-3.attempt-0.log").exists()
     assert_bitwise(ref, out, 4)
+    assert_nothing_left(tmp_path)  # the killed attempt's workers and both agents
 
 
 @pytest.mark.timeout(240)
@@ -81,6 +84,7 @@ def test_a_raising_worker_is_restarted_and_fit_resumes_bitwise(tmp_path):
             in r[0].output and "; restarting the workers (restart 1 of 1)" in r[0].output), describe(r)
     assert "resuming from" in r[0].output and "step-00000008.pt: step 8" in r[0].output, describe(r)
     assert_bitwise(ref, out, 2)
+    assert_nothing_left(tmp_path)
 
 
 @pytest.mark.timeout(240)

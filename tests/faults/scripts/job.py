@@ -33,6 +33,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--until", default=None, help="after --steps, go on until this file exists (on any rank)")
     p.add_argument("--min-world", type=int, default=0,
                    help="count steps only while WORLD_SIZE is at least this (a job that waits for a late node)")
+    p.add_argument("--hold-gil-rank", type=int, default=None,
+                   help="after step 3 this rank calls into C with the GIL held (ctypes.PyDLL: libc sleep)")
+    p.add_argument("--hold-gil-s", type=int, default=60)
     return p.parse_args()
 
 
@@ -99,6 +102,10 @@ def main() -> None:
                 fp.write(str(os.getpid()))
         if step == 3 and args.raise_rank == rank:
             raise RuntimeError(f"injected failure on rank {rank}")
+        if step == 3 and args.hold_gil_rank == rank:
+            import ctypes
+
+            ctypes.PyDLL(None).sleep(args.hold_gil_s)  # PyDLL keeps the GIL: no other thread of it runs
         if step == 3 and (args.eval_s or args.beat_s):
             phase(args, rank)
         if args.write_mb:  # log lines that fill the disk under the run directory
