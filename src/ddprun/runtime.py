@@ -29,14 +29,15 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from ddprun.errors import ClusterError, ConfigError
+from ddprun.protocol import defaults
 from ddprun.protocol.env import device_kind, inside_worker, soft_exit
 
 if TYPE_CHECKING:
     import torch
 
-DEFAULT_INIT_TIMEOUT_S = 600.0
+DEFAULT_INIT_TIMEOUT_S = defaults.INIT_TIMEOUT_S
 """Seconds for joining the process group and for every collective until the first step completes."""
-DEFAULT_TRAIN_TIMEOUT_S = 300.0
+DEFAULT_TRAIN_TIMEOUT_S = defaults.TRAIN_TIMEOUT_S
 """Seconds a collective may wait once training runs (torch's default: 30 min for gloo, 10 for NCCL)."""
 
 EXPORTED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 
-from ddprun.protocol.store import store_prefix
+from ddprun.protocol.store import Keys, store_prefix
 
 
 def _prefixed(inner, prefix: str):
@@ -43,7 +43,7 @@ def namespace_process_groups(environ: Mapping[str, str]) -> str | None:
         print("ddprun: this torch has no rendezvous handler table; a restarted worker group may read the previous "
               "attempt's process-group keys (ddprun.agent.attempt)", file=sys.stderr, flush=True)
         return None
-    prefix = store_prefix(environ) + "pg"
+    prefix = Keys(store_prefix(environ)).pg
     for scheme in ("env", "tcp"):
         inner = handlers.get(scheme)
         if inner is not None and not hasattr(inner, "_ddprun_inner"):
