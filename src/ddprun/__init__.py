@@ -33,6 +33,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "launch": ("ddprun.agent.fnlaunch", "launch"),
     "on_preempt": ("ddprun.preempt", "on_preempt"),
     "Preempted": ("ddprun.preempt", "Preempted"),
+    "safe_worker_init": ("ddprun.train.data", "safe_worker_init"),
 }
 
 __all__ = ["__version__", *_LAZY]
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from ddprun.preempt import Preempted, on_preempt  # noqa: F401 - names for type checkers and IDEs
     from ddprun.runtime import RankInfo, init, rank_info  # noqa: F401 - names for type checkers and IDEs
     from ddprun.telemetry import heartbeat  # noqa: F401 - names for type checkers and IDEs
+    from ddprun.train.data import safe_worker_init  # noqa: F401 - names for type checkers and IDEs
 
 
 def __getattr__(name: str) -> Any:

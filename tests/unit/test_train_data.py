@@ -187,16 +187,16 @@ def test_fits_loader_workers_outlive_a_preemption_signal_and_end_with_fit(monkey
 
 
 @pytest.mark.timeout(60)
-def test_a_loader_of_your_own_outside_fit_survives_the_preemption_signal_with_preemption_safe_init(monkeypatch):
-    """The README's recipe for a DataLoader outside fit: worker_init_fn=PreemptionSafeInit(PREEMPT.signals,
-    your_fn). Its worker ignores the signal and runs the user's init; the same loader without it dies
-    of the signal, as a rank's worker would under SLURM's signal to every process of the step."""
+def test_a_loader_of_your_own_outside_fit_survives_the_preemption_signal_with_safe_worker_init(monkeypatch):
+    """The README's recipe for a DataLoader outside fit: worker_init_fn=ddprun.safe_worker_init(your_fn).
+    Its worker ignores the signal and runs the user's init; the same loader without it dies of the
+    signal, as a rank's worker would under SLURM's signal to every process of the step."""
     import os
     import signal
     import time
 
+    import ddprun
     from ddprun.preempt import PREEMPT
-    from ddprun.train.data import PreemptionSafeInit
 
     monkeypatch.setattr(PREEMPT, "signals", (signal.SIGUSR1,))  # what ddprun run's bootstrap sets
 
@@ -204,7 +204,7 @@ def test_a_loader_of_your_own_outside_fit_survives_the_preemption_signal_with_pr
         return DataLoader(Pids(), batch_size=4, num_workers=1, persistent_workers=True, worker_init_fn=init,
                           multiprocessing_context="fork")
 
-    safe, plain = loader(PreemptionSafeInit(PREEMPT.signals, mark_worker)), loader(mark_worker)
+    safe, plain = loader(ddprun.safe_worker_init(mark_worker)), loader(mark_worker)
     workers = [{int(b[0, 0]) for b in dl} for dl in (safe, plain)]
     assert all(len(w) == 1 and os.getpid() not in w for w in workers), workers
     os.kill(min(workers[0]), signal.SIGUSR1)
@@ -216,3 +216,14 @@ def test_a_loader_of_your_own_outside_fit_survives_the_preemption_signal_with_pr
         os.kill(min(workers[1]), signal.SIGUSR1)
         time.sleep(0.5)
         list(plain)
+
+
+def test_safe_worker_init_outside_ddprun_run_is_the_users_own(monkeypatch):
+    """No preemption signals (a plain python or torchrun process): nothing to ignore, the user's
+    function (or None) is the worker_init_fn, unchanged."""
+    import ddprun
+    from ddprun.preempt import PREEMPT
+
+    monkeypatch.setattr(PREEMPT, "signals", ())
+    assert ddprun.safe_worker_init(mark_worker) is mark_worker
+    assert ddprun.safe_worker_init() is None

@@ -174,6 +174,14 @@ class PreemptionSafeInit:
             self.user(worker_id)
 
 
+def safe_worker_init(user: Callable[[int], Any] | None = None) -> Callable[[int], Any] | None:
+    """``worker_init_fn`` for a DataLoader of your own, outside fit: its workers ignore ``ddprun run``'s
+    preemption signals (:class:`PreemptionSafeInit`), then ``user`` runs. Outside ``ddprun run`` (no
+    preemption signals): ``user`` itself. Start method ``fork`` (Linux's default); call it in the
+    worker process of ``ddprun run``, whose bootstrap has set the signals by then."""
+    return PreemptionSafeInit(PREEMPT.signals, user) if PREEMPT.signals else user
+
+
 def worker_init(num_workers: int, user: Callable[[int], Any] | None) -> Callable[[int], Any] | None:
     """The ``worker_init_fn`` for a loader of fit: :class:`PreemptionSafeInit` under ``ddprun run``'s
     preemption signals (the forkserver started as :func:`start_forkserver` says), else the user's."""
