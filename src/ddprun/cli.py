@@ -449,8 +449,10 @@ def cmd_report(args: argparse.Namespace) -> int:
                None if any(os.path.exists(os.path.join(d, f)) for f in RUN_FILES) else
                f"it holds none of {', '.join(RUN_FILES)}")
         if why:
-            raise ConfigError("Not a run directory.", seen=f"{d} ({why})",
-                              hint="Give runs/<run id> (it holds plan.json, metrics.csv).")
+            logs = os.path.join(d, "logs")
+            hint = (f"This run ended before its plan was written: {logs}/agent-<host>.log says why."
+                    if os.path.isdir(logs) else "Give runs/<run id> (it holds plan.json, metrics.csv).")
+            raise ConfigError("Not a run directory.", seen=f"{d} ({why})", hint=hint)
     print(write_report(args.run_dir, compare=args.compare, out=args.output))
     return 0
 
