@@ -148,14 +148,22 @@ def test_the_gpu_count_asks_torch_only_on_a_node_with_a_gpu_device_file(tmp_path
     assert probe() == f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} True"
 
 
-@pytest.mark.parametrize("flags, environ, source", [
-    ({"rdzv_backend": "etcd-v2"}, {}, "--rdzv-backend"),
+@pytest.mark.parametrize("flags, environ, source, fix", [
+    ({"rdzv_backend": "etcd-v2"}, {}, "--rdzv-backend", "HINT: Use --rdzv-backend c10d"),
     ({}, {"PET_NNODES": "2", "PET_NODE_RANK": "0", "PET_MASTER_ADDR": "m", "PET_RDZV_BACKEND": "etcd"},
-     "PET_RDZV_BACKEND=etcd"),
+     "PET_RDZV_BACKEND=etcd", "HINT: Set the PyTorchJob's elasticPolicy.rdzvBackend to c10d"),
 ], ids=["flag", "pytorchjob"])
-def test_etcd_rendezvous_is_refused_for_c10d_with_where_it_came_from(flags, environ, source):
+def test_etcd_rendezvous_is_refused_for_c10d_with_where_it_came_from(flags, environ, source, fix):
     with pytest.raises(ConfigError) as e:
         resolve(LaunchConfig(nnodes="2", master_addr="m", **flags) if flags else LaunchConfig(), environ, NODE,
                 launcher=True)
     assert "does not run on torch's etcd rendezvous" in str(e.value) and source in str(e.value)
-    assert "--rdzv-backend c10d" in str(e.value) and "elasticPolicy.rdzvBackend to c10d" in str(e.value)
+    assert fix in str(e.value)
+
+
+def test_the_etcd_refusal_says_the_endpoint_must_change_too():
+    """Following the hint with --rdzv-endpoint still at the etcd server would wait out --join-timeout
+    for a store that never answers: the hint names the endpoint given."""
+    with pytest.raises(ConfigError) as e:
+        resolve(LaunchConfig(nnodes="2", rdzv_backend="etcd", rdzv_endpoint="etcd:2379"), {}, NODE, launcher=True)
+    assert "The endpoint (--rdzv-endpoint etcd:2379) must then be node 0's host:port" in str(e.value)

@@ -249,6 +249,23 @@ def _with_master(facts: Reading, env: ClusterEnvironment, dry_run: bool = False)
     return facts
 
 
+def _etcd_refused(facts: Reading) -> ConfigError:
+    """The refusal of torch's etcd rendezvous, with the fix for where the backend came from."""
+    source = facts["rdzv_backend"].source
+    if source.startswith("PET_"):
+        hint = ("Set the PyTorchJob's elasticPolicy.rdzvBackend to c10d (torch's recommended backend), whose "
+                "endpoint is the master pod's host:port, not an etcd server.")
+    else:
+        given = facts.get("master_addr")  # an endpoint given for etcd names the etcd server
+        hint = ("Use --rdzv-backend c10d (the default, torch's recommended backend; no etcd server needed)."
+                + (f" The endpoint ({given.source}) must then be node 0's host:port, where c10d's store runs, "
+                   "not the etcd server." if given else ""))
+    return ConfigError(
+        "ddprun does not run on torch's etcd rendezvous: admission, failure records, the stall watchdog and "
+        "preemption live in the rendezvous' TCPStore, which etcd rendezvous does not have.",
+        seen=f"{facts['rdzv_backend'].value!r} ({source})", hint=hint)
+
+
 def _with_rendezvous(facts: Reading) -> tuple[Reading, list[str]]:
     """The rendezvous backend, and the node rank it allows: c10d assigns node ranks (a given one is
     dropped with a note), static needs one on several nodes and a fixed node count."""
@@ -257,13 +274,7 @@ def _with_rendezvous(facts: Reading) -> tuple[Reading, list[str]]:
         facts["rdzv_backend"] = Fact("c10d", "default (c10d: node ranks by arrival, no duplicates)")
     backend = facts["rdzv_backend"].value
     if backend in ETCD_BACKENDS:  # its store is etcd's, where ddprun's job store would be
-        raise ConfigError(
-            "ddprun does not run on torch's etcd rendezvous: admission, failure records, the stall watchdog and "
-            "preemption live in the rendezvous' TCPStore, which etcd rendezvous does not have.",
-            seen=f"{backend!r} ({facts['rdzv_backend'].source})",
-            hint="Use --rdzv-backend c10d (the default, torch's recommended backend; no etcd server needed). "
-                 "From PET_RDZV_BACKEND (a Kubeflow PyTorchJob): set its elasticPolicy.rdzvBackend to c10d, "
-                 "whose endpoint is the master pod's host:port, not an etcd server.")
+        raise _etcd_refused(facts)
     if backend not in RDZV_BACKENDS:
         raise ConfigError("Unknown rendezvous backend.", seen=f"{backend!r} ({facts['rdzv_backend'].source})",
                           hint=f"Use one of {', '.join(RDZV_BACKENDS)} (c10d is the default).")
