@@ -450,8 +450,9 @@ def cmd_report(args: argparse.Namespace) -> int:
                f"it holds none of {', '.join(RUN_FILES)}")
         if why:
             logs = os.path.join(d, "logs")
-            hint = (f"This run ended before its plan was written: {logs}/agent-<host>.log says why."
-                    if os.path.isdir(logs) else "Give runs/<run id> (it holds plan.json, metrics.csv).")
+            hint = (f"A run's report files are written on the node of rank 0: run ddprun report there. A run "
+                    f"that ended before its plan has none: the console and {logs}/ (rank-N.log, agent-HOST.log) "
+                    "say why." if os.path.isdir(logs) else "Give runs/<run id> (it holds plan.json, metrics.csv).")
             raise ConfigError("Not a run directory.", seen=f"{d} ({why})", hint=hint)
     print(write_report(args.run_dir, compare=args.compare, out=args.output))
     return 0

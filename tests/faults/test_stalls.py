@@ -167,14 +167,16 @@ def test_a_stopped_rank_is_reported_by_another_observer_and_the_job_ends_later(n
 def test_a_rank_holding_the_gil_is_reported_by_the_other_observer(nodes, tmp_path):
     """The README's "holds the GIL": rank 0 sits in a C call that keeps the GIL, so its monitor thread
     cannot answer either; the last rank reports it, every node says so, and nothing is left."""
-    job = nodes(2, 1, ["--step-s", "0.05", "--steps", "2000", "--hold-gil-rank", "0"], extra=STALL)
+    job = nodes(2, 1, ["--step-s", "0.05", "--steps", "2000", "--hold-gil-rank", "0", "--hold-gil-s", "600"],
+                extra=STALL)
+    job.worker_pids(range(2))  # both trained: the clock below starts after the start-up
     ended = job.finish(timeout=60)
     assert all(e.returncode == 1 for e in ended), describe(ended)
     for e in ended:
         assert re.search(r"no rank advanced for \d+ s: rank 0 did not answer \(frozen, or holding the GIL\)",
                          e.output), describe(ended)
     assert "rank 0: no answer" in (tmp_path / "runs" / "fault" / "stacks" / "hang-report.txt").read_text()
-    assert_nothing_left(tmp_path)  # the agent ends it: the signal interrupts the C call
+    assert_nothing_left(tmp_path)  # it cannot stop itself: its agent kills it once the job has ended
 
 
 COLLECTIVE_HANG = str(Path(__file__).parent / "scripts" / "collective_hang.py")

@@ -167,3 +167,6 @@ def test_the_etcd_refusal_says_the_endpoint_must_change_too():
     with pytest.raises(ConfigError) as e:
         resolve(LaunchConfig(nnodes="2", rdzv_backend="etcd", rdzv_endpoint="etcd:2379"), {}, NODE, launcher=True)
     assert "The endpoint (--rdzv-endpoint etcd:2379) must then be node 0's host:port" in str(e.value)
+    with pytest.raises(ConfigError) as e:  # no endpoint given: nothing to change there
+        resolve(LaunchConfig(rdzv_backend="etcd"), {}, NODE, launcher=True)
+    assert "HINT: Use --rdzv-backend c10d" in str(e.value) and "The endpoint (" not in str(e.value)

@@ -53,11 +53,12 @@ def test_a_path_that_is_not_a_run_directory_exits_2_naming_it(tmp_path, capsys, 
     assert not (path / "report.html").exists()
 
 
-def test_a_run_that_ended_before_its_plan_points_at_its_agent_logs(tmp_path, capsys):
-    """A launch that failed early (bad flags, no rendezvous) leaves only logs/: the refusal says where
-    the reason is instead of asking for another directory."""
+def test_a_run_directory_with_only_logs_says_where_the_report_files_or_the_reason_are(tmp_path, capsys):
+    """Only logs/: a node other than rank 0's (without a shared filesystem), or a launch that ended
+    early. The refusal says both, instead of asking for another directory."""
     (tmp_path / "run" / "logs").mkdir(parents=True)
     assert main(["report", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert "Not a run directory" in err and "Traceback" not in err
-    assert f"HINT: This run ended before its plan was written: {tmp_path / 'run' / 'logs'}/agent-<host>.log" in err
+    assert "HINT: A run's report files are written on the node of rank 0: run ddprun report there." in err
+    assert f"the console and {tmp_path / 'run' / 'logs'}/ (rank-N.log, agent-HOST.log) say why" in err

@@ -257,9 +257,10 @@ def _etcd_refused(facts: Reading) -> ConfigError:
                 "endpoint is the master pod's host:port, not an etcd server.")
     else:
         given = facts.get("master_addr")  # an endpoint given for etcd names the etcd server
+        where = given.source if given is not None else ""
         hint = ("Use --rdzv-backend c10d (the default, torch's recommended backend; no etcd server needed)."
-                + (f" The endpoint ({given.source}) must then be node 0's host:port, where c10d's store runs, "
-                   "not the etcd server." if given else ""))
+                + (f" The endpoint ({where}) must then be node 0's host:port, where c10d's store runs, "
+                   "not the etcd server." if where.startswith(("--rdzv-endpoint", "--master-addr")) else ""))
     return ConfigError(
         "ddprun does not run on torch's etcd rendezvous: admission, failure records, the stall watchdog and "
         "preemption live in the rendezvous' TCPStore, which etcd rendezvous does not have.",

@@ -177,8 +177,9 @@ class PreemptionSafeInit:
 def safe_worker_init(user: Callable[[int], Any] | None = None) -> Callable[[int], Any] | None:
     """``worker_init_fn`` for a DataLoader of your own, outside fit: its workers ignore ``ddprun run``'s
     preemption signals (:class:`PreemptionSafeInit`), then ``user`` runs. Outside ``ddprun run`` (no
-    preemption signals): ``user`` itself. Start method ``fork`` (Linux's default); call it in the
-    worker process of ``ddprun run``, whose bootstrap has set the signals by then."""
+    preemption signals): ``user`` itself. For start method ``fork`` (Linux's default up to Python 3.13;
+    else pass ``multiprocessing_context="fork"``): a forkserver would die of the signal, and its workers
+    with it. Call it in the worker process of ``ddprun run``, whose bootstrap has set the signals."""
     return PreemptionSafeInit(PREEMPT.signals, user) if PREEMPT.signals else user
 
 
