@@ -186,11 +186,11 @@ def safe_worker_init(user: Callable[[int], Any] | None = None) -> Callable[[int]
 def worker_init(num_workers: int, user: Callable[[int], Any] | None) -> Callable[[int], Any] | None:
     """The ``worker_init_fn`` for a loader of fit: :class:`PreemptionSafeInit` under ``ddprun run``'s
     preemption signals (the forkserver started as :func:`start_forkserver` says), else the user's."""
-    if num_workers == 0 or not PREEMPT.signals:
+    if num_workers == 0:
         return user
-    if start_method() == "forkserver":
+    if PREEMPT.signals and start_method() == "forkserver":
         start_forkserver(PREEMPT.signals)
-    return PreemptionSafeInit(PREEMPT.signals, user)
+    return safe_worker_init(user)
 
 
 FORKSERVER_GUARD = "ddprun.train.forkserver_guard"
