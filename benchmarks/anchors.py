@@ -8,8 +8,10 @@ beside them where ddprun has an answer:
   restart      a worker SIGKILLed at step 4 of 12 under --max-restarts 1, 2 nodes x 1 on 127.0.0.1
                (ddprun.fit with checkpoints, tests/multiprocess/scripts/fit_restart.py): does the
                restarted group finish, under torchrun and under ddprun run?
+  outlives     a DDP model freed after destroy_process_group, 1 x 2, gloo, five runs a launcher
+               (tests/multiprocess/scripts/ddp_outlives_group.py): do the ranks exit, or hang?
 
-    python benchmarks/anchors.py [--only spawn,devices-1,restart] [--bound 90]
+    python benchmarks/anchors.py [--only spawn,devices-1,restart,outlives] [--bound 90]
 
 Each run is cut at --bound seconds. Nothing here is timed for a ratio: it records behaviour.
 """
@@ -33,6 +35,7 @@ from tests.helpers import TORCHRUN, ddprun_nodes, free_port, job_env  # noqa: E4
 TESTS = Path(__file__).resolve().parents[1] / "tests"
 BORING = str(TESTS / "integrations" / "scripts" / "boring_unmodified.py")
 FIT_RESTART = str(TESTS / "multiprocess" / "scripts" / "fit_restart.py")
+OUTLIVES = str(TESTS / "multiprocess" / "scripts" / "ddp_outlives_group.py")
 
 SPAWN = """
 import torch.multiprocessing as mp
@@ -128,12 +131,27 @@ def restart(bound: float, tmp: Path) -> dict[str, str]:
     return got
 
 
+def outlives(bound: float, tmp: Path) -> dict[str, str]:
+    got = {}
+    for name in ("torchrun", "ddprun"):
+        cmd = ([TORCHRUN, "--standalone", "--nproc-per-node", "2", OUTLIVES] if name == "torchrun"
+               else ddprun_nodes(1, 2, [OUTLIVES], rdzv_id="anchor-outlives")[0])
+        codes = []
+        for i in range(5):
+            run = tmp / f"{name}-{i}"
+            run.mkdir()
+            (code,), _ = run_all([cmd], min(bound, 30), run)
+            codes.append(code)
+        got[name] = (f"exit codes of 5 runs {codes} (None: hung, killed at {min(bound, 30):.0f} s)")
+    return got
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", default="", help="comma-separated: spawn,devices-1,restart")
+    p.add_argument("--only", default="", help="comma-separated: spawn,devices-1,restart,outlives")
     p.add_argument("--bound", type=float, default=90)
     args = p.parse_args()
-    scenarios = {"spawn": spawn, "devices-1": devices_1, "restart": restart}
+    scenarios = {"spawn": spawn, "devices-1": devices_1, "restart": restart, "outlives": outlives}
     only = [k for k in args.only.split(",") if k]
     unknown = sorted(set(only) - set(scenarios))
     if unknown:

@@ -7,7 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.faults.conftest import assert_nothing_left
 from tests.helpers import DDPRUN, EXAMPLE, TORCHRUN, ddprun_nodes, describe, run_agents
+
+OUTLIVES = str(Path(__file__).parent / "scripts" / "ddp_outlives_group.py")
 
 pytestmark = pytest.mark.multiprocess
 
@@ -70,6 +73,21 @@ def test_a_failing_worker_fails_both_nodes_fast_and_is_named(tmp_path):
     assert all("ddprun: the job failed: rank 3 (node " in r.output for r in results), describe(results)
     assert re.search(r"rank\(s\) 0, 1 on \S+ were stopped because of it", both), describe(results)
     assert "ddprun: the job failed." in both
+
+
+@pytest.mark.timeout(60)
+def test_a_ddp_model_freed_after_destroy_process_group_does_not_deadlock_the_rank(tmp_path):
+    """torch 2.13 deadlocks a gloo rank that frees its DDP model after destroying the group (the
+    script hangs under torchrun every time here); a ddprun worker keeps the group to its exit."""
+    results = run_agents([[DDPRUN, "run", "--nproc-per-node", "2", "--rdzv-id", "outlives", OUTLIVES]],
+                         timeout=45, cwd=tmp_path)
+    assert [r.returncode for r in results] == [0], describe(results)
+    logs = tmp_path / "runs" / "outlives" / "logs"
+    for rank in (0, 1):
+        said = (logs / f"rank-{rank}.log").read_text()
+        assert [f"rank {rank} freed its DDP model of phase {n} after destroy_process_group" in said
+                for n in range(3)] == [True] * 3, said
+    assert_nothing_left(tmp_path)
 
 
 @pytest.mark.timeout(90)

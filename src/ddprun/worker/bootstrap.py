@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     _merge_stderr_into_stdout()
     from ddprun.worker import progress
     from ddprun.worker.monitor import Monitor
+    from ddprun.worker.pgkeep import keep_destroyed_groups
     from ddprun.worker.pgstore import namespace_process_groups
 
     progress.install()
@@ -223,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     # Each attempt's process group in its own part of the agent's store, which outlives attempts:
     # without it a restarted group reads the dead group's gloo/NCCL keys (agent/attempt.py).
     namespace_process_groups(os.environ)
+    keep_destroyed_groups()  # a DDP model freed after destroy_process_group must not deadlock the exit
     code, by_itself = 0, False
     try:
         _run_user_code(argv)

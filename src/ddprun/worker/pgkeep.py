@@ -1,0 +1,65 @@
+"""A process group that ``destroy_process_group`` destroyed stays referenced until the worker's hard
+exit (worker/exit.py), so its C++ destructor never runs while the script does.
+
+Why: torch 2.13's backward stashes a Python object (a ``contextvars`` context) in the thread-local
+state, and every gloo work that DDP's gradient all-reduce starts captures that state. When the
+user's DDP model outlives ``destroy_process_group`` (a local freed as ``main()`` returns, a
+``del model``), freeing its Reducer drops the group's last reference on the main thread, which holds
+the GIL while ``~ProcessGroupGloo`` joins the group's threads; a gloo thread still releasing its
+last work needs the GIL to drop that Python object. Both wait for ever, after training finished
+(seen: a SLURM test hung after its last step, py-spy showing both threads; the same script hangs
+under torchrun; torch 2.11 stashed nothing). Kept here, a destroyed group ends with the process at
+``os._exit``, which runs no destructor.
+
+Cost: a destroyed group's threads and sockets stay until the process ends (a script that makes its
+group N times keeps N of them).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+KEPT: list[Any] = []
+"""Every group destroyed in this process, in order."""
+
+
+def _groups(group: Any) -> list[Any]:
+    """The groups ``destroy_process_group(group)`` ends: that one, or every group (None)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    if group is not None:
+        return [group]
+    world = getattr(c10d, "_world", None)
+    groups = list(getattr(world, "pg_map", {}) or {})
+    default = getattr(c10d.GroupMember, "WORLD", None)
+    return groups if default is None or default in groups else [default, *groups]
+
+
+def _keeping(destroy: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(destroy)
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        try:
+            KEPT.extend(_groups(args[0] if args else kwargs.get("group")))
+        except Exception:  # noqa: BLE001 - a torch without these internals: destroy as it would
+            pass
+        return destroy(*args, **kwargs)
+
+    destroy_process_group._ddprun_keeps = True  # type: ignore[attr-defined]
+    return destroy_process_group
+
+
+def keep_destroyed_groups() -> None:
+    """Wrap ``torch.distributed.destroy_process_group`` so the groups it destroys stay referenced
+    (idempotent). Only for a process that ends through :func:`ddprun.worker.exit.hard_exit`."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    original = getattr(c10d, "destroy_process_group", None)
+    if original is None or getattr(original, "_ddprun_keeps", False):
+        return
+    wrapped = _keeping(original)
+    c10d.destroy_process_group = wrapped
+    if getattr(dist, "destroy_process_group", None) is original:
+        dist.destroy_process_group = wrapped
