@@ -138,8 +138,9 @@ def test_a_worker_that_died_before_the_agent_was_signalled_or_the_grace_ended_is
                               on_signal=lambda sig: said.append(("signal", sig)),
                               preempt_check=lambda: 15)
     agent._hooks_said_signal, agent._worker_group = None, SimpleNamespace(workers=[SimpleNamespace(global_rank=3)])
+    agent._stop_grace_s = 30
     agent._pcontext = SimpleNamespace(subprocess_handlers={0: SimpleNamespace(
-        proc=SimpleNamespace(poll=lambda: -9, pid=4242))})
+        proc=SimpleNamespace(poll=lambda: -9, pid=4242))}, close=lambda *a: None)  # torch < 2.12: ddprun closes
     monkeypatch.setattr(LocalElasticAgent, "_shutdown", lambda self, *a, **kw: said.append("torch stops"))
     with pytest.raises(Exception, match="got signal: 15"):
         agent._monitor_workers(agent._worker_group)
@@ -333,3 +334,28 @@ def test_a_group_that_died_of_this_agents_own_signal_ends_the_agent_as_a_signal_
         with pytest.raises(SignalException, match="got signal: 15"):
             agent._monitor_workers(SimpleNamespace())
     assert agent._remaining_restarts == 0
+
+
+def test_on_a_torch_without_shutdown_timeout_the_agent_starts_and_a_signal_stop_keeps_ddprun_grace(monkeypatch):
+    """torch 2.6-2.11's LocalElasticAgent takes no ``shutdown_timeout`` (seen on 2.11 on an H200: every
+    ``ddprun run`` failed at start with a TypeError); its ``_shutdown`` closes with a fixed 30 s."""
+    import signal
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from ddprun.agent import torch_agent
+
+    init: dict = {}
+    monkeypatch.setattr(torch_agent, "TORCH_TAKES_SHUTDOWN_TIMEOUT", False)
+    monkeypatch.setattr(LocalElasticAgent, "__init__", lambda self, **kw: init.update(kw))
+    agent = DdprunAgent(hooks=AgentHooks(exit_barrier_s=7), shutdown_timeout=45, spec=None, logs_specs=None)
+    assert "shutdown_timeout" not in init and init["exit_barrier_timeout"] == 7, init
+    closes: list = []
+    agent._pcontext = SimpleNamespace(close=lambda sig, timeout: closes.append((sig, timeout)))
+    agent._worker_group, agent._hooks_said_signal = SimpleNamespace(workers=[]), None
+    monkeypatch.setattr(LocalElasticAgent, "_shutdown", lambda self, sig: closes.append(("torch", sig)))
+    agent._shutdown(signal.SIGTERM)  # a signal to the agent: the workers get ddprun's grace
+    assert closes == [(signal.SIGTERM, 45), ("torch", signal.SIGTERM)]
+    closes.clear()
+    agent._shutdown()  # any other stop: torch's 30 s, as torch >= 2.12 gives it
+    assert closes == [(signal.SIGTERM, 30), ("torch", signal.SIGTERM)]

@@ -29,6 +29,7 @@ Everything else (rendezvous, worker processes, restarts, supervision) is torch's
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import sys
@@ -90,12 +91,19 @@ class AgentHooks:
     """A started agent/standby.py StandbyPool: the first attempt's workers are its processes; closed then."""
 
 
+TORCH_TAKES_SHUTDOWN_TIMEOUT = "shutdown_timeout" in inspect.signature(LocalElasticAgent.__init__).parameters
+"""torch >= 2.12 takes the workers' stop grace (``shutdown_timeout``); 2.6-2.11 stop them with a fixed 30 s."""
+
+
 class DdprunAgent(LocalElasticAgent):
     """LocalElasticAgent with :class:`AgentHooks` (module docstring)."""
 
-    def __init__(self, *, hooks: AgentHooks, **kwargs: Any):
+    def __init__(self, *, hooks: AgentHooks, shutdown_timeout: int = 30, **kwargs: Any):
         kwargs["exit_barrier_timeout"] = hooks.exit_barrier_s
+        if TORCH_TAKES_SHUTDOWN_TIMEOUT:
+            kwargs["shutdown_timeout"] = shutdown_timeout
         super().__init__(**kwargs)
+        self._stop_grace_s = shutdown_timeout
         self._hooks = hooks
         self._hooks_said_signal: int | None = None
         self._preempt_said: int | None = None
@@ -263,14 +271,22 @@ class DdprunAgent(LocalElasticAgent):
             share_bootstrap(store, spec.rdzv_handler)
         return super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
 
-    def _shutdown(self, death_sig: Any = None, timeout: int = 30, **kwargs: Any) -> None:  # type: ignore[override]
+    def _shutdown(self, death_sig: Any = None, timeout: int | None = None, **kwargs: Any) -> None:  # type: ignore[override]
         self._report_exits(self._worker_group)  # a worker that died before the signal is its own cause
         self._hooks.on_stopping()
         # torch passes death_sig only when a signal ended the agent (else only the timeout, at every end)
         if death_sig is not None and self._hooks_said_signal is None:
             self._hooks_said_signal = int(death_sig)
             self._hooks.on_signal(int(death_sig))
-        super()._shutdown(death_sig if death_sig is not None else signal.SIGTERM, timeout, **kwargs)
+        sig = death_sig if death_sig is not None else signal.SIGTERM
+        if TORCH_TAKES_SHUTDOWN_TIMEOUT:
+            super()._shutdown(sig, 30 if timeout is None else timeout, **kwargs)
+            return
+        # older torch passes no grace: a signal's stop gets ddprun's (as torch >= 2.12 passes it), others
+        # torch's 30 s; the workers closed here, torch's own close then finds them ended
+        if self._pcontext is not None:
+            self._pcontext.close(sig, self._stop_grace_s if death_sig is not None else 30)
+        super()._shutdown(sig, **kwargs)
 
     def _exit_barrier(self) -> None:
         """torch's barrier of agents at the end, bounded and left early when a node is lost."""
