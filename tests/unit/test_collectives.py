@@ -94,3 +94,23 @@ def test_a_real_gloo_group_records_its_collectives_and_the_trace_is_written(tmp_
     assert last["op"] == "gloo:all_gather" and last["seq"] >= 4, last
     trace = json.loads((tmp_path / "stacks" / "fr-rank-0.json").read_text())
     assert [e["profiling_name"] for e in trace["entries"]][-4:] == ["gloo:all_reduce"] * 3 + ["gloo:all_gather"]
+
+
+def test_nccl_entries_kept_in_their_own_recorder_are_read_too_and_an_entry_in_both_counts_once(monkeypatch, tmp_path):
+    """torch 2.11's CUDA build keeps NCCL's recorder apart (``_dump_nccl_trace_json``; seen on an H200):
+    reading only the common one found no collective of an NCCL group."""
+    import torch._C._distributed_c10d as c10d
+
+    def entry(pg: str, seq: int, op: str) -> dict:
+        return {"process_group": ["0", pg], "collective_seq_id": seq, "profiling_name": op, "state": "scheduled"}
+
+    gloo = {"version": "2.10", "entries": [entry("gloo_pg", 2, "gloo:all_reduce")]}
+    nccl = {"version": "2.10", "entries": [entry("default_pg", 7, "nccl:all_reduce"), *gloo["entries"]]}
+    monkeypatch.setattr(c10d, "_dump_fr_trace_json", lambda *_: json.dumps(gloo), raising=False)
+    monkeypatch.setattr(c10d, "_dump_nccl_trace_json", lambda *_: json.dumps(nccl), raising=False)
+    got = last_collectives(str(tmp_path / "fr.json"))
+    assert sorted((g["pg"], g["seq"], g["op"]) for g in got) == [("default_pg", 7, "nccl:all_reduce"),
+                                                                   ("gloo_pg", 2, "gloo:all_reduce")]
+    assert len(json.loads((tmp_path / "fr.json").read_text())["entries"]) == 2
+    monkeypatch.setattr(c10d, "_dump_nccl_trace_json", lambda *_: (_ for _ in ()).throw(RuntimeError("off")))
+    assert [g["pg"] for g in last_collectives()] == ["gloo_pg"]  # one recorder off: the other still read

@@ -25,18 +25,42 @@ def _group_name(entry: dict) -> str:
     return str(pg)
 
 
+DUMPS = ("_dump_fr_trace_json", "_dump_nccl_trace_json")
+"""torch's Flight Recorder dumps (private): the recorder of every backend, and on CUDA builds that keep
+NCCL's apart (seen: 2.11) NCCL's own. Read both; an entry in both counts once."""
+
+
+def _trace() -> dict | None:
+    """This process's recorded trace, every recorder's entries in one ``entries`` list; None if none."""
+    try:
+        import torch._C._distributed_c10d as c10d
+    except Exception:  # noqa: BLE001 - a torch without distributed
+        return None
+    data: dict | None = None
+    seen: set[str] = set()
+    for name in DUMPS:
+        dump = getattr(c10d, name, None)  # absent: no such recorder in this build
+        try:
+            part = json.loads(dump(True, False)) if dump is not None else None
+        except Exception:  # noqa: BLE001 - this recorder is off
+            continue
+        if not isinstance(part, dict):
+            continue
+        data = data if data is not None else {**part, "entries": []}
+        for e in part.get("entries") or []:
+            key = json.dumps(e, sort_keys=True, default=str)
+            if isinstance(e, dict) and key not in seen:
+                seen.add(key)
+                data["entries"].append(e)
+    return data
+
+
 def last_collectives(path: str | None = None) -> list[dict] | None:
     """This process's last recorded collective per process group: ``{"pg", "seq", "op", "state"}``;
     the whole trace (JSON) into ``path`` if given. None when nothing is recorded or torch has no
     recorder. Never raises: it runs in the middle of a hang report."""
-    try:
-        import torch._C._distributed_c10d as c10d
-
-        dump = c10d._dump_fr_trace_json  # type: ignore[attr-defined]  # private: absent = no recorder
-        data = json.loads(dump(True, False))
-    except Exception:  # noqa: BLE001 - no recorder in this build, or it is off
-        return None
-    entries = [e for e in data.get("entries") or [] if isinstance(e, dict)]
+    data = _trace()
+    entries = data["entries"] if data is not None else []
     if not entries:
         return None
     if path:
