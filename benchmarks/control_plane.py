@@ -211,7 +211,9 @@ class Sim:
                                             "frames": ["train.py:40 in step"]}
         # a node's facts (package hash, addresses, ...) are computed once per node, in parallel on real
         # nodes; serialized here they would be most of preflight's time: computed once, the same on every node
-        facts = preflight.node_facts({}, None)
+        # simulated CPU nodes: the GPUs of the machine running the simulation are not theirs (on a
+        # one-GPU host every node of 8 ranks would fail preflight's "processes share GPUs")
+        facts = {**preflight.node_facts({}, None), "gpus": 0}
         preflight.node_facts = lambda environ, script: {
             **facts, "node_rank": int(environ["GROUP_RANK"]), "nproc": int(environ["LOCAL_WORLD_SIZE"]),
             "host": f"node{environ['GROUP_RANK']}", "run_id": environ["TORCHELASTIC_RUN_ID"]}
