@@ -11,8 +11,8 @@ last work needs the GIL to drop that Python object. Both wait for ever, after tr
 under torchrun; torch 2.11 stashed nothing). Kept here, a destroyed group ends with the process at
 ``os._exit``, which runs no destructor.
 
-Cost: a destroyed group's threads and sockets stay until the process ends (a script that makes its
-group N times keeps N of them).
+Cost: a destroyed gloo group's threads and sockets stay until the process ends (a script that makes
+its group N times keeps N of them). NCCL groups are destroyed as torch does (their GPU memory freed).
 """
 
 from __future__ import annotations
@@ -22,19 +22,31 @@ from collections.abc import Callable
 from typing import Any
 
 KEPT: list[Any] = []
-"""Every group destroyed in this process, in order."""
+"""Every gloo group destroyed in this process, in order."""
+
+
+def _uses_gloo(group: Any) -> bool:
+    import torch.distributed.distributed_c10d as c10d
+
+    try:
+        return "gloo" in str(c10d.get_backend(group))
+    except Exception:  # noqa: BLE001 - not a group torch still knows: nothing of it to keep
+        return False
 
 
 def _groups(group: Any) -> list[Any]:
-    """The groups ``destroy_process_group(group)`` ends: that one, or every group (None)."""
+    """The gloo groups ``destroy_process_group(group)`` ends: that one, or every group (None). An NCCL
+    group is not kept: destroying it frees its communicators' GPU memory, which a script may need after."""
     import torch.distributed.distributed_c10d as c10d
 
-    if group is not None:
-        return [group]
-    world = getattr(c10d, "_world", None)
-    groups = list(getattr(world, "pg_map", {}) or {})
-    default = getattr(c10d.GroupMember, "WORLD", None)
-    return groups if default is None or default in groups else [default, *groups]
+    if group is None:
+        world = getattr(c10d, "_world", None)
+        groups = list(getattr(world, "pg_map", {}) or {})
+        default = getattr(c10d.GroupMember, "WORLD", None)
+        candidates = groups if default is None or default in groups else [default, *groups]
+    else:
+        candidates = [group]
+    return [g for g in candidates if _uses_gloo(g)]
 
 
 def _keeping(destroy: Callable[..., Any]) -> Callable[..., Any]:
