@@ -52,6 +52,8 @@ class Job:
     output: str
     """What the job printed: srun's stdout+stderr, or the batch job's --output file after sbatch's."""
     job_id: int | None
+    cwd: Path | None = None
+    """Where the job ran: its ddprun run directories are under cwd/runs."""
 
     @property
     def returncode(self) -> int | None:
@@ -90,7 +92,7 @@ class SlurmCluster:
         """``srun -J <unique> ARGS`` (its own allocation), bounded by ``timeout`` seconds."""
         name = _job_name()
         result = self._bounded(["srun", "-J", name, *args], timeout, cwd, name)
-        return Job(result, result.output, _first_job_id(result.output))
+        return Job(result, result.output, _first_job_id(result.output), cwd)
 
     def sbatch(self, script: Path, args: list[str] = (), *, timeout: float, cwd: Path, as_written: bool = False) -> Job:
         """``sbatch --wait`` of ``script`` with ``args`` from ``cwd``, bounded; the job's output file is read back.
@@ -110,7 +112,7 @@ class SlurmCluster:
         job_id = int(first[0].split(";")[0]) if first and first[0].split(";")[0].isdigit() else None
         out_file = cwd / (f"{name}-{job_id}.out" if as_written else f"{name}.out")
         text = out_file.read_text(errors="replace") if out_file.exists() else ""
-        return Job(result, text, job_id)
+        return Job(result, text, job_id, cwd)
 
     def _bounded(self, cmd: list[str], timeout: float, cwd: Path, name: str) -> Finished:
         t0 = time.monotonic()
@@ -158,7 +160,19 @@ class SlurmCluster:
         """Everything about a job, for an assertion message."""
         r = job.result
         return (f"--- {' '.join(r.cmd)} -> rc={r.returncode} in {r.wall_s:.1f}s (job {job.job_id})\n"
-                f"{r.output}\n--- job output\n{job.output}\n{self.logs(10)}")
+                f"{r.output}\n--- job output\n{job.output}\n{run_logs(job.cwd)}{self.logs(10)}")
+
+
+def run_logs(cwd: Path | None, lines: int = 12) -> str:
+    """The last lines of every agent and rank log of the ddprun runs under ``cwd`` (where a job that
+    hangs after its console went quiet says where it is)."""
+    if cwd is None:
+        return ""
+    out = []
+    for log in sorted((cwd / "runs").glob("*/logs/*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        out.append(f"--- {log.relative_to(cwd)}\n" + "\n".join(tail))
+    return "\n".join(out) + "\n" if out else ""
 
 
 _counter = itertools.count(1)
