@@ -1,5 +1,7 @@
 """Never hang silently: a missing node, a stalled rank, mismatched nodes, a second job."""
 
+import re
+
 import pytest
 
 from tests.helpers import EXAMPLE, Watched, ddprun_nodes, describe, free_port, run_agents
@@ -71,4 +73,6 @@ def test_second_job_on_the_same_endpoint_is_refused_and_the_first_unharmed(tmp_p
         files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
         assert [f for f in files if not f.startswith("runs/jobA/")] == [], files
         assert {"runs/jobA/logs/rank-0.log", "runs/jobA/logs/rank-1.log", "runs/jobA/plan.json"} <= set(files)
-        assert not [f for f in files if "jobB" in (tmp_path / f).read_text(errors="replace")], files
+        # report.html embeds its plots as base64, where any 4 letters turn up by chance (about 1 report in 120)
+        assert not [f for f in files if "jobB" in re.sub(r"base64,[A-Za-z0-9+/=]+", "base64,",
+                                                           (tmp_path / f).read_text(errors="replace"))], files
