@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import sys
 import threading
@@ -78,6 +79,23 @@ def tail_lines(path: str, n: int = 15) -> list[str]:
     return data.splitlines()[-n:]
 
 
+def _call_into(fn: Callable[[], Any], box: dict[str, Any], done: threading.Event) -> None:
+    try:
+        box["value"] = fn()
+    except BaseException as e:  # noqa: BLE001 - handed to the caller
+        box["error"] = e
+    finally:
+        done.set()
+
+
+def _outcome(box: dict[str, Any], done: threading.Event, timeout_s: float, name: str) -> Any:
+    if not done.wait(timeout_s):
+        raise TimeoutError(f"{name} did not return within {timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
 def within(timeout_s: float, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` on a helper thread, waited for at most ``timeout_s``: its result or its exception,
     or TimeoutError. For calls that may block without a deadline: a TCPStore client whose server's
@@ -85,30 +103,57 @@ def within(timeout_s: float, fn: Callable[..., Any], *args: Any) -> Any:
     timed out goes on blocking its (daemon) thread; don't use that client again."""
     box: dict[str, Any] = {}
     done = threading.Event()
+    threading.Thread(target=_call_into, args=(lambda: fn(*args), box, done), name="ddprun-bounded-call",
+                     daemon=True).start()
+    return _outcome(box, done, timeout_s, getattr(fn, "__name__", "a call"))
 
-    def call() -> None:
-        try:
-            box["value"] = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            box["error"] = e
-        finally:
-            done.set()
 
-    threading.Thread(target=call, name="ddprun-bounded-call", daemon=True).start()
-    if not done.wait(timeout_s):
-        raise TimeoutError(f"{getattr(fn, '__name__', 'a call')} did not return within {timeout_s:g} s")
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
+class _Caller:
+    """One daemon thread that makes the calls handed to it, in order, for one :class:`Bounded`: a
+    thread started per call costs a handshake with the new thread (Thread.start waits for it to run),
+    which a process with hundreds of polling threads (the control-plane benchmark) waits on for longer
+    than the call. It ends after ``IDLE_S`` without a call; the next call starts another."""
+
+    IDLE_S = 5.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._pid = -1  # the process whose thread serves the queue (-1: none; a forked child starts its own)
+
+    def submit(self, fn: Callable[[], Any]) -> tuple[dict[str, Any], threading.Event]:
+        box: dict[str, Any] = {}
+        done = threading.Event()
+        with self._lock:  # the thread's exit checks the queue under this lock: no call is left unserved
+            if self._pid != os.getpid():
+                self._queue, self._pid = queue.SimpleQueue(), os.getpid()
+                threading.Thread(target=self._serve, args=(self._queue,), name="ddprun-bounded-call",
+                                 daemon=True).start()
+            self._queue.put((fn, box, done))
+        return box, done
+
+    def _serve(self, calls: queue.SimpleQueue) -> None:
+        while True:
+            try:
+                fn, box, done = calls.get(timeout=self.IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if calls.empty():
+                        self._pid = -1
+                        return
+                continue
+            _call_into(fn, box, done)
 
 
 class Bounded:
-    """A client whose every method call is made :func:`within` ``timeout_s``. After one call timed out
-    every call raises TimeoutError at once (that call still holds the client). Other attributes are the
-    client's own."""
+    """A client whose every method call is made within ``timeout_s``, on this wrapper's own helper
+    thread (calls from several threads take turns, as they do on a TCPStore client). After one call
+    timed out every call raises TimeoutError at once (that call still holds the client and its
+    thread). Other attributes are the client's own."""
 
     def __init__(self, target: Any, timeout_s: float):
         self._target, self._timeout_s, self._stuck = target, timeout_s, False
+        self._caller = _Caller()
         self.stuck_at: float | None = None
         """time.monotonic() of the call that timed out; None while none did."""
 
@@ -122,14 +167,12 @@ class Bounded:
         def call(*args: Any, **kwargs: Any) -> Any:
             if self._stuck:
                 raise TimeoutError(f"an earlier call did not return within {self._timeout_s:g} s")
-            def invoke() -> Any:
-                return attr(*args, **kwargs)
-
-            invoke.__name__ = name
+            box, done = self._caller.submit(lambda: attr(*args, **kwargs))
             try:
-                return within(self._timeout_s, invoke)
+                return _outcome(box, done, self._timeout_s, name)
             except TimeoutError:
-                self._stuck, self.stuck_at = True, time.monotonic()
+                if not done.is_set():
+                    self._stuck, self.stuck_at = True, time.monotonic()
                 raise
 
         return call

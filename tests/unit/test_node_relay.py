@@ -251,3 +251,53 @@ class SimpleStore:
     def get(self, key, default=None):
         return default
 
+
+
+def test_a_bounded_client_makes_its_calls_on_one_reused_thread_that_ends_when_idle(monkeypatch):
+    """Bounded keeps one helper thread (not one per call: a thread start waits for the new thread to
+    run, which hundreds of polling threads in one process make slow); it ends after an idle spell and
+    the next call starts another; calls from several threads each get their own answer."""
+    import threading
+
+    from ddprun import _util
+
+    monkeypatch.setattr(_util._Caller, "IDLE_S", 0.3)
+
+    class Who:
+        def ident(self, tag):
+            return threading.current_thread(), tag
+
+    wrapped = _util.Bounded(Who(), 2)
+    first = {wrapped.ident(i)[0] for i in range(20)}
+    assert len(first) == 1 and threading.current_thread() not in first  # one helper, not the caller's thread
+    answers: dict[int, tuple] = {}
+
+    def ask(i: int) -> None:
+        answers[i] = wrapped.ident(i)
+
+    askers = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    for t in askers:
+        t.start()
+    for t in askers:
+        t.join(5)
+    assert {i: tag for i, (_, tag) in answers.items()} == {i: i for i in range(8)}
+    assert {who for who, _ in answers.values()} == first
+    (helper,) = first
+    helper.join(5)
+    assert not helper.is_alive(), "the idle helper thread did not end"
+    later, _ = wrapped.ident("again")
+    assert later not in first  # a new helper served it
+
+
+def test_a_bounded_call_that_raises_timeout_itself_does_not_mark_the_client_stuck():
+    from ddprun._util import Bounded
+
+    class Raises:
+        def get(self, key):
+            raise TimeoutError(f"the store's own timeout for {key}")
+
+    wrapped = Bounded(Raises(), 2)
+    for _ in range(2):  # the call returned (with its error): the client is free, and not given up on
+        with pytest.raises(TimeoutError, match="the store's own timeout for k"):
+            wrapped.get("k")
+    assert wrapped.stuck_at is None
