@@ -83,17 +83,20 @@ def test_a_finished_run_relaunched_by_its_id_says_so_and_keeps_its_logs(nodes, t
     assert_nothing_left(tmp_path)
 
 
-def slow_job(nodes, **kw):
-    return nodes(2, 1, ["--steps", "400", "--step-s", "0.05"], rdzv_id=None, **kw)
+def slow_job(nodes, until: Path, **kw):
+    """A 2 x 1 job that trains (20 steps at least) until ``until`` exists: the test ends it once its
+    newcomer has been seen, so the job is alive and training throughout."""
+    return nodes(2, 1, ["--steps", "20", "--step-s", "0.05", "--until", str(until)], rdzv_id=None, **kw)
 
 
 @pytest.mark.timeout(120)
 def test_a_third_node_at_a_full_job_is_refused_within_seconds(nodes, tmp_path):
-    job = slow_job(nodes)
+    job = slow_job(nodes, tmp_path / "enough")
     job.worker_pids(range(2))
     t0 = time.monotonic()
     (third,) = nodes(1, 1, [], rdzv_id=None, nnodes="2", port=job.port, name="third").finish(timeout=30)
     took = third.ended_at - t0
+    (tmp_path / "enough").touch()
     assert third.returncode == 1, describe([third])
     (run_id,) = {m for m in RUN_ID.findall(Path(job.outs[0]).read_text())}
     msg = third.output
@@ -115,11 +118,13 @@ ELASTIC = ["--rdzv-conf", "last_call_timeout=1"]
 
 @pytest.mark.timeout(120)
 def test_a_stranger_at_an_elastic_job_with_room_is_refused(nodes, tmp_path):
-    job = slow_job(nodes, nnodes="1:3", extra=ELASTIC, env=job_env(DDPRUN_JOB_TOKEN="job-7"))
+    job = slow_job(nodes, tmp_path / "enough", nnodes="1:3", extra=ELASTIC, env=job_env(DDPRUN_JOB_TOKEN="job-7"))
     job.worker_pids(range(2))
     restarts = sum(p.read_text().count("a node waits to join") for p in job.outs)  # a first round of one node
     (third,) = nodes(1, 1, [], rdzv_id=None, nnodes="1:3", extra=ELASTIC, port=job.port, name="third",
                      env=job_env(DDPRUN_JOB_TOKEN="other-job")).finish(timeout=30)
+    time.sleep(1.5)  # past the job's last call (1 s): a stranger wrongly taken in would restart the workers now
+    (tmp_path / "enough").touch()
     assert third.returncode == 1, describe([third])
     assert "is in use by another job with the same run id 'ddprun' but a different DDPRUN_JOB_TOKEN" in \
         third.output, third.output
@@ -204,18 +209,33 @@ def test_the_job_token_is_never_printed_nor_written_to_the_run_directory(nodes, 
     assert_nothing_left(tmp_path)
 
 
+def new_workers(job, old: set[int], ranks: range, timeout: float) -> dict[int, int]:
+    """rank -> pid once every rank's pid file (written at its first step) names a process not in ``old``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        texts = [(job.pids_dir / f"rank-{r}.pid").read_text() if (job.pids_dir / f"rank-{r}.pid").exists() else ""
+                 for r in ranks]
+        if all(t.strip().isdigit() for t in texts) and not {int(t) for t in texts} & old:
+            return {r: int(t) for r, t in zip(ranks, texts)}
+        time.sleep(0.1)
+    raise AssertionError(f"the restarted workers did not all step within {timeout:.0f} s:\n" + job.describe())
+
+
 @pytest.mark.timeout(150)
 def test_a_node_restarted_after_its_agent_died_is_taken_back_by_a_job_with_restarts_left(nodes, tmp_path):
     """3 nodes; the one that hosts neither store (the endpoint's, nor the workers' on group rank 0:
     losing either ends the job, tests/faults/test_exits.py) loses its agent and comes back at once."""
     import signal
 
-    args, extra = ["--steps", "200", "--step-s", "0.05"], ["--max-restarts", "1"]
+    until = tmp_path / "enough"  # the job trains until the three restarted ranks have stepped
+    args, extra = ["--steps", "20", "--step-s", "0.05", "--until", str(until)], ["--max-restarts", "1"]
     job = nodes(3, 1, args, rdzv_id=None, extra=extra)
     pids = job.worker_pids(range(3))
     victim = ({0, 1, 2} - {job.store_host(), job.agent_of(pids[0])}).pop()
     job.signal(victim, signal.SIGKILL)  # its worker dies with it (PR_SET_PDEATHSIG)
     back = nodes(1, 1, args, rdzv_id=None, nnodes="3", extra=extra, port=job.port, name="back")
+    new_workers(job, set(pids.values()), range(3), timeout=60)
+    until.touch()
     ended = [e for e in job.finish(timeout=100) if e.node != victim] + back.finish(timeout=30)
     assert [e.returncode for e in ended] == [0, 0, 0], describe(ended)
     assert "Refused" not in ended[2].output, describe(ended)
