@@ -17,7 +17,9 @@ per-block-pair ratios, and the 10th percentiles (the least disturbed steps). Wal
 whose cores other jobs share is noisy, so the training thread's CPU time per step
 (``time.thread_time``; the gloo all-reduce waits without CPU) is reported too: the loop's own cost.
 Goal: fit / hand-written <= 1.01. A third loop, fit with ``step_timing=False``, gives the cost of
-the step timing and telemetry (goal <= 1%).
+the step timing and telemetry (goal <= 1%). The loops must do the same work: every block of each
+loop, on every rank, ends with bitwise-equal parameters, and so does every separate launch below
+(checked; the script exits 1 otherwise).
 
 Against plain torchrun: --launch-reps separate launches of each of three arms, alternating: the
 hand-written loop under torchrun (the anchor), the same loop under ``ddprun run``, and ddprun.fit;
@@ -81,20 +83,32 @@ def _loss_fn():
     return nn.functional.mse_loss if WIDTHS[-1] == 1 else nn.functional.cross_entropy
 
 
-def run_fit(steps: int, batch: int, times: list, step_timing: bool = True) -> int:
+def digest(model) -> str:
+    """SHA-256 of the parameters' bytes, in model order: equal only when bitwise equal."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def run_fit(steps: int, batch: int, times: list, step_timing: bool = True) -> tuple[int, str]:
+    """ddprun.fit; (rank, digest of the trained parameters)."""
     import ddprun
 
     model, data = _setup()
     ddprun.fit(model, data, loss_fn=_loss_fn(), optimizer=lambda p: _timed_sgd(p, times),
                batch_size=batch, max_steps=steps, seed=0, step_timing=step_timing)
-    return ddprun.rank_info().rank
+    return ddprun.rank_info().rank, digest(model)
 
 
-def run_fit_untimed(steps: int, batch: int, times: list) -> int:
+def run_fit_untimed(steps: int, batch: int, times: list) -> tuple[int, str]:
     return run_fit(steps, batch, times, step_timing=False)
 
 
-def run_raw(steps: int, batch: int, times: list) -> int:
+def run_raw(steps: int, batch: int, times: list) -> tuple[int, str]:
+    """The hand-written DDP loop (DistributedSampler, seed 0); (rank, digest of the trained parameters)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler
@@ -122,7 +136,7 @@ def run_raw(steps: int, batch: int, times: list) -> int:
             if step >= steps:
                 break
         epoch += 1
-    return rank
+    return rank, digest(model)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -137,16 +151,16 @@ def worker(args: argparse.Namespace) -> None:
         for pair in order:
             for mode in pair:
                 times: list[tuple[float, float]] = []
-                rank = loops[mode](args.steps, args.batch_size, times)
+                rank, params = loops[mode](args.steps, args.batch_size, times)
                 pairs = list(zip(times, times[1:]))[args.warmup:]
                 blocks.append({"mode": mode, "intervals": [b[0] - a[0] for a, b in pairs],
-                               "cpu": [b[1] - a[1] for a, b in pairs]})
+                               "cpu": [b[1] - a[1] for a, b in pairs], "params": params})
         result = {"rank": rank, "blocks": blocks}
     else:
         times = []
-        rank = loops[args.mode](args.steps, args.batch_size, times)
+        rank, params = loops[args.mode](args.steps, args.batch_size, times)
         pairs = list(zip(times, times[1:]))[args.warmup:]
-        result = {"rank": rank, "intervals": [b[0] - a[0] for a, b in pairs]}
+        result = {"rank": rank, "intervals": [b[0] - a[0] for a, b in pairs], "params": params}
     result["maxrss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     with open(os.path.join(args.out, f"{args.mode}-{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -174,8 +188,9 @@ def launch(args: argparse.Namespace, mode: str, tmp: str, steps: int, launcher: 
 def driver(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     with tempfile.TemporaryDirectory() as tmp:
-        blocks = launch(args, "interleaved", tmp, args.steps)[0]["blocks"]
-        alone = separate_launches(args, tmp)
+        ranks = launch(args, "interleaved", tmp, args.steps)
+        alone, alone_params = separate_launches(args, tmp)
+    blocks = ranks[0]["blocks"]
     pooled = {m: [t for b in blocks if b["mode"] == m for t in b["intervals"]] for m in ("fit", "raw")}
     cpu = {m: statistics.median([t for b in blocks if b["mode"] == m for t in b["cpu"]]) * 1e3 for m in ("fit", "raw")}
     block_median = {m: [statistics.median(b["intervals"]) for b in blocks if b["mode"] == m] for m in ("fit", "raw")}
@@ -204,7 +219,23 @@ def driver(args: argparse.Namespace) -> int:
           f"ratio {fit_ms / untimed:.3f}; CPU time {cpu['fit']:.3f} vs {untimed_cpu:.3f} ms, ratio "
           f"{cpu['fit'] / untimed_cpu:.3f}; goal <= 1.01")
     say_separate(alone, args.launch_reps)
-    return 0
+    return say_params({(b["mode"], b["params"]) for r in ranks for b in r["blocks"]}, "in the interleaved launch") \
+        + say_params(alone_params, "in the separate launches")
+
+
+def say_params(seen: set[tuple[str, str]], where: str) -> int:
+    """The loops must train the same parameters bit for bit (same data order, same arithmetic):
+    otherwise the step times compare different work. ``seen``: (loop, digest) of every block and rank.
+    Non-zero when any differs."""
+    digests = {d for _, d in seen}
+    if len(digests) <= 1:
+        print(f"  parameters {where}: bitwise equal on every rank for " + ", ".join(sorted({m for m, _ in seen}))
+              + (f" (sha256 {digests.pop()[:16]})" if digests else ""))
+        return 0
+    print(f"  parameters {where} differ (the comparison is not of the same work):")
+    for mode, d in sorted(seen):
+        print(f"    {mode}: sha256 {d[:16]}")
+    return 1
 
 
 ARMS = (("torchrun", "raw"), ("ddprun", "raw"), ("ddprun", "fit"))
@@ -212,16 +243,20 @@ ARMS = (("torchrun", "raw"), ("ddprun", "raw"), ("ddprun", "fit"))
 under ``ddprun run`` (what ddprun's worker side costs a script it launches), and ddprun.fit."""
 
 
-def separate_launches(args: argparse.Namespace, tmp: str) -> dict[tuple[str, str], list[tuple[float, float]]]:
+def separate_launches(args: argparse.Namespace, tmp: str) -> tuple[dict[tuple[str, str], list[tuple[float, float]]],
+                                                                    set[tuple[str, str]]]:
     """Per arm, per launch: (median step in ms over every rank's steps, peak RSS in MiB, max over ranks);
-    --launch-reps launches of each, the order reversed every other round."""
+    --launch-reps launches of each, the order reversed every other round. Also every (arm, parameter
+    digest) seen on any rank."""
     got: dict[tuple[str, str], list[tuple[float, float]]] = {arm: [] for arm in ARMS}
+    digests: set[tuple[str, str]] = set()
     for i in range(args.launch_reps):
         for launcher, mode in ARMS if i % 2 == 0 else ARMS[::-1]:
             ranks = launch(args, mode, tmp, 2 * args.steps, launcher)
             steps = [t for r in ranks for t in r["intervals"]]
             got[(launcher, mode)].append((statistics.median(steps) * 1e3, max(r["maxrss_mib"] for r in ranks)))
-    return got
+            digests |= {(f"{mode} under {launcher}", r["params"]) for r in ranks}
+    return got, digests
 
 
 def say_separate(got: dict[tuple[str, str], list[tuple[float, float]]], reps: int) -> None:
