@@ -22,15 +22,17 @@ simulated rank and agent with its own clients. What is replaced, and why:
 - an agent never signals processes (its simulated workers are threads);
 - store clients are all connected before the ranks start (a start-up cost, not the steady one);
 - what a rank does once it has seen another's failure: it records its echo and acknowledges, as a
-  worker does, then notes the time and stops its thread instead of ending the process.
+  worker does, then notes the time and ends its thread (where a worker's process ends: no other call).
 Every call to the job's store is counted (one call = one round trip; multi_get is one), the agents'
 included; calls to the node stores are counted apart.
 
 Printed per N ranks: job-store calls per second in total and per rank while training (progress
 bumped 20 times a second), the same to the node stores, rank 0's time per telemetry window
 (reading every node's timing record, the straggler check), preflight (announce to every rank's
-verdict) and rank 0's gather, an injected stall to the hang report past the threshold (3 s), and a
-failure record to every rank having seen it. ``--no-node-store``: ranks talk to the job store
+verdict) and rank 0's gather, an injected stall to the hang report past the threshold (3 s), a
+failure record to every rank having seen it, and the job-store calls per rank that preflight and the
+failure cost (what the store must serve whatever runs the ranks: the protocol's share, where the
+times above also hold the simulator's). ``--no-node-store``: ranks talk to the job store
 themselves, as before the node store (each agent still reads the alarm first).
 """
 
@@ -72,6 +74,10 @@ def answer(p: subprocess.Popen, what: str) -> str:
         p.kill()
         raise RuntimeError(f"a simulation process gave no answer to {what} within {ANSWER_S:.0f} s")
     return p.stdout.readline()
+
+
+class Exited(BaseException):
+    """A simulated rank's os._exit: it unwinds its monitor thread past every handler."""
 
 
 class Ops:
@@ -277,13 +283,17 @@ class Sim:
 
             def _loop(self):
                 go.wait()  # every thread started first: a start waits for the GIL behind every running poll
-                super()._loop()
+                try:
+                    super()._loop()
+                except Exited:
+                    pass
 
             def _stopped_by(self, cause, store):
                 self.ch.record_failure(self.ch.stopped(cause))
                 self.ch.ack_failure(store)
                 self.seen_at = time.time()
                 self._stop.set()
+                raise Exited  # where the real monitor's process ends (os._exit): no further store call
 
             def _write_report(self, report):
                 self.reported_at = time.time()
@@ -418,7 +428,9 @@ def one_size(n: int, per_node: int, procs: int, port: int, seconds: float, run_d
              no_node_store: bool) -> dict[str, float]:
     kids = Children(n, per_node, procs, port, run_dir, no_node_store)
     try:
+        p0 = kids.all("mark")
         pre = kids.all("preflight")
+        p1 = kids.all("mark")
         verdict = next(r["verdict"] for r in pre if "verdict" in r)
         if verdict != "ok":
             raise RuntimeError(f"the simulated job's preflight failed: {verdict}")
@@ -441,8 +453,10 @@ def one_size(n: int, per_node: int, procs: int, port: int, seconds: float, run_d
         if os.environ.get("CP_DEBUG"):
             print(f"  ranks that went direct: {st[0]['direct']}", file=sys.stderr, flush=True)
         time.sleep(1.5)  # the observers see the progress again before the failure
+        m2 = kids.all("mark")
         fl = kids.all("fail")
         failed, seen = min(r["failed"] for r in fl), [r["seen"] for r in fl]
+        m3 = kids.all("mark")
         kids.all("end")
     finally:
         kids.close()
@@ -450,7 +464,9 @@ def one_size(n: int, per_node: int, procs: int, port: int, seconds: float, run_d
             "polls": polls, "beats": beats,
             "preflight_s": preflight_s, "gather_s": gather_s,
             "stall_s": (reported - stalled) if reported else float("nan"),
-            "failure_s": (max(seen) - failed) if all(seen) else float("nan")}
+            "failure_s": (max(seen) - failed) if all(seen) else float("nan"),
+            "failure_calls": sum(b["ops"] - a["ops"] for a, b in zip(m2, m3)) / n,
+            "preflight_calls": sum(b["ops"] - a["ops"] for a, b in zip(p0, p1)) / n}
 
 
 def main() -> int:
@@ -476,7 +492,8 @@ def main() -> int:
     print(f"# {mode}; {args.procs} simulation processes, {args.nproc_per_node} ranks a node", flush=True)
     print(f"{'ranks':>6} {'job ops/s':>9} {'/rank':>6} {'node ops/s/rank':>15} {'polls':>5} {'beats':>5} "
           f"{'rank0 window':>12} "
-          f"{'preflight':>9} {'gather':>7} {'stall->report':>13} {'failure->all':>12}", flush=True)
+          f"{'preflight':>9} {'gather':>7} {'stall->report':>13} {'failure->all':>12} "
+          f"{'calls/rank: preflight':>21} {'failure':>7}", flush=True)
     for n in sizes:
         per_node = min(args.nproc_per_node, n)
         server = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -493,7 +510,7 @@ def main() -> int:
         print(f"{n:>6} {r['ops']:>9.0f} {r['ops_rank']:>6.2f} {r['local_rank']:>15.2f} {r['polls']:>5.2f} "
               f"{r['beats']:>5.2f} {r['window_ms']:>10.1f}ms "
               f"{r['preflight_s']:>8.2f}s {r['gather_s']:>6.2f}s {r['stall_s'] - STALL_S:>+11.2f}s* "
-              f"{r['failure_s']:>11.2f}s", flush=True)
+              f"{r['failure_s']:>11.2f}s {r['preflight_calls']:>21.1f} {r['failure_calls']:>7.1f}", flush=True)
     print(f"* seconds past the {STALL_S:g} s stall threshold. One run per size; job ops count the agents' calls.\n"
           "polls: monitor polls a rank a second, beats: agent beats a node a second (both 2 by design; fewer: the "
           "simulation itself is short of CPU, and its times are the simulator's)", flush=True)
