@@ -76,8 +76,10 @@ def test_poisoned_store_values_are_skipped_and_the_job_goes_on(nodes, tmp_path):
     store.add(prefix + "direct", 1)  # a registered direct rank that is not a rank
     host, port = env["DDPRUN_NODE_STORE"].rsplit(":", 1)  # and node 0's own store, which its workers write
     node = TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5))
-    for key, value in [("relay", "garbage"), ("progress/1", "x"), ("timing/0", "{not json")]:
+    for key, value in [("relay", "garbage"), ("progress/1", "x"), ("timing/0", "{not json"),
+                       ("relayed-causes", '["{\\"kind\\": 1}"]')]:
         node.set(prefix + key, value)
+    store.add(prefix + "alarm", 1)  # every agent and rank reads the records again (and the relayed ones)
     del store, node
     ended = job.finish(timeout=60)
     assert all(e.returncode == 0 for e in ended), describe(ended)
@@ -122,7 +124,7 @@ def test_a_malicious_pickle_in_every_key_ddprun_reads_runs_nothing(nodes, tmp_pa
     workers.add(prefix + "direct", 1)
     host, port = env["DDPRUN_NODE_STORE"].rsplit(":", 1)
     node = TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5))
-    for key in ("relay", "progress/0", "timing/0"):
+    for key in ("relay", "progress/0", "timing/0", "relayed-causes"):
         node.set(prefix + key, bomb)
     del node
     endpoint = TCPStore("127.0.0.1", job.port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5))

@@ -18,7 +18,7 @@ from ddprun.protocol import defaults
 from ddprun.protocol import failure as fr
 from ddprun.protocol.env import WorkerEnv
 from ddprun.protocol.rundir import RunDir
-from ddprun.protocol.store import Keys, parse_relay, publish_failure, relay_value
+from ddprun.protocol.store import Keys, parse_relay, parse_relayed, publish_failure, relay_value, relayed_value
 from ddprun.telemetry import PROGRESS
 from ddprun.worker import monitor as monitor_mod
 from ddprun.worker.channel import JobChannel
@@ -87,7 +87,31 @@ def test_a_quiet_poll_costs_the_job_store_nothing_and_the_relayed_alarm_brings_t
     assert not seen and jc.calls == []  # the relay has not read the new alarm yet
     a._tick(5, (None, 0.0))
     m._tick(jc)
-    assert seen == [rec]  # read from the job store once the relayed alarm moved
+    assert seen == [rec]  # once the relayed alarm moved: the cause the relay read with it
+    assert "multi_get" not in jc.calls and "add" not in jc.calls, jc.calls  # no read of the job's records
+
+
+def test_a_rank_reads_a_failure_from_the_job_store_when_its_node_store_cannot_tell(tmp_path, job, relay, monkeypatch):
+    """The relayed records leave out the rank's own; a malformed relayed value (a bad value in the node
+    store) is not "no failure": the job store's records are read, as without a relay."""
+    a = agent(tmp_path, job, relay)
+    m, jc, nc = worker(tmp_path, job, relay, rank=1)
+    seen = []
+    monkeypatch.setattr(m, "_stopped_by", lambda cause, store: seen.append(cause))
+    a._tick(1, (None, 0.0))
+    m._tick(jc)
+    own = fr.FailureRecord(fr.ERROR, 1, "its own: not a cause for it", 0, "host-0", t=1.0)
+    publish_failure(job, m.ch.keys, own)
+    a._tick(3, (None, 0.0))
+    m._tick(jc)
+    assert seen == [] and nc.store.check([m.ch.keys.relayed_causes])  # relayed, and its own record only
+    other = fr.FailureRecord(fr.ERROR, 3, "ValueError: bad batch", 1, "host-1", t=2.0)
+    publish_failure(job, m.ch.keys, other)
+    a._tick(5, (None, 0.0))
+    nc.store.set(m.ch.keys.relayed_causes, "{not a list")
+    jc.calls.clear()
+    m._tick(jc)
+    assert seen == [other] and "multi_get" in jc.calls  # read in the job store
 
 
 def test_the_heartbeat_carries_the_nodes_progress_and_the_observer_sums_every_node(tmp_path, job, relay):
@@ -141,6 +165,10 @@ def test_a_worker_whose_relay_stops_beating_reports_to_the_job_store_and_the_obs
 
 def test_relay_values_and_a_malformed_node_store_variable():
     assert parse_relay(relay_value(3, 17).encode()) == (3, 17)
+    rec = fr.FailureRecord(fr.ERROR, 3, "ValueError: bad batch", 1, "host-1")
+    assert parse_relayed(relayed_value([rec]).encode()) == [rec] and parse_relayed(relayed_value([])) == []
+    for bad in (b"{not json", b'{"a": 1}', b"[1]", b'["not a record"]', b"\xff\x00", json.dumps([rec.to_json(), "x"])):
+        assert parse_relayed(bad) is None, bad  # not "no failure": the reader goes to the job store
     assert parse_relay(b"garbage") is None and parse_relay(None) is None
     assert WorkerEnv.from_environ({"DDPRUN_RUN_DIR": "/r", "DDPRUN_NODE_STORE": "127.0.0.1:5"}).node_store == "127.0.0.1:5"
     with pytest.raises(ConfigError, match="DDPRUN_NODE_STORE must be HOST:PORT"):
@@ -301,3 +329,29 @@ def test_a_bounded_call_that_raises_timeout_itself_does_not_mark_the_client_stuc
         with pytest.raises(TimeoutError, match="the store's own timeout for k"):
             wrapped.get("k")
     assert wrapped.stuck_at is None
+
+
+def test_the_relay_writes_the_records_it_read_before_the_alarm_and_only_when_they_changed():
+    from ddprun.protocol.store import ECHOES_READ, relayable
+
+    class Writes(Counting):  # the key of every set, in order
+        def set(self, key, value):
+            self.calls.append(key.rsplit("/", 1)[1])
+            return self.store.set(key, value)
+
+    store = Writes(server())
+    relay = NodeRelay(server=store)
+    keys = Keys("ddprun/job/r1/")
+    relay.begin(keys, [0, 1])
+    cause = fr.FailureRecord(fr.ERROR, 3, "ValueError: bad batch", 1, "host-1")
+    echoes = [fr.stopped_by(cause, rank=r, node_rank=r // 2, host="h", local_rank=r % 2, t=5.0) for r in range(40)]
+    relay.mirror(1, 0, [])
+    assert store.calls == ["relay"] and not store.store.check([keys.relayed_causes])  # nothing read: nothing relayed
+    relay.mirror(2, 1, echoes)
+    assert store.calls[1:] == ["relayed-causes", "relay"] and parse_relayed(store.store.get(keys.relayed_causes)) == \
+        echoes[:ECHOES_READ]  # while there is no first-hand record: the first echoes, bounded
+    relay.mirror(3, 2, [*echoes, cause])
+    assert parse_relayed(store.store.get(keys.relayed_causes)) == [cause] == relayable([*echoes, cause])
+    store.calls.clear()
+    relay.mirror(4, 2, [*echoes, cause])
+    assert store.calls == ["relay"] and parse_relay(store.store.get(keys.relay)) == (4, 2)  # unchanged: the beat only

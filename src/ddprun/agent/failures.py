@@ -357,7 +357,9 @@ class AgentFailures:
         self._watch_alarm(store, keys)
         self._enforce_end()
         if self._relay is not None:
-            self._relay.mirror(beat, self._alarm)
+            with self._lock:
+                read = list(self._cache.values())
+            self._relay.mirror(beat, self._alarm, read)
         if beat % 2 == 0:
             if self._relay is not None:
                 self._progress = self._relay.progress()

@@ -5,7 +5,9 @@ The agent hosts a TCPStore on 127.0.0.1 and gives its address to its workers (DD
 A worker's monitor (worker/monitor.py) writes its progress count and timing windows there and reads
 the job's alarm counter from there; the agent's failure thread (agent/failures.py) calls this relay:
 
-* each half second :meth:`NodeRelay.mirror`: the job's alarm as the agent just read it, with a beat;
+* each half second :meth:`NodeRelay.mirror`: the job's alarm as the agent just read it, with a beat,
+  and the failure records it had read then (when they changed), so that a rank learns a failure's
+  cause on its node: no rank reads the causes in the job's store while its relay beats;
 * each second :meth:`NodeRelay.progress`: every local rank's count, which goes into the agent's
   heartbeat record in the job store (one write a node);
 * :meth:`NodeRelay.timings`: the local ranks' timing windows, one record a node, when they changed.
@@ -27,7 +29,7 @@ import threading
 from typing import Any
 
 from ddprun.protocol import failure as fr
-from ddprun.protocol.store import Keys, present, relay_value
+from ddprun.protocol.store import Keys, present, relay_value, relayable, relayed_value
 
 NODE_HOST = "127.0.0.1"
 
@@ -48,21 +50,28 @@ class NodeRelay:
         self._keys: Keys | None = None
         self._ranks: list[int] = []
         self._sent: dict[int, Any] = {}
+        self._causes_sent = ""
 
     def begin(self, keys: Keys, ranks: list[int]) -> None:
         """A worker group (re)started: its attempt's keys and this node's global ranks."""
         with self._lock:
-            self._keys, self._ranks, self._sent = keys, sorted(ranks), {}
+            self._keys, self._ranks, self._sent, self._causes_sent = keys, sorted(ranks), {}, ""
 
     def _current(self) -> tuple[Keys | None, list[int]]:
         with self._lock:
             return self._keys, list(self._ranks)
 
-    def mirror(self, beat: int, alarm: int) -> None:
-        """Tell the local workers the job's alarm, and that this relay is alive (one local write)."""
+    def mirror(self, beat: int, alarm: int, records: list[fr.FailureRecord] | None = None) -> None:
+        """Tell the local workers the job's alarm, and that this relay is alive (one local write);
+        before it, ``records`` (the failure records read with that alarm), when they changed."""
         keys, _ = self._current()
-        if keys is not None:
-            self._store.set(keys.relay, relay_value(beat, alarm))
+        if keys is None:
+            return
+        raw = relayed_value(relayable(records)) if records else ""
+        if raw and raw != self._causes_sent:
+            self._store.set(keys.relayed_causes, raw)
+            self._causes_sent = raw
+        self._store.set(keys.relay, relay_value(beat, alarm))
 
     def progress(self) -> dict[int, int]:
         """rank -> progress count of the local ranks that published one (malformed values skipped)."""

@@ -40,6 +40,9 @@ same prefix, so that the job's store hears from each node, not from each rank:
     timing/<N>         rank N's latest timing window
     relay              ``<beat> <alarm>``: the agent's beat and the job's alarm counter as it last read
                        it, every half second; a worker whose relay stops beating reads the job store
+    relayed-causes     JSON list of the failure records the agent had read when it relayed that alarm
+                       (:func:`relayable`; written before ``relay``, only when they changed): a rank
+                       that sees the relayed alarm move reads the cause here, not in the job store
     own-failure/<N>    rank N's own failure record, written before the job's copy: its agent reads it
                        when N ends (a full disk loses the error file, a lost store host the job's copy)
 
@@ -173,6 +176,11 @@ class Keys:
     def relay(self) -> str:
         """In the node store: the relay's ``<beat> <alarm>`` (:func:`relay_value`)."""
         return self._k("relay")
+
+    @property
+    def relayed_causes(self) -> str:
+        """In the node store: the records the relay had read with the alarm it relays (:func:`relayed_value`)."""
+        return self._k("relayed-causes")
 
     @property
     def directs(self) -> str:
@@ -315,6 +323,31 @@ def parse_relay(raw: bytes | str | None) -> tuple[int, int] | None:
         return int(beat), int(alarm)
     except (ValueError, TypeError):
         return None
+
+
+def relayable(records: list[fr.FailureRecord]) -> list[fr.FailureRecord]:
+    """What :func:`read_causes` would give of ``records``: the first-hand ones, or while there is none
+    the first ECHOES_READ echoes (a bounded value whatever the job's size)."""
+    first_hand = [r for r in records if not r.is_echo]
+    return first_hand if first_hand else records[:ECHOES_READ]
+
+
+def relayed_value(records: list[fr.FailureRecord]) -> str:
+    """The node store's ``relayed-causes`` value."""
+    return json.dumps([r.to_json() for r in records], separators=(",", ":"))
+
+
+def parse_relayed(raw: bytes | str) -> list[fr.FailureRecord] | None:
+    """The records of a ``relayed-causes`` value; None unless it is a list of well-formed records (a
+    reader then reads the job store: a bad value must not read as "no failure")."""
+    try:
+        items = json.loads(raw)
+    except (ValueError, TypeError):
+        return None
+    if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+        return None
+    records = fr.parse_many(items)
+    return records if len(records) == len(items) else None
 
 
 def int_map(raw: Any) -> dict[int, int]:

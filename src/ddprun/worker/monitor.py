@@ -38,7 +38,7 @@ from ddprun.protocol import defaults
 from ddprun.protocol import failure as fr
 from ddprun.protocol import preempt as pp
 from ddprun.protocol.rundir import RunDir
-from ddprun.protocol.store import int_map, parse_relay, present, raise_alarm, text
+from ddprun.protocol.store import int_map, parse_relay, parse_relayed, present, raise_alarm, text
 from ddprun.telemetry import PROGRESS, TIMER, summarize
 from ddprun.worker import collectives, stacks
 from ddprun.worker.channel import JobChannel
@@ -248,11 +248,12 @@ class Monitor:
         is read only when it moved (or while this rank still waits on it: a first-hand record after an
         echo, its own preemption signal)."""
         alarm = self._relayed_alarm(store)
+        relayed = alarm is not None
         if alarm is None:
             alarm = parse_int(store.add(self.ch.keys.alarm, 0))
         moved = alarm != self._alarm
         if self.ch.world_size > 1 and (moved or self._echo_seen is not None):
-            self._watch_failures(store)
+            self._watch_failures(store, relayed)
         if moved or (PREEMPT.signum is not None and not PREEMPT.requested):
             self._watch_preemption(store)
         if moved:
@@ -354,10 +355,13 @@ class Monitor:
         return list(self.ch.gather([key(n) for n in range(self.ch.nnodes)], 0, store).values())
 
     # -- failures ----------------------------------------------------------------------------
-    def _watch_failures(self, store: Any) -> None:
+    def _watch_failures(self, store: Any, relayed: bool = False) -> None:
+        """``relayed``: the alarm came from the relay, whose records are read first (on this node)."""
         if not self.ch.last_attempt:
             return
-        cause = self.ch.cause(store)
+        known, cause = self._relayed_cause() if relayed else (False, None)
+        if not known:
+            cause = self.ch.cause(store)
         if cause is None or self._stop.is_set():
             return
         if cause.is_echo:  # give the first-hand record (its agent's, say) a moment to arrive
@@ -365,6 +369,23 @@ class Monitor:
             if time.monotonic() - self._echo_seen < defaults.ECHO_WAIT_S:
                 return
         self._stopped_by(cause, store)
+
+    def _relayed_cause(self) -> tuple[bool, fr.FailureRecord | None]:
+        """(known, cause): the cause among the records the relay read with the alarm it relays (no
+        record: None); known is False when the node store cannot say (gone, or a value that is not a
+        record list), and the job store's records are read instead."""
+        node, key = self._node_store(), self.ch.keys.relayed_causes
+        if node is None:
+            return False, None
+        try:
+            raw = node.get(key) if node.check([key]) else None
+        except Exception as e:  # noqa: BLE001 - its agent is gone or broken: the job store still works
+            self._node_failed(e)
+            return False, None
+        records = parse_relayed(raw) if raw is not None else []
+        if records is None:
+            return False, None
+        return True, fr.root_cause(r for r in records if r.rank != self.ch.rank)
 
     def _stopped_by(self, cause: fr.FailureRecord, store: Any) -> None:
         msg = stopped_message(cause)
