@@ -126,9 +126,10 @@ class _Caller:
         done = threading.Event()
         with self._lock:  # the thread's exit checks the queue under this lock: no call is left unserved
             if self._pid != os.getpid():
-                self._queue, self._pid = queue.SimpleQueue(), os.getpid()
-                threading.Thread(target=self._serve, args=(self._queue,), name="ddprun-bounded-call",
-                                 daemon=True).start()
+                calls: queue.SimpleQueue = queue.SimpleQueue()
+                threading.Thread(target=self._serve, args=(calls,), name="ddprun-bounded-call",
+                                 daemon=True).start()  # may raise (no thread left): the next call tries again
+                self._queue, self._pid = calls, os.getpid()
             self._queue.put((fn, box, done))
         return box, done
 

@@ -331,7 +331,7 @@ def test_a_bounded_call_that_raises_timeout_itself_does_not_mark_the_client_stuc
     assert wrapped.stuck_at is None
 
 
-def test_the_relay_writes_the_records_it_read_before_the_alarm_and_only_when_they_changed():
+def test_the_relay_writes_the_records_it_read_before_the_alarm_only_when_they_changed_and_never_across_attempts():
     from ddprun.protocol.store import ECHOES_READ, relayable
 
     class Writes(Counting):  # the key of every set, in order
@@ -355,3 +355,30 @@ def test_the_relay_writes_the_records_it_read_before_the_alarm_and_only_when_the
     store.calls.clear()
     relay.mirror(4, 2, [*echoes, cause])
     assert store.calls == ["relay"] and parse_relay(store.store.get(keys.relay)) == (4, 2)  # unchanged: the beat only
+    store.calls.clear()
+    new = Keys("ddprun/job/r2/")
+    relay.begin(new, [0, 1])  # a restart, while a beat of the ended attempt was on its way
+    relay.mirror(5, 2, [cause], keys)
+    assert store.calls == [] and not store.store.check([new.relayed_causes])  # nothing of it under the new keys
+    relay.mirror(6, 0, [cause], new)
+    assert store.calls == ["relayed-causes", "relay"]  # the same records, in the new attempt: written again
+
+
+def test_a_bounded_client_whose_helper_could_not_start_tries_again_on_the_next_call(monkeypatch):
+    import threading
+
+    from ddprun._util import Bounded
+
+    real, failed = threading.Thread.start, []
+
+    def start_once_fails(self):
+        if self.name == "ddprun-bounded-call" and not failed:
+            failed.append(self)
+            raise RuntimeError("can't start new thread")
+        return real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start_once_fails)
+    wrapped = Bounded(SimpleStore(), 1)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        wrapped.get("k", default=b"d")
+    assert wrapped.get("k", default=b"d") == b"d" and wrapped.stuck_at is None  # served, not given up on

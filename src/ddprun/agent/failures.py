@@ -357,9 +357,9 @@ class AgentFailures:
         self._watch_alarm(store, keys)
         self._enforce_end()
         if self._relay is not None:
-            with self._lock:
-                read = list(self._cache.values())
-            self._relay.mirror(beat, self._alarm, read)
+            with self._lock:  # the records and the alarm of this tick's attempt (a restart may clear them)
+                read, alarm = (list(self._cache.values()), self._alarm) if keys is self._keys else ([], -1)
+            self._relay.mirror(beat, alarm, read, keys)
         if beat % 2 == 0:
             if self._relay is not None:
                 self._progress = self._relay.progress()

@@ -50,27 +50,31 @@ class NodeRelay:
         self._keys: Keys | None = None
         self._ranks: list[int] = []
         self._sent: dict[int, Any] = {}
-        self._causes_sent = ""
+        self._causes_sent: tuple[Keys | None, str] = (None, "")
 
     def begin(self, keys: Keys, ranks: list[int]) -> None:
         """A worker group (re)started: its attempt's keys and this node's global ranks."""
         with self._lock:
-            self._keys, self._ranks, self._sent, self._causes_sent = keys, sorted(ranks), {}, ""
+            self._keys, self._ranks, self._sent = keys, sorted(ranks), {}
 
     def _current(self) -> tuple[Keys | None, list[int]]:
         with self._lock:
             return self._keys, list(self._ranks)
 
-    def mirror(self, beat: int, alarm: int, records: list[fr.FailureRecord] | None = None) -> None:
+    def mirror(self, beat: int, alarm: int, records: list[fr.FailureRecord] | None = None,
+               keys: Keys | None = None) -> None:
         """Tell the local workers the job's alarm, and that this relay is alive (one local write);
-        before it, ``records`` (the failure records read with that alarm), when they changed."""
-        keys, _ = self._current()
-        if keys is None:
+        before it, ``records`` (the failure records read with that alarm), when they changed.
+        ``keys``: the attempt they were read in; when another attempt began since, nothing is
+        written (an ended attempt's records must never stand under a new attempt's keys)."""
+        current, _ = self._current()
+        keys = keys or current
+        if keys is None or keys is not current:
             return
         raw = relayed_value(relayable(records)) if records else ""
-        if raw and raw != self._causes_sent:
+        if raw and (self._causes_sent[0] is not keys or self._causes_sent[1] != raw):
             self._store.set(keys.relayed_causes, raw)
-            self._causes_sent = raw
+            self._causes_sent = (keys, raw)
         self._store.set(keys.relay, relay_value(beat, alarm))
 
     def progress(self) -> dict[int, int]:
