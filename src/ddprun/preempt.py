@@ -58,6 +58,8 @@ class PreemptState:
     publish: Callable[[tuple[int, int, str, float, str]], Any] | None = None
     """Rank 0's way to tell the agents where it saved (set by worker/bootstrap.py; None elsewhere)."""
     _previous: dict[int, Any] = field(default_factory=dict)
+    handled: threading.Event = field(default_factory=threading.Event)
+    """Set once the Python-level handler returned (the script's own, chained, included)."""
 
     def due(self, steps: int) -> bool:
         """Whether a process that completed ``steps`` optimizer steps must stop now."""
@@ -90,6 +92,20 @@ def _handler(signum: int, frame: Any) -> None:
             chained(signum, frame)
         finally:
             _inside.yes = False
+            PREEMPT.handled.set()
+    else:
+        PREEMPT.handled.set()
+
+
+def let_own_handler_run(signum: int, timeout_s: float) -> None:
+    """Before this process ends by ``signum``: the script's own handler for it (chained) gets up to
+    ``timeout_s`` to run and return. The main thread runs Python handlers only between bytecodes, so
+    a monitor thread that decides at once (a store call or two) could end the process before it ran
+    (seen under CPU load: Lightning's "Received SIGTERM" never written); a handler that never returns
+    (blocked in C, or in a collective no other rank joins) is not waited for past the bound."""
+    chained = PREEMPT._previous.get(signum)
+    if callable(chained) and chained is not signal.default_int_handler:
+        PREEMPT.handled.wait(timeout_s)
 
 
 _signal_signal = signal.signal

@@ -99,6 +99,37 @@ def test_a_signal_reaches_the_wakeup_fd_and_the_scripts_own_handler_still_runs(i
     assert state.signum is None  # the handler only chains: the monitor decides what the signal means
 
 
+def test_before_a_rank_ends_by_a_signal_the_scripts_own_handler_runs_within_a_bound(installed):
+    """The monitor thread decides at once that nothing stops at a step; the main thread runs the
+    script's handler only at its next bytecode: the rank waits for the handler to return (seen: under
+    CPU load Lightning's "Received SIGTERM" was never written), but not for one that never does."""
+    import threading
+    import time
+
+    _, state = installed
+    t0 = time.monotonic()
+    preempt.let_own_handler_run(signal.SIGUSR2, 5)  # no handler of the script's: nothing to wait for
+    assert time.monotonic() - t0 < 0.5
+    ran = []
+    signal.signal(signal.SIGUSR1, lambda s, f: (time.sleep(0.3), ran.append(s)))
+    waited: list[float] = []
+
+    def monitor() -> None:  # what the monitor thread does once the job agreed on no stop step
+        t = time.monotonic()
+        preempt.let_own_handler_run(signal.SIGUSR1, 5)
+        waited.append(time.monotonic() - t)
+
+    watcher = threading.Thread(target=monitor)
+    watcher.start()
+    os.kill(os.getpid(), signal.SIGUSR1)  # the handler runs in this (main) thread, taking 0.3 s
+    watcher.join(10)
+    assert ran == [signal.SIGUSR1] and 0.25 <= waited[0] < 4  # it waited for the handler, no longer
+    state.handled.clear()
+    t0 = time.monotonic()
+    preempt.let_own_handler_run(signal.SIGUSR1, 0.3)  # a handler that has not run (its thread in C): bounded
+    assert 0.3 <= time.monotonic() - t0 < 2
+
+
 def test_a_script_that_ignores_a_signal_has_it_ignored(installed):
     _, state = installed
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)

@@ -77,6 +77,10 @@ PREEMPT_SIGNALS = "TERM,INT,USR1,USR2,HUP"
 before the kill (SLURM: TERM, or USR1/USR2 with --signal; Kubernetes, SageMaker: TERM), a terminal's
 Ctrl-C (INT: once; a second one stops at once) and a lost session (HUP)."""
 
+OWN_HANDLER_WAIT_S = 5.0
+"""A rank about to end by a signal that nothing stops at a step gives the script's own handler for
+it this long to run and return first (ddprun.preempt.let_own_handler_run)."""
+
 PREEMPT_GRACE_S = 30.0
 """After a preemption request, an agent stops its workers after this long where the environment
 says nothing else (SLURM's KillWait and Kubernetes' terminationGracePeriodSeconds default to 30 s)."""

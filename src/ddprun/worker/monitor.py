@@ -452,6 +452,7 @@ class Monitor:
         PREEMPT.requested, PREEMPT.signame = True, signame
         if agreed == pp.NO_STEP:
             if PREEMPT.signum is not None:  # nothing stops at a step: this signal does what it always did
+                preempt.let_own_handler_run(PREEMPT.signum, defaults.OWN_HANDLER_WAIT_S)
                 preempt.die_by(PREEMPT.signum)
             return  # the signalled processes end now; this rank then ends as a peer of theirs
         stop = parse_int(agreed)
