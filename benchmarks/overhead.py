@@ -2,6 +2,7 @@
 
     python benchmarks/overhead.py [--blocks 20] [--steps 150] [--warmup 20] [--shape 1x2]
     python benchmarks/overhead.py --widths 64,256,256,10 --batch-size 64 --shape 2x1   (#18's MLP)
+    python benchmarks/overhead.py --widths 64,256,256,10 --batch-size 64 --in-process  (fit's own cost)
 
 The interleaved launch runs under ``ddprun run`` (gloo, CPU): ``--shape 1x2`` is one node of two processes,
 ``2x1`` two nodes (agents on 127.0.0.1) of one. The default model, data and batch are
@@ -139,6 +140,69 @@ def run_raw(steps: int, batch: int, times: list) -> tuple[int, str]:
     return rank, digest(model)
 
 
+def run_plain(steps: int, batch: int, times: list) -> tuple[int, str]:
+    """The hand-written loop in one process (no process group, no DDP: what fit does with one
+    process), over the same sampler order; (0, digest of the trained parameters)."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    model, data = _setup()
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    loader = DataLoader(data, batch_size=batch, sampler=sampler)
+    opt = _timed_sgd(model.parameters(), times)
+    loss_fn = _loss_fn()
+    step, epoch = 0, 0
+    while step < steps:
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            loss = loss_fn(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            step += 1
+            if step % 50 == 0:
+                print(f"step {step} loss {loss.item():.4f}", flush=True)
+            if step >= steps:
+                break
+        epoch += 1
+    return 0, digest(model)
+
+
+def in_process(args: argparse.Namespace) -> int:
+    """--in-process: fit's own cost per step, without a launch, a process group or a second rank
+    (whose waits are most of the noise of the launched comparison): ddprun.fit in one process and the
+    same hand-written loop, alternating --blocks times in this process. Reported: the training
+    thread's CPU time per step (median of each block), fit minus the loop in microseconds, and the
+    ratio. One process has no DDP, so the step timing's two gradient hooks are not in it."""
+    import contextlib
+    import io
+
+    import torch
+
+    global WIDTHS
+    WIDTHS = tuple(int(w) for w in args.widths.split(","))
+    torch.set_num_threads(1)  # as in a launched rank (OMP_NUM_THREADS=1): no OpenMP spin-wait on this thread's clock
+    cpu: dict[str, list[float]] = {"fit": [], "plain": []}
+    digests = set()
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chdir(tmp)  # fit's run directory (and its last checkpoint) go here
+        for i in range(args.blocks):
+            for mode in (("fit", "plain") if i % 2 == 0 else ("plain", "fit")):
+                times: list[tuple[float, float]] = []
+                with contextlib.redirect_stdout(io.StringIO()):
+                    _, params = (run_fit if mode == "fit" else run_plain)(args.steps, args.batch_size, times)
+                pairs = list(zip(times, times[1:]))[args.warmup:]
+                cpu[mode].append(statistics.median(b[1] - a[1] for a, b in pairs) * 1e6)
+                digests.add((mode, params))
+    fit, plain = statistics.median(cpu["fit"]), statistics.median(cpu["plain"])
+    print(f"one process, MLP {args.widths.replace(',', '-')}, batch {args.batch_size}; {args.blocks} blocks of "
+          f"{args.steps} steps of each loop, alternating; training thread's CPU time per step (us), block medians:")
+    for mode in cpu:
+        print(f"  {mode:>5}: " + " ".join(f"{t:.1f}" for t in cpu[mode]))
+    print(f"  median: ddprun.fit {fit:.1f} us, hand-written loop {plain:.1f} us: fit's own cost {fit - plain:+.1f} us "
+          f"a step, ratio {fit / plain:.3f}")
+    return say_params(digests, "in this process")
+
+
 def worker(args: argparse.Namespace) -> None:
     import resource
 
@@ -164,6 +228,9 @@ def worker(args: argparse.Namespace) -> None:
     result["maxrss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     with open(os.path.join(args.out, f"{args.mode}-{rank}.json"), "w") as f:
         json.dump(result, f)
+    if "DDPRUN_RUN_DIR" not in os.environ:  # plain torchrun: no interpreter teardown, where torch 2.13's
+        sys.stdout.flush()  # gloo group can abort ("terminate called without an active exception", seen
+        os._exit(0)  # once here) and end the whole benchmark; the exit is exit_stress.py's to compare
 
 
 def launch(args: argparse.Namespace, mode: str, tmp: str, steps: int, launcher: str = "ddprun") -> list[dict]:
@@ -280,6 +347,8 @@ def main() -> int:
     p.add_argument("--shape", default="1x2", help="NNODESxNPROC: 1x2 (default) or 2x1")
     p.add_argument("--launch-reps", type=int, default=3,
                    help="separate launches of each arm against the hand-written loop under plain torchrun")
+    p.add_argument("--in-process", action="store_true",
+                   help="fit's own cost per step in one process (no launch): CPU time against the hand-written loop")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=["fit", "raw", "untimed", "interleaved"], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -287,7 +356,7 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    return driver(args)
+    return in_process(args) if args.in_process else driver(args)
 
 
 if __name__ == "__main__":
