@@ -108,26 +108,20 @@ def run_fit_untimed(steps: int, batch: int, times: list) -> tuple[int, str]:
     return run_fit(steps, batch, times, step_timing=False)
 
 
-def run_raw(steps: int, batch: int, times: list) -> tuple[int, str]:
-    """The hand-written DDP loop (DistributedSampler, seed 0); (rank, digest of the trained parameters)."""
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
+def _hand_written(net, data, rank: int, world: int, steps: int, batch: int, times: list) -> None:
+    """The hand-written loop over ``net`` (DDP, or the plain module in one process): a
+    DistributedSampler with seed 0, SGD timed at every step, rank 0 printing every 50 steps."""
     from torch.utils.data import DataLoader, DistributedSampler
 
-    if not dist.is_initialized():  # in the interleaved launch fit's ddprun.init() made the group
-        dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model, data = _setup()
-    ddp = DDP(model)
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=batch, sampler=sampler)
-    opt = _timed_sgd(ddp.parameters(), times)
+    opt = _timed_sgd(net.parameters(), times)
     loss_fn = _loss_fn()
     step, epoch = 0, 0
     while step < steps:
         sampler.set_epoch(epoch)
         for x, y in loader:
-            loss = loss_fn(ddp(x), y)
+            loss = loss_fn(net(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -137,33 +131,26 @@ def run_raw(steps: int, batch: int, times: list) -> tuple[int, str]:
             if step >= steps:
                 break
         epoch += 1
+
+
+def run_raw(steps: int, batch: int, times: list) -> tuple[int, str]:
+    """The hand-written DDP loop; (rank, digest of the trained parameters)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if not dist.is_initialized():  # in the interleaved launch fit's ddprun.init() made the group
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, data = _setup()
+    _hand_written(DDP(model), data, rank, world, steps, batch, times)
     return rank, digest(model)
 
 
 def run_plain(steps: int, batch: int, times: list) -> tuple[int, str]:
     """The hand-written loop in one process (no process group, no DDP: what fit does with one
     process), over the same sampler order; (0, digest of the trained parameters)."""
-    from torch.utils.data import DataLoader, DistributedSampler
-
     model, data = _setup()
-    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
-    loader = DataLoader(data, batch_size=batch, sampler=sampler)
-    opt = _timed_sgd(model.parameters(), times)
-    loss_fn = _loss_fn()
-    step, epoch = 0, 0
-    while step < steps:
-        sampler.set_epoch(epoch)
-        for x, y in loader:
-            loss = loss_fn(model(x), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            step += 1
-            if step % 50 == 0:
-                print(f"step {step} loss {loss.item():.4f}", flush=True)
-            if step >= steps:
-                break
-        epoch += 1
+    _hand_written(model, data, 0, 1, steps, batch, times)
     return 0, digest(model)
 
 
