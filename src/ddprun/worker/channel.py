@@ -216,7 +216,11 @@ class JobChannel:
 
     def cause(self, store: Any = None) -> fr.FailureRecord | None:
         """The root cause among the records of other ranks (None: no other rank failed)."""
-        return fr.root_cause(r for r in self.failures(store) if r.rank != self.rank)
+        return self.cause_among(self.failures(store))
+
+    def cause_among(self, records: list[fr.FailureRecord]) -> fr.FailureRecord | None:
+        """The root cause among ``records`` of other ranks than this one (None: none)."""
+        return fr.root_cause(r for r in records if r.rank != self.rank)
 
     def await_cause(self, timeout_s: float) -> fr.FailureRecord | None:
         """Wait (bounded) for another rank's first-hand failure (not an echo); None if none came."""

@@ -385,7 +385,7 @@ class Monitor:
         records = parse_relayed(raw) if raw is not None else []
         if records is None:
             return False, None
-        return True, fr.root_cause(r for r in records if r.rank != self.ch.rank)
+        return True, self.ch.cause_among(records)
 
     def _stopped_by(self, cause: fr.FailureRecord, store: Any) -> None:
         msg = stopped_message(cause)
