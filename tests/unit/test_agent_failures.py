@@ -392,3 +392,25 @@ def test_the_agreed_stop_step_is_read_on_demand_before_a_beat_reads_it(agent, st
     a.on_workers_started("r2", 0, 2, {0: (0, 0, ""), 1: (1, 0, "")}, world_size=4,
                          store=("127.0.0.1", store.port), last_attempt=False)
     assert a.preempt_request is None and a.preempt_stop is None  # the last attempt's: not this one's
+
+
+def test_the_request_is_read_on_demand_before_a_beat_reads_it(agent, store):
+    """Before the exit barrier the agent reads the request itself: a beat reads it only when the alarm
+    moves, and workers that ended within that beat left it unread (CI: a node said 'rank 0 did not say
+    at which step' and exited 75 while its peer finished and exited 0)."""
+    from ddprun.protocol import preempt as pp
+
+    a, _ = agent
+    keys = Keys("ddprun/job/r1/")
+    assert a.read_preempt_request() is None  # none asked
+    deadline = time.monotonic() + 5
+    while a._alarm == -1 and time.monotonic() < deadline:  # the first beat reads everything once
+        time.sleep(0.05)
+    req = pp.Request("SIGTERM", "rank 1", 1, "host-b", time.time())
+    store.compare_set(keys.preempt, "", req.to_json())  # the alarm not raised: no beat reads it
+    time.sleep(0.6)  # beats pass
+    assert a.preempt_request is None
+    assert a.read_preempt_request() == req and a.preempt_request == req
+    a.on_workers_started("r2", 0, 2, {0: (0, 0, ""), 1: (1, 0, "")}, world_size=4,
+                         store=("127.0.0.1", store.port), last_attempt=False)
+    assert a.read_preempt_request() is None  # the last attempt's request: not this one's

@@ -237,12 +237,17 @@ def test_requeue_says_its_line_and_the_agent_ends_its_own_way_though_slurms_sigt
 class _Failures:
     """The part of AgentFailures that Preemption reads: the job's request, stop step and rank 0's Saved."""
 
-    def __init__(self, node_rank, request=None, stop=None, saved=None, stored=None):
+    def __init__(self, node_rank, request=None, stop=None, saved=None, stored=None, asked=None):
         self.node_rank, self.preempt_request, self.preempt_stop, self.saved = node_rank, request, stop, saved
         self.stored = stored if stop is None else stop  # the stop step in the store, not read by a beat yet
+        self.asked = asked or request  # the request in the store, not read by a beat yet
 
     def read_preempt_saved(self, wait_s=0.0):
         return self.saved
+
+    def read_preempt_request(self):
+        self.preempt_request = self.preempt_request or self.asked
+        return self.preempt_request
 
     def read_preempt_stop(self):
         self.preempt_stop = self.preempt_stop or self.stored
@@ -398,6 +403,33 @@ def test_each_way_a_preempted_job_ends_gets_its_line_and_exit_code():
                                        "ran there (0.0 s)")
     pre.saved = pp.Saved(-1, -1, "", 0.0)
     assert pre.finished_line() == (0, "ddprun: SIGTERM came as the run was ending: it finished; nothing to resume")
+
+
+def test_a_request_no_beat_read_before_the_workers_ended_still_gives_the_jobs_end():
+    """The workers (rank 0 on another node) finished their last steps past the agreed stop step before
+    this agent's beat read the request: before the exit barrier it reads the request, the answer and
+    rank 0's Saved itself, and says what its peers say (exit 0), not 'rank 0 did not say' (75)."""
+    import time
+
+    req = pp.Request("SIGTERM", "rank 1", 1, "b", time.time())
+    pre = _agent_preemption(_Failures(1, stop=None, stored="92", saved=pp.Saved(-1, -1, "", 0.0), asked=req))
+    assert not pre.preempting()  # what the beats had read when the workers ended
+    pre.before_exit()
+    assert pre.ended_preempted() and pre.saved == pp.Saved(-1, -1, "", 0.0)
+    assert pre.finished_line() == (0, "ddprun: SIGTERM came as the run was ending: it finished; nothing to resume")
+
+
+def test_a_request_made_after_every_local_worker_ended_is_no_preemption_of_this_node():
+    """Asked while the agents wait at the exit barrier (or this agent's own signal then): this node's
+    workers had finished, so the launch ended without a preemption here: no 75, no requeue."""
+    import time
+
+    failures = _Failures(0, stop=None, stored="92")
+    pre = _agent_preemption(failures)
+    pre.before_exit()
+    failures.preempt_request = pp.Request("SIGTERM", "rank 1", 1, "b", time.time())  # a beat reads it later
+    pre.on_signal(signal.SIGTERM)
+    assert pre.preempting() and not pre.ended_preempted()
 
 
 @pytest.fixture

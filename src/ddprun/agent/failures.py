@@ -602,6 +602,24 @@ class AgentFailures:
             self._store = None
         self.preempt_request = self.preempt_request or req
 
+    def read_preempt_request(self) -> pp.Request | None:
+        """The job's preemption request, read now where no beat has read it yet: a beat reads it only
+        when the alarm moves, and the workers may all have ended (stopped at the agreed step, or done
+        with their last steps) before this agent's next beat. None: none asked, or the store is gone."""
+        keys = self._keys
+        if self.preempt_request is None and keys is not None:
+            if self._store is None and not self._reachable():
+                return None  # its host is gone: a client's connect would wait seconds for nothing
+            try:
+                store = self._client()
+                request = pp.Request.parse(store.get(keys.preempt)) if store.check([keys.preempt]) else None
+            except Exception:  # noqa: BLE001 - the store's host has ended: what the beats read is all there is
+                self._store, request = None, None
+            with self._lock:  # not into an attempt that started meanwhile (on_workers_started)
+                if keys is self._keys:
+                    self.preempt_request = self.preempt_request or request
+        return self.preempt_request
+
     def read_preempt_stop(self) -> str | None:
         """The agreed stop step as stored (NO_STEP: none), read now where the beats have not read it
         yet: a peer whose ranks answered NO_STEP stops its workers at once, and their peers here may

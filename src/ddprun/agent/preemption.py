@@ -48,6 +48,8 @@ class Preemption:
         """When this agent learned of the job's request (monotonic)."""
         self.saved: pp.Saved | None = None
         """Where rank 0 stopped, read before the exit barrier."""
+        self.ended_by_request: bool | None = None
+        """Whether the job was stopping at a step when every worker had ended (None: not read)."""
 
     def on_signal(self, sig: int) -> None:
         """The agent's handler, main thread: a flag only."""
@@ -120,10 +122,19 @@ class Preemption:
         return lag if 0.0 <= lag <= CLOCK_TRUST_S else 0.0
 
     def before_exit(self) -> None:
-        """The workers ended: read the job's answer to a request (a beat may not have read it yet) and
-        where rank 0 stopped, while the store's host still waits for us."""
-        if self.preempting_now():
+        """Every worker ended 0: read the job's request and its answer (a beat may not have read them
+        yet) and where rank 0 stopped, while the store's host still waits for us; whether this launch
+        ended by a preemption is decided here (:meth:`ended_preempted`)."""
+        self.failures.read_preempt_request()
+        self.ended_by_request = self.preempting_now()
+        if self.ended_by_request:
             self.saved = self.failures.read_preempt_saved(wait_s=SAVED_WAIT_S)
+
+    def ended_preempted(self) -> bool:
+        """The workers all ended 0 and the job had been asked to stop at a step: as read before the
+        exit barrier (:meth:`before_exit`), where the store answers. A request or signal that comes
+        later, while the agents wait for each other, found this node's workers done: no preemption."""
+        return self.preempting() if self.ended_by_request is None else self.ended_by_request
 
     def grace_over(self) -> bool:
         """The grace ended while the job stops at a step (a request answered NO_STEP has none)."""

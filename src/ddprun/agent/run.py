@@ -506,7 +506,7 @@ class _AgentRun:
         finally:
             if spot is not None:
                 spot.stop()
-        if self.preemption.preempting():
+        if self.preemption.ended_preempted():
             code, line = self.preemption.finished_line()
             print(line, file=err, flush=True)
             if code == pp.EXIT_CODE:
