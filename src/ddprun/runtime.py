@@ -29,6 +29,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from ddprun.errors import ClusterError, ConfigError
+from ddprun.pgkeep import keep_destroyed_groups, release_kept
 from ddprun.protocol import defaults
 from ddprun.protocol.env import device_kind, inside_worker, soft_exit
 
@@ -250,6 +251,7 @@ def init(backend: str | None = None, *, timeout: float = DEFAULT_INIT_TIMEOUT_S,
     # gloo/NCCL read os.environ (exported above), so the error names what they really used
     first_collective(info.device, backend, info.world_size, os.environ, arrival_timeout_s=timeout, timeout_s=probe_s)
     if not inside_worker(environ) or soft_exit(environ):  # ddprun run's hard exit skips that teardown itself
+        keep_destroyed_groups()  # the script's own destroy_process_group too: released at exit, not freed mid-run
         atexit.register(_destroy_at_exit)
     info = replace(info, distributed=True, backend=backend)
     _state = _State(info, timeout, train_timeout)
@@ -261,23 +263,38 @@ DESTROY_AT_EXIT_S = 10.0
 
 
 def _destroy_at_exit(limit_s: float = DESTROY_AT_EXIT_S) -> None:
-    """Destroy the process group :func:`init` created, at a normal interpreter exit (atexit).
+    """End the process groups of a script that called :func:`init`, at a normal interpreter exit
+    (atexit): destroy the group :func:`init` created if the script did not, then free every gloo group
+    destroyed meanwhile (:func:`_end_groups`) while the interpreter still runs.
 
-    Why: a script that ends with its gloo group alive can abort at exit with SIGABRT ("terminate
-    called without an active exception", pytorch/pytorch#190489) after its work was done, which a
-    launcher then reports as a failed rank. Not after an unhandled exception (``sys.last_value``):
-    peers may still be inside a collective with this rank, and destroying then can block (NCCL).
-    Bounded: it runs in a daemon thread for at most ``limit_s`` seconds."""
-    import torch.distributed as dist
-
-    if getattr(sys, "last_value", None) is not None or not (dist.is_available() and dist.is_initialized()):
-        return
-    t = threading.Thread(target=dist.destroy_process_group, name="ddprun-destroy-group", daemon=True)
+    Why: a gloo group still alive in the interpreter's finalization (never destroyed, or destroyed but
+    held by the script's DDP model) can abort the rank with SIGABRT ("terminate called without an
+    active exception", pytorch/pytorch#190489) after its work was done, which the launcher reports as
+    a failed rank (pgkeep.py). The live group is not destroyed after an unhandled exception
+    (``sys.last_value``): peers may still be inside a collective with this rank, and destroying then
+    can block (NCCL); the groups the script destroyed itself are freed still. Bounded: it runs in a
+    daemon thread for at most ``limit_s`` seconds."""
+    failed = getattr(sys, "last_value", None) is not None
+    t = threading.Thread(target=_end_groups, args=(not failed,), name="ddprun-end-groups", daemon=True)
     t.start()
     t.join(limit_s)
     if t.is_alive():
-        print(f"ddprun: destroying the process group did not finish within {limit_s:g} s; "
+        print(f"ddprun: ending the process groups did not finish within {limit_s:g} s; "
               "exiting without it.", file=sys.stderr, flush=True)
+
+
+def _end_groups(destroy: bool) -> None:
+    """Destroy the default group if it lives (and ``destroy``); collect the script's garbage, so a
+    DDP model in a reference cycle lets go of its group now and not in the finalization; then free
+    the groups destroyed."""
+    import gc
+
+    import torch.distributed as dist
+
+    if destroy and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+    release_kept()
 
 
 def rank_info(environ: Mapping[str, str] | None = None) -> RankInfo:

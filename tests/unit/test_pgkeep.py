@@ -1,11 +1,11 @@
-"""worker/pgkeep.py: the gloo groups ``destroy_process_group`` destroys stay referenced (the deadlock
+"""pgkeep.py: the gloo groups ``destroy_process_group`` destroys stay referenced (the deadlock
 it prevents: tests/multiprocess/test_launcher.py); NCCL groups are destroyed as torch does."""
 
 import pytest
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from ddprun.worker import pgkeep
+from ddprun import pgkeep
 from tests.helpers import free_port
 
 

@@ -91,17 +91,57 @@ def test_the_group_init_made_is_destroyed_at_a_normal_exit(monkeypatch):
     os.environ.update(torchrun_env(port=free_port()))
     runtime.init(timeout=30)
     assert registered == [runtime._destroy_at_exit]
+    before = _gloo_threads()
     runtime._destroy_at_exit()
-    assert not dist.is_initialized()
+    assert not dist.is_initialized() and _gloo_threads() < before  # destroyed and freed, threads joined
 
 
-def test_the_group_is_kept_after_an_unhandled_exception(monkeypatch):
-    """Peers may still be in a collective with this rank: destroying could block there."""
+def _gloo_threads() -> int:
+    """This process's gloo worker threads (torch names them pt_gloo_runloop)."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return names.count("pt_gloo_runloop")
+
+
+def test_a_group_the_script_destroyed_while_its_objects_hold_it_ends_with_its_threads_before_the_finalization():
+    """The script destroys its group while an object of its own (in a reference cycle: only the
+    collector frees it) still holds it. The group stays until exit, then ends in the atexit handler,
+    its threads joined: none is left to release a work in the interpreter's finalization, where that
+    aborts the rank with SIGABRT (seen under srun; pgkeep.py)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from ddprun import pgkeep
+
+    before = _gloo_threads()
     os.environ.update(torchrun_env(port=free_port()))
     runtime.init(timeout=30)
+    holder = {"group": c10d.GroupMember.WORLD}
+    holder["self"] = holder
+    dist.destroy_process_group()
+    del holder
+    assert not dist.is_initialized() and len(pgkeep.KEPT) == 1
+    assert _gloo_threads() > before  # kept: no destructor ran while the script did
+    runtime._destroy_at_exit()
+    assert pgkeep.KEPT == [] and _gloo_threads() == before
+
+
+def test_the_group_is_kept_after_an_unhandled_exception_and_a_group_the_script_destroyed_is_freed(monkeypatch):
+    """Peers may still be in a collective with this rank: destroying could block there. A group the
+    script had destroyed is freed all the same (else the finalization frees it, and may abort)."""
+    from ddprun import pgkeep
+
+    os.environ.update(torchrun_env(port=free_port()))
+    runtime.init(timeout=30)
+    dist.destroy_process_group(dist.new_group([0]))
+    assert len(pgkeep.KEPT) == 1
     monkeypatch.setattr(sys, "last_value", ValueError("the script failed"), raising=False)
     runtime._destroy_at_exit()
-    assert dist.is_initialized()
+    assert dist.is_initialized() and pgkeep.KEPT == []
 
 
 def test_a_destroy_that_hangs_at_exit_is_left_after_its_limit(monkeypatch, capsys):
@@ -113,7 +153,7 @@ def test_a_destroy_that_hangs_at_exit_is_left_after_its_limit(monkeypatch, capsy
     t0 = time.monotonic()
     runtime._destroy_at_exit(limit_s=0.3)
     assert time.monotonic() - t0 < 2
-    assert "ddprun: destroying the process group did not finish within 0.3 s; exiting without it." in capsys.readouterr().err
+    assert "ddprun: ending the process groups did not finish within 0.3 s; exiting without it." in capsys.readouterr().err
 
 
 def test_under_ddprun_runs_hard_exit_init_leaves_the_teardown_to_it(monkeypatch):

@@ -211,9 +211,9 @@ def main(argv: list[str] | None = None) -> None:
     die_with_agent()
     os.environ.setdefault("NODE_RANK", os.environ.get("GROUP_RANK", "0"))
     _merge_stderr_into_stdout()
+    from ddprun.pgkeep import keep_destroyed_groups
     from ddprun.worker import progress
     from ddprun.worker.monitor import Monitor
-    from ddprun.worker.pgkeep import keep_destroyed_groups
     from ddprun.worker.pgstore import namespace_process_groups
 
     progress.install()

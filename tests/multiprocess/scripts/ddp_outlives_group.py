@@ -1,7 +1,7 @@
 """A DDP model freed after ``destroy_process_group`` (as a script's ``main()`` returning frees it), in
 a script that makes its process group twice (an evaluation phase, a resize).
 
-Under torch 2.13 the second free deadlocked a gloo rank (worker/pgkeep.py says why); a ddprun worker
+Under torch 2.13 the second free deadlocked a gloo rank (src/ddprun/pgkeep.py says why); a ddprun worker
 keeps each destroyed group alive to its exit, so every rank prints its lines and exits 0."""
 
 import os

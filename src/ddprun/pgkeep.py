@@ -1,5 +1,7 @@
-"""A process group that ``destroy_process_group`` destroyed stays referenced until the worker's hard
-exit (worker/exit.py), so its C++ destructor never runs while the script does.
+"""A process group that ``destroy_process_group`` destroyed stays referenced until the process ends
+its groups on its own terms: a ``ddprun run`` worker's hard exit (worker/exit.py), or, in a script
+that called :func:`ddprun.init` under srun/mpirun/torchrun, :func:`release_kept` at exit
+(runtime._destroy_at_exit). Its C++ destructor never runs while the script does.
 
 Why: torch 2.13's backward stashes a Python object (a ``contextvars`` context) in the thread-local
 state, and every gloo work that DDP's gradient all-reduce starts captures that state. When the
@@ -10,6 +12,12 @@ last work needs the GIL to drop that Python object. Both wait for ever, after tr
 (seen: a SLURM test hung after its last step, py-spy showing both threads; the same script hangs
 under torchrun; torch 2.11 stashed nothing). Kept here, a destroyed group ends with the process at
 ``os._exit``, which runs no destructor.
+
+The interpreter's own finalization is no place for that destructor either: a gloo thread that
+releases its last work there needs the GIL after finalization began, and CPython ends such a thread
+with a forced unwind that std::terminate turns into SIGABRT ("terminate called without an active
+exception", pytorch/pytorch#190489; seen: 1 srun run in 40 of a script that destroyed its group).
+:func:`release_kept` frees the groups before that, with the GIL released.
 
 Cost: a destroyed gloo group's threads and sockets stay until the process ends (a script that makes
 its group N times keeps N of them). NCCL groups are destroyed as torch does (their GPU memory freed).
@@ -64,7 +72,8 @@ def _keeping(destroy: Callable[..., Any]) -> Callable[..., Any]:
 
 def keep_destroyed_groups() -> None:
     """Wrap ``torch.distributed.destroy_process_group`` so the groups it destroys stay referenced
-    (idempotent). Only for a process that ends through :func:`ddprun.worker.exit.hard_exit`."""
+    (idempotent). Only for a process that ends through :func:`ddprun.worker.exit.hard_exit`, or that
+    calls :func:`release_kept` before the interpreter's finalization."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
@@ -75,3 +84,17 @@ def keep_destroyed_groups() -> None:
     c10d.destroy_process_group = wrapped
     if getattr(dist, "destroy_process_group", None) is original:
         dist.destroy_process_group = wrapped
+
+
+def release_kept() -> None:
+    """Let go of every kept group, newest first, while the interpreter still runs (an atexit handler).
+
+    torch binds ProcessGroup with a destructor that releases the GIL, so where this drops a group's
+    last reference, ``~ProcessGroupGloo`` joins the group's threads while they can still take the GIL
+    for their last works. Call it from a thread the caller bounds: that join waits for the group's
+    queued works. A group a live object still holds (a DDP model in a module global) ends with it;
+    one a DDP model was built on stays to the process's end under torch 2.13 even once the model is
+    freed (torch's C++ side keeps it), its threads idle: the caller's wait, GIL released, let them
+    finish their last works first (init_outlives.py: 3 aborts in 4 runs before, none after)."""
+    while KEPT:
+        KEPT.pop()
