@@ -14,17 +14,24 @@ import math
 import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 
 FIELDS = ("step", "data", "compute", "allreduce", "optim")
 """Seconds per step: interval, data wait, forward+backward, blocked in all-reduce, optimizer."""
 
 
+MAX_RECORDS = 10_000
+"""Step records a :class:`StepTimer` holds at most: a ddprun worker's monitor drains them every 2 s
+(10,000 steps of 0.2 ms); where nothing drains them (ddprun.fit under torchrun, srun, plain python)
+the oldest go, and memory stays bounded however long the run."""
+
+
 class StepTimer:
     """Step records of this process. ``detailed`` is set by fit so the optimizer hook stays quiet."""
 
     def __init__(self) -> None:
-        self._records: list[tuple[float, ...]] = []
+        self._records: deque[tuple[float, ...]] = deque(maxlen=MAX_RECORDS)
         self._lock = threading.Lock()
         self.detailed = False
         self._last_hook_t: float | None = None
@@ -43,7 +50,7 @@ class StepTimer:
 
     def drain(self) -> list[tuple[float, ...]]:
         with self._lock:
-            out, self._records = self._records, []
+            out, self._records = list(self._records), deque(maxlen=MAX_RECORDS)
         return out
 
 

@@ -62,6 +62,20 @@ def test_step_timer_summary_and_hook_intervals(monkeypatch):
     assert t.drain() == []
 
 
+def test_step_records_nobody_drains_stay_bounded_and_a_drain_gets_the_newest():
+    """ddprun.fit under torchrun, srun or plain python records every step and no monitor drains
+    them: a million-step run held every record (about 200 bytes a step) before."""
+    from ddprun.telemetry import MAX_RECORDS
+
+    t = StepTimer()
+    for i in range(MAX_RECORDS + 500):
+        t.record(float(i))
+    got = t.drain()
+    assert len(got) == MAX_RECORDS and got[0][0] == 500.0 and got[-1][0] == MAX_RECORDS + 499.0
+    t.record(1.0)
+    assert [r[0] for r in t.drain()] == [1.0]  # the next window starts empty
+
+
 def test_the_median_of_the_others_is_statistics_median_without_that_rank_and_cheap_at_scale():
     import random
     import statistics
