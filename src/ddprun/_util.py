@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -108,6 +109,18 @@ def within(timeout_s: float, fn: Callable[..., Any], *args: Any) -> Any:
     return _outcome(box, done, timeout_s, getattr(fn, "__name__", "a call"))
 
 
+_CALLERS: weakref.WeakSet[_Caller] = weakref.WeakSet()
+"""Every live _Caller of this process, for :func:`_reset_callers_after_fork`."""
+
+
+def _reset_callers_after_fork() -> None:
+    for caller in list(_CALLERS):
+        caller._after_fork()
+
+
+os.register_at_fork(after_in_child=_reset_callers_after_fork)
+
+
 class _Caller:
     """One daemon thread that makes the calls handed to it, in order, for one :class:`Bounded`: a
     thread started per call costs a handshake with the new thread (Thread.start waits for it to run),
@@ -120,6 +133,12 @@ class _Caller:
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._pid = -1  # the process whose thread serves the queue (-1: none; a forked child starts its own)
+        _CALLERS.add(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child: a lock another thread held at the fork (inside :meth:`submit`) would
+        stay locked for ever there, since that thread does not exist in the child."""
+        self._lock, self._pid = threading.Lock(), -1
 
     def submit(self, fn: Callable[[], Any]) -> tuple[dict[str, Any], threading.Event]:
         box: dict[str, Any] = {}

@@ -382,3 +382,33 @@ def test_a_bounded_client_whose_helper_could_not_start_tries_again_on_the_next_c
     with pytest.raises(RuntimeError, match="can't start new thread"):
         wrapped.get("k", default=b"d")
     assert wrapped.get("k", default=b"d") == b"d" and wrapped.stuck_at is None  # served, not given up on
+
+
+def test_a_child_forked_while_another_thread_held_a_bounded_clients_lock_can_still_call():
+    """A fork (a DataLoader worker's, a user's os.fork) while another thread was inside a Bounded
+    call's hand-over: that thread does not exist in the child, and its lock would stay held there."""
+    import os
+    import time
+    from types import SimpleNamespace
+
+    from ddprun._util import Bounded
+
+    wrapped = Bounded(SimpleNamespace(answer=lambda: 7), 5)
+    assert wrapped.answer() == 7
+    wrapped._caller._lock.acquire()  # as another thread inside submit at the fork
+    pid = os.fork()
+    if pid == 0:  # the child: one call, its result as the exit code
+        try:
+            os._exit(0 if wrapped.answer() == 7 else 1)
+        except BaseException:  # noqa: BLE001
+            os._exit(2)
+    wrapped._caller._lock.release()
+    deadline, status = time.monotonic() + 10, None
+    while status is None and time.monotonic() < deadline:
+        done, code = os.waitpid(pid, os.WNOHANG)
+        status = code if done else None
+        time.sleep(0.02)
+    if status is None:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert status is not None and os.waitstatus_to_exitcode(status) == 0, "the forked child's call hung or failed"
