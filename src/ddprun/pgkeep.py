@@ -92,9 +92,8 @@ def release_kept() -> None:
     torch binds ProcessGroup with a destructor that releases the GIL, so where this drops a group's
     last reference, ``~ProcessGroupGloo`` joins the group's threads while they can still take the GIL
     for their last works. Call it from a thread the caller bounds: that join waits for the group's
-    queued works. A group a live object still holds (a DDP model in a module global) ends with it;
-    one a DDP model was built on stays to the process's end under torch 2.13 even once the model is
-    freed (torch's C++ side keeps it), its threads idle: the caller's wait, GIL released, let them
-    finish their last works first (init_outlives.py: 3 aborts in 4 runs before, none after)."""
+    queued works. A group a live object still holds (a DDP model in a module global) ends with it,
+    and so does the default group if ``torch._dynamo`` was first imported after it was made (its
+    import records it: runtime._import_dynamo)."""
     while KEPT:
         KEPT.pop()

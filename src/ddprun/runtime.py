@@ -244,18 +244,33 @@ def init(backend: str | None = None, *, timeout: float = DEFAULT_INIT_TIMEOUT_S,
     from ddprun.firstcollective import first_collective, probe_timeout
 
     probe_s = probe_timeout(environ)
+    ends_groups = not inside_worker(environ) or soft_exit(environ)  # ddprun run's hard exit skips that teardown
+    if ends_groups:
+        _import_dynamo()
     # device_id binds each rank to its GPU (NCCL connects eagerly, no rank lands on another's GPU)
     dist.init_process_group(backend=backend, init_method="env://", rank=info.rank, world_size=info.world_size,
                             timeout=timedelta(seconds=timeout),
                             device_id=info.device if info.device.type == "cuda" else None)
     # gloo/NCCL read os.environ (exported above), so the error names what they really used
     first_collective(info.device, backend, info.world_size, os.environ, arrival_timeout_s=timeout, timeout_s=probe_s)
-    if not inside_worker(environ) or soft_exit(environ):  # ddprun run's hard exit skips that teardown itself
+    if ends_groups:
         keep_destroyed_groups()  # the script's own destroy_process_group too: released at exit, not freed mid-run
         atexit.register(_destroy_at_exit)
     info = replace(info, distributed=True, backend=backend)
     _state = _State(info, timeout, train_timeout)
     return info
+
+
+def _import_dynamo() -> None:
+    """Import ``torch._dynamo`` before the group exists. Its import records objects it finds in torch's
+    modules, the default group among them (10 references, from containers the garbage collector does
+    not see), which then outlives ``destroy_process_group`` and :func:`_destroy_at_exit` until the
+    interpreter's finalization frees it. DDP imports it at construction anyway: this only moves the
+    import (about 1 s) before the group."""
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception:  # noqa: BLE001 - a torch without it, or a broken one: nothing it would record
+        pass
 
 
 DESTROY_AT_EXIT_S = 10.0

@@ -130,6 +130,44 @@ def test_a_group_the_script_destroyed_while_its_objects_hold_it_ends_with_its_th
     assert pgkeep.KEPT == [] and _gloo_threads() == before
 
 
+DDP_AT_EXIT = """
+import os
+import torch, torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from ddprun import runtime
+
+def gloo_threads():
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            names.append(open(f"/proc/self/task/{tid}/comm").read().strip())
+        except OSError:
+            pass
+    return names.count("pt_gloo_runloop")
+
+runtime.init(timeout=30)
+model = DDP(nn.Linear(4, 4))
+model(torch.randn(2, 4)).sum().backward()
+dist.destroy_process_group()
+del model
+alive = gloo_threads()
+runtime._destroy_at_exit()
+print(alive, gloo_threads())
+"""
+
+
+def test_a_group_a_ddp_model_was_built_on_ends_with_its_threads_at_exit_too():
+    """DDP's construction imports torch._dynamo, whose import keeps the default group (references the
+    collector does not see) past destroy_process_group and the atexit handler, to the finalization:
+    ddprun.init() imports it before the group. A fresh interpreter: this one imported it long ago."""
+    env = {**os.environ, **torchrun_env(port=free_port()), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", DDP_AT_EXIT], capture_output=True, text=True, timeout=90, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    alive, left = (int(v) for v in done.stdout.split())
+    assert alive > 0 and left == 0, done.stdout
+
+
 def test_the_group_is_kept_after_an_unhandled_exception_and_a_group_the_script_destroyed_is_freed(monkeypatch):
     """Peers may still be in a collective with this rank: destroying could block there. A group the
     script had destroyed is freed all the same (else the finalization frees it, and may abort)."""
