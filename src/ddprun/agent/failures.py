@@ -608,17 +608,23 @@ class AgentFailures:
         with their last steps) before this agent's next beat. None: none asked, or the store is gone."""
         keys = self._keys
         if self.preempt_request is None and keys is not None:
-            if self._store is None and not self._reachable():
-                return None  # its host is gone: a client's connect would wait seconds for nothing
-            try:
-                store = self._client()
-                request = pp.Request.parse(store.get(keys.preempt)) if store.check([keys.preempt]) else None
-            except Exception:  # noqa: BLE001 - the store's host has ended: what the beats read is all there is
-                self._store, request = None, None
+            request = pp.Request.parse(self._read_now(keys.preempt))
             with self._lock:  # not into an attempt that started meanwhile (on_workers_started)
                 if keys is self._keys:
                     self.preempt_request = self.preempt_request or request
         return self.preempt_request
+
+    def _read_now(self, key: str) -> bytes | None:
+        """One bounded read of ``key`` in the job store, off the beats; None where it is not there or
+        the store's host is gone (then what the beats read is all there is)."""
+        if self._store is None and not self._reachable():
+            return None  # its host is gone: a client's connect would wait seconds for nothing
+        try:
+            store = self._client()
+            return store.get(key) if store.check([key]) else None
+        except Exception:  # noqa: BLE001 - the store's host has ended
+            self._store = None
+            return None
 
     def read_preempt_stop(self) -> str | None:
         """The agreed stop step as stored (NO_STEP: none), read now where the beats have not read it
@@ -626,14 +632,9 @@ class AgentFailures:
         fail of that before this node's next beat. None: no answer yet, or the store is gone."""
         keys = self._keys
         if self.preempt_stop is None and self.preempt_request is not None and keys is not None:
-            if self._store is None and not self._reachable():
-                return None  # its host is gone: a client's connect would wait seconds for nothing
-            try:
-                store = self._client()
-                if store.check([keys.preempt_stop]):
-                    self.preempt_stop = text(store.get(keys.preempt_stop))
-            except Exception:  # noqa: BLE001 - the store's host has ended: what the beats read is all there is
-                self._store = None
+            raw = self._read_now(keys.preempt_stop)
+            if raw is not None:
+                self.preempt_stop = text(raw)
         return self.preempt_stop
 
     def read_preempt_saved(self, wait_s: float = 0.0) -> pp.Saved | None:
