@@ -36,6 +36,8 @@ from ddprun.protocol.env import device_kind, inside_worker, soft_exit
 if TYPE_CHECKING:
     import torch
 
+    from ddprun.cluster.base import ClusterSpec
+
 DEFAULT_INIT_TIMEOUT_S = defaults.INIT_TIMEOUT_S
 """Seconds for joining the process group and for every collective until the first step completes."""
 DEFAULT_TRAIN_TIMEOUT_S = defaults.TRAIN_TIMEOUT_S
@@ -226,6 +228,19 @@ def init(backend: str | None = None, *, timeout: float = DEFAULT_INIT_TIMEOUT_S,
             print(note, file=sys.stderr, flush=True)
         _state = _State(info, timeout, train_timeout)
         return info
+    backend = _join_group(spec, info, backend, timeout, environ)
+    info = replace(info, distributed=True, backend=backend)
+    _state = _State(info, timeout, train_timeout)
+    return info
+
+
+def _join_group(spec: ClusterSpec, info: RankInfo, backend: str | None, timeout: float,
+                environ: Mapping[str, str]) -> str:
+    """:func:`init`'s join: the device, the exported variables, the group, the bounded first
+    collective, and the exit handling of a script no ``ddprun run`` ends; the backend used."""
+    import torch
+    import torch.distributed as dist
+
     if not dist.is_available():
         raise ConfigError("This torch build has no torch.distributed, but the job has several ranks.",
                           seen=f"RANK={info.rank}, WORLD_SIZE={info.world_size}",
@@ -256,9 +271,7 @@ def init(backend: str | None = None, *, timeout: float = DEFAULT_INIT_TIMEOUT_S,
     if ends_groups:
         keep_destroyed_groups()  # the script's own destroy_process_group too: released at exit, not freed mid-run
         atexit.register(_destroy_at_exit)
-    info = replace(info, distributed=True, backend=backend)
-    _state = _State(info, timeout, train_timeout)
-    return info
+    return backend
 
 
 def _import_dynamo() -> None:
