@@ -248,3 +248,16 @@ def ddprun_nodes(nnodes: int, nproc: int, script_and_args: list[str], *, rdzv_id
     return [[DDPRUN, "run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id, *(extra or []), *script_and_args]
             for _ in range(nnodes)]
+
+
+def gloo_threads() -> int:
+    """This process's gloo worker threads (torch names them pt_gloo_runloop): 0 once every gloo
+    group it made was freed and its threads joined."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return names.count("pt_gloo_runloop")

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ddprun import runtime
 from ddprun.errors import ClusterError, ConfigError
-from tests.helpers import free_port
+from tests.helpers import REPO, free_port, gloo_threads
 
 
 @pytest.fixture(autouse=True)
@@ -91,21 +91,9 @@ def test_the_group_init_made_is_destroyed_at_a_normal_exit(monkeypatch):
     os.environ.update(torchrun_env(port=free_port()))
     runtime.init(timeout=30)
     assert registered == [runtime._destroy_at_exit]
-    before = _gloo_threads()
+    before = gloo_threads()
     runtime._destroy_at_exit()
-    assert not dist.is_initialized() and _gloo_threads() < before  # destroyed and freed, threads joined
-
-
-def _gloo_threads() -> int:
-    """This process's gloo worker threads (torch names them pt_gloo_runloop)."""
-    names = []
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                names.append(f.read().strip())
-        except OSError:  # the thread ended meanwhile
-            pass
-    return names.count("pt_gloo_runloop")
+    assert not dist.is_initialized() and gloo_threads() < before  # destroyed and freed, threads joined
 
 
 def test_a_group_the_script_destroyed_while_its_objects_hold_it_ends_with_its_threads_before_the_finalization():
@@ -117,7 +105,7 @@ def test_a_group_the_script_destroyed_while_its_objects_hold_it_ends_with_its_th
 
     from ddprun import pgkeep
 
-    before = _gloo_threads()
+    before = gloo_threads()
     os.environ.update(torchrun_env(port=free_port()))
     runtime.init(timeout=30)
     holder = {"group": c10d.GroupMember.WORLD}
@@ -125,9 +113,9 @@ def test_a_group_the_script_destroyed_while_its_objects_hold_it_ends_with_its_th
     dist.destroy_process_group()
     del holder
     assert not dist.is_initialized() and len(pgkeep.KEPT) == 1
-    assert _gloo_threads() > before  # kept: no destructor ran while the script did
+    assert gloo_threads() > before  # kept: no destructor ran while the script did
     runtime._destroy_at_exit()
-    assert pgkeep.KEPT == [] and _gloo_threads() == before
+    assert pgkeep.KEPT == [] and gloo_threads() == before
 
 
 DDP_AT_EXIT = """
@@ -136,15 +124,7 @@ import torch, torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from ddprun import runtime
-
-def gloo_threads():
-    names = []
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            names.append(open(f"/proc/self/task/{tid}/comm").read().strip())
-        except OSError:
-            pass
-    return names.count("pt_gloo_runloop")
+from tests.helpers import gloo_threads
 
 runtime.init(timeout=30)
 model = DDP(nn.Linear(4, 4))
@@ -162,7 +142,8 @@ def test_a_group_a_ddp_model_was_built_on_ends_with_its_threads_at_exit_too():
     collector does not see) past destroy_process_group and the atexit handler, to the finalization:
     ddprun.init() imports it before the group. A fresh interpreter: this one imported it long ago."""
     env = {**os.environ, **torchrun_env(port=free_port()), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", DDP_AT_EXIT], capture_output=True, text=True, timeout=90, env=env)
+    done = subprocess.run([sys.executable, "-c", DDP_AT_EXIT], capture_output=True, text=True, timeout=90, env=env,
+                          cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     alive, left = (int(v) for v in done.stdout.split())
     assert alive > 0 and left == 0, done.stdout
