@@ -172,7 +172,8 @@ def test_training_step_runs_under_bf16_autocast_and_the_gradients_are_clipped(tm
     ({"optimizer": 0.1}, "optimizer must be a callable"),
     ({"grad_clip": 0}, "grad_clip"),
     ({"val_metrics": ["acc"]}, "val_metrics"),
-    ({"loss_fn": lambda out, y: (out - y) ** 2}, "scalar loss"),
+    ({"loss_fn": lambda out, y: (out - y) ** 2}, "loss_fn must return a scalar loss"),
+    ({"loss_fn": None, "training_step": lambda net, batch: net(batch[0])}, "training_step must return a scalar"),
     ({"optimizer": lambda params: "adam"}, "did not return a torch.optim.Optimizer"),
     ({"scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau}, "ReduceLROnPlateau"),
 ])

@@ -113,11 +113,18 @@ def _check_trainable(module: nn.Module) -> None:
                                "none with requires_grad", hint="Unfreeze at least one parameter.")
 
 
+_NULL = contextlib.nullcontext()
+
+
+def _no_amp() -> contextlib.nullcontext:
+    """precision='32': no autocast (the training step skips the context altogether)."""
+    return _NULL
+
+
 def _amp(precision: str, device: torch.device) -> tuple[Callable[[], Any], Any]:
     """(autocast context factory, GradScaler or None) for ``precision`` on ``device``."""
     if precision == "32":
-        null = contextlib.nullcontext()
-        return (lambda: null), None
+        return _no_amp, None
     if precision == "16":
         if device.type != "cuda":
             raise ConfigError("precision='16' (float16 with a GradScaler) needs CUDA.", seen=f"device {device}",
@@ -204,9 +211,11 @@ def _to_device(batch: Any, device: torch.device, non_blocking: bool) -> Any:
 def _batch_len(batch: Any) -> int:
     while isinstance(batch, (list, tuple)) and batch:
         batch = batch[0]
+    if isinstance(batch, torch.Tensor):  # first: the Mapping check below is an ABC's (slower, every step)
+        return int(batch.shape[0]) if batch.ndim > 0 else 1
     if isinstance(batch, Mapping) and batch:
         return _batch_len(next(iter(batch.values())))
-    return int(batch.shape[0]) if isinstance(batch, torch.Tensor) and batch.ndim > 0 else 1
+    return 1
 
 
 def _pair(batch: Any) -> tuple[Any, Any]:
@@ -261,14 +270,21 @@ def _micro_batches(loader: Any, sized: bool, grad_accum: int) -> Iterator[tuple[
     yield pending, grad_accum, True, k + 1
 
 
-def _loss(net: Any, batch: Any, training_step: Callable | None, loss_fn: Callable | None) -> torch.Tensor:
-    """The scalar loss of one micro-batch: ``training_step(net, batch)``, or ``loss_fn(net(x), y)``."""
+def _loss_of(training_step: Callable | None, loss_fn: Callable | None) -> Callable[[Any, Any], torch.Tensor]:
+    """``(net, batch) -> the scalar loss of one micro-batch``: ``training_step(net, batch)``, or
+    ``loss_fn(net(x), y)``; a batch or loss of another shape raises ConfigError. Chosen once per fit:
+    the function runs every micro-batch, so its checks are inline (one call a step, not three)."""
     if training_step is not None:
-        return _scalar(training_step(net, batch), "training_step")
+        return lambda net, batch: _scalar(training_step(net, batch), "training_step")
     if loss_fn is None:  # options._check_args refuses this first
         raise ConfigError("fit() needs a way to compute the loss.", seen="loss_fn=None, training_step=None")
-    x, y = _pair(batch)
-    return _scalar(loss_fn(net(x), y), "loss_fn")
+
+    def loss_of(net: Any, batch: Any) -> torch.Tensor:
+        if not isinstance(batch, (list, tuple)) or len(batch) != 2:
+            _pair(batch)  # raises, naming the batch
+        loss = loss_fn(net(batch[0]), batch[1])
+        return loss if isinstance(loss, torch.Tensor) and loss.ndim == 0 else _scalar(loss, "loss_fn")
+    return loss_of
 
 
 def _rebuild_ddp_buckets(ddp: Any, module: nn.Module, opt: torch.optim.Optimizer, loader: Any, sampler: Any,
@@ -533,6 +549,8 @@ class _Loop:
         self.log = MetricsLog(p.run_dir, ["val_loss", *(f"val_{n}" for n in self.metrics)], enabled=info.is_main)
         self.progress = Progress(p.total, enabled=info.is_main)
         self.non_blocking = info.device.type == "cuda"
+        self.loss_of = _loss_of(o.training_step, o.loss_fn)
+        self.bare = p.amp is _no_amp and p.scaler is None  # a micro-batch that ends a group needs no context
         self.on_cpu = info.device.type == "cpu"
         self.params = [q for q in p.module.parameters() if q.requires_grad]
         self.per_batch = p.batch_size * info.world_size  # positions of an epoch's global order per micro-batch
@@ -579,7 +597,7 @@ class _Loop:
         p = self.p
         if p.resumed is not None and self.pos is not None and p.is_ddp and self._more():  # pos: set from resumed
             _rebuild_ddp_buckets(p.ddp, p.module, p.opt, p.loader, p.sampler, p.resumed.state["model"],
-                                 self.pos.epoch, lambda net, b: _loss(net, b, self.o.training_step, self.o.loss_fn),
+                                 self.pos.epoch, self.loss_of,
                                  p.amp, None if self.on_cpu else (p.info.device, self.non_blocking))
         if p.resumed is not None:  # last before the first step: nothing after this may draw differently
             resume_mod.restore_rank_rng(p.resumed.state, p.info.rank)
@@ -630,12 +648,13 @@ class _Loop:
         self.window.samples += _batch_len(batch)
         if self.clock is not None:
             self.clock.ready = None
-        with contextlib.nullcontext() if (last or not p.is_ddp) else cast("DistributedDataParallel", p.ddp).no_sync():
-            with p.amp():
-                loss = _loss(p.ddp, batch, self.o.training_step, self.o.loss_fn)
+        if last and self.bare:  # what a hand-written loop does: no autocast, no scaler, no no_sync
+            loss = self.loss_of(p.ddp, batch)
             if divisor > 1:
                 loss = loss / divisor
-            (p.scaler.scale(loss) if p.scaler is not None else loss).backward()
+            loss.backward()
+        else:
+            loss = self._backward_in_context(batch, divisor, last)
         t_bwd = time.perf_counter()
         compute_s, reduce_s = timing.split_backward(t_fwd, t_bwd, self.clock, synced=last)
         t.compute += compute_s
@@ -643,13 +662,25 @@ class _Loop:
         t.asked = t_bwd
         self.batches_done += 1
         self.epoch_samples += self.per_batch
+        if self.o.grad_accum == 1:  # every micro-batch is a step
+            self.window.losses.append(loss.detach())
+            return True
         return self._add_loss(loss.detach(), divisor, last, group_len)
 
+    def _backward_in_context(self, batch: Any, divisor: int, last: bool) -> torch.Tensor:
+        """Forward (under autocast) and backward (scaled; under no_sync unless ``last``); the loss."""
+        p = self.p
+        with contextlib.nullcontext() if (last or not p.is_ddp) else cast("DistributedDataParallel", p.ddp).no_sync():
+            with p.amp():
+                loss = self.loss_of(p.ddp, batch)
+            if divisor > 1:
+                loss = loss / divisor
+            (p.scaler.scale(loss) if p.scaler is not None else loss).backward()
+        return loss
+
     def _add_loss(self, loss: torch.Tensor, divisor: int, last: bool, group_len: int) -> bool:
-        """Keep a micro-batch's loss; at the end of a group, the group's loss goes to the window."""
-        if self.o.grad_accum == 1:
-            self.window.losses.append(loss)
-            return True
+        """Keep a micro-batch's loss (grad_accum > 1); at the end of a group, the group's loss goes
+        to the window."""
         self.group_losses.append(loss)
         if not last:
             return False
