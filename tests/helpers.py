@@ -261,3 +261,26 @@ def gloo_threads() -> int:
         except OSError:  # the thread ended meanwhile
             pass
     return names.count("pt_gloo_runloop")
+
+
+def bounded_calls_in_flight() -> int:
+    """Threads of this process inside a call that ddprun._util's ``within`` or ``Bounded`` made (a
+    TCPStore call to a frozen store, say): each returns, or throws, when its own deadline comes."""
+    from ddprun import _util
+
+    busy = 0
+    for frame in sys._current_frames().values():
+        while frame is not None and frame.f_code is not _util._call_into.__code__:
+            frame = frame.f_back
+        busy += frame is not None
+    return busy
+
+
+def await_bounded_calls(timeout_s: float) -> int:
+    """Wait (bounded) until no such call is in flight; how many still are. A torch call that throws
+    on its helper thread while the interpreter finalizes aborts the process (std::terminate: pytest
+    exits 134 after every test passed): a test that leaves one running waits for it here."""
+    deadline = time.monotonic() + timeout_s
+    while bounded_calls_in_flight() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return bounded_calls_in_flight()

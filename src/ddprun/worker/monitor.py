@@ -266,8 +266,9 @@ class Monitor:
         if self._direct:
             return None
         if self._node is None:
-            try:  # every call bounded: a frozen agent (SIGSTOP) holds a TCPStore client for ever
-                node = within(defaults.RELAY_STALE_S, self.ch.connect_node)
+            try:  # every call bounded: a frozen agent (SIGSTOP) holds a TCPStore client for ever; the
+                # connect gives up when the bound does (no attempt left running on its helper thread)
+                node = within(defaults.RELAY_STALE_S, self.ch.connect_node, defaults.RELAY_STALE_S)
             except Exception as e:  # noqa: BLE001 - the job store still works
                 self._go_direct(f"its node store is unreachable ({type(e).__name__})")
                 return None
