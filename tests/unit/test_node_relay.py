@@ -414,3 +414,74 @@ def test_a_child_forked_while_another_thread_held_a_bounded_clients_lock_can_sti
         os.kill(pid, 9)
         os.waitpid(pid, 0)
     assert status is not None and os.waitstatus_to_exitcode(status) == 0, "the forked child's call hung or failed"
+
+
+def test_a_nodes_stopped_ranks_reach_the_job_store_in_one_batch_from_their_agent_with_their_acks(tmp_path, job,
+                                                                                                   relay):
+    """A rank another rank's failure stopped leaves its record with its agent (no job-store call of its
+    own); the agent's next beat writes the node's records in one batch and acknowledges them: 4
+    job-store calls for the node, where each rank recording itself made 4 (#18)."""
+    jcs = []
+    a = AgentFailures(RunDir(str(tmp_path)), "host-1", "127.0.0.1", job.port, "job", io.StringIO(), relay=relay,
+                      connect=lambda: jcs.append(client(job.port)) or jcs[-1])
+    a.on_workers_started("r1", 1, 2, {2: (0, 0, ""), 3: (1, 0, "")}, world_size=4, store=("127.0.0.1", job.port))
+    a._stop.set()
+    keys = Keys("ddprun/job/r1/")
+    cause = fr.FailureRecord(fr.ERROR, 0, "ValueError: bad batch", 0, "host-0", t=1.0)
+    publish_failure(job, keys, cause)
+    a._tick(1, (None, 0.0))  # reads the cause
+    workers = [worker(tmp_path, job, relay, rank=r) for r in (2, 3)]
+    for m, jc, _ in workers:
+        m._record_stopped(m.ch.stopped(cause), jc)
+        assert jc.calls == []  # nothing of its own in the job store
+    assert int(job.add(keys.failures, 0)) == 1 and int(job.add(keys.acks, 0)) == 0
+    jcs[0].calls.clear()
+    a._tick(2, (None, 0.0))
+    forwarded = jcs[0].calls[jcs[0].calls.index("multi_set") - 1:][:4]
+    assert forwarded == ["add", "multi_set", "add", "add"], jcs[0].calls  # failures, the records, alarm, acks
+    assert int(job.add(keys.failures, 0)) == 3 and int(job.add(keys.acks, 0)) == 2
+    recs = fr.parse_many(job.multi_get([keys.failure(2), keys.failure(3)]))
+    assert sorted(r.rank for r in recs) == [2, 3] and all(r.is_echo and r.cause_rank == 0 for r in recs)
+    a._tick(3, (None, 0.0))  # each once
+    assert int(job.add(keys.failures, 0)) == 3 and int(job.add(keys.acks, 0)) == 2
+    rec = a.local_record(2)  # no error file: the copy a full disk cannot take is in the node store too
+    assert rec is not None and rec.rank == 2 and rec.is_echo
+
+
+def test_a_rank_without_a_live_relay_records_its_stop_in_the_job_store_and_linger_forwards_what_no_beat_did(
+        tmp_path, job, relay):
+    a = agent(tmp_path, job, relay, node=0)  # ranks 0 and 1
+    keys = Keys("ddprun/job/r1/")
+    cause = fr.FailureRecord(fr.ERROR, 3, "ValueError: bad batch", 1, "host-1", t=1.0)
+    publish_failure(job, keys, cause)
+    m0, jc0, _ = worker(tmp_path, job, relay, rank=0)
+    m0._direct = True  # its relay stopped beating: it talks to the job store itself
+    m0._record_stopped(m0.ch.stopped(cause), jc0)
+    assert int(job.add(keys.failures, 0)) == 2 and int(job.add(keys.acks, 0)) == 1
+    m1, jc1, _ = worker(tmp_path, job, relay, rank=1)
+    m1._record_stopped(m1.ch.stopped(cause), jc1)
+    assert int(job.add(keys.failures, 0)) == 2
+    a.linger(timeout_s=0.2)  # the launch ended before another beat: linger forwards it first
+    assert int(job.add(keys.failures, 0)) == 3 and int(job.add(keys.acks, 0)) == 2
+    assert {r.rank for r in fr.parse_many(job.multi_get([keys.failure(k) for k in (2, 3)]))} == {0, 1}
+
+
+def test_the_agent_forwards_no_malformed_or_first_hand_left_record_and_none_across_attempts(relay):
+    local = Counting(relay._store)
+    relay._store = local
+    keys = Keys("ddprun/job/r1/")
+    relay.begin(keys, [2, 3])
+    assert relay.left(keys) == (0, []) and local.calls == ["add"]  # nothing left: one local read
+    local.store.set(keys.left(2), "{not a record")
+    own = fr.FailureRecord(fr.ERROR, 3, "its own failure: it records that itself", 1, "host-1")
+    local.store.set(keys.left(3), own.to_json())
+    local.store.add(keys.lefts, 2)
+    assert relay.left(keys) == (2, [])
+    relay.forwarded(keys, 2, [])
+    local.calls.clear()
+    assert relay.left(keys) == (2, []) and local.calls == ["add"]  # not read again
+    stopped = fr.stopped_by(own, rank=2, node_rank=1, host="host-1", local_rank=0, t=2.0)
+    local.store.set(keys.left(2), stopped.to_json())
+    local.store.add(keys.lefts, 1)
+    relay.begin(Keys("ddprun/job/r2/"), [2, 3])  # a new attempt: the last one's records are not its
+    assert relay.left(keys) == (0, [])

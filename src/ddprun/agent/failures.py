@@ -10,7 +10,8 @@ and notices a node that is gone.
   node's heartbeat (a ring: node i watches node i+1, one read per agent per beat at any scale).
   Each half second it reads one key, the alarm (protocol/store.py), and reads what changed only
   when it moved; it relays the alarm to its workers and their progress and timing to the job
-  (agent/noderelay.py): one heartbeat a second carries the node's progress.
+  (agent/noderelay.py): one heartbeat a second carries the node's progress, and one batch the
+  records of the local ranks another rank's failure stopped.
   A node whose heartbeat stops for ``lost_after_s`` gets a ``lost`` record naming it; a store that
   stops answering for as long means the node hosting it is gone: the local workers are stopped.
 """
@@ -33,7 +34,7 @@ from ddprun.protocol import failure as fr
 from ddprun.protocol import preempt as pp
 from ddprun.protocol.atomic import write_text_atomic
 from ddprun.protocol.rundir import RunDir
-from ddprun.protocol.store import Keys, publish_failure, raise_alarm, read_causes, read_records, text
+from ddprun.protocol.store import Keys, publish_echoes, publish_failure, raise_alarm, read_causes, read_records, text
 
 BEAT_S = 1.0
 STORE_CALL_S = defaults.STORE_CALL_S
@@ -110,6 +111,7 @@ class AgentFailures:
         """When this node's current worker group started."""
         self._connect_fn = connect
         self._lock = threading.Lock()
+        self._forward_lock = threading.Lock()
         self._cache: dict[str, fr.FailureRecord] = {}
         self._local: dict[int, fr.FailureRecord] = {}
         self._workers: dict[int, tuple[int, int, str]] = {}  # rank -> (local rank, pid, error file)
@@ -267,6 +269,11 @@ class AgentFailures:
         that hosts the store and exits at once would take the cause's record with it (also this node's
         own: a signal that stopped its workers, :meth:`on_signal`)."""
         keys = self._keys
+        if keys is not None:
+            try:  # this node's stopped ranks, before anyone counts the records
+                self._forward_left(self._client(), keys)
+            except Exception:  # noqa: BLE001 - the store is gone: their error files still say it
+                pass
         cause = self.root_cause() or self.stopping_for
         # torch's c10d hosts the workers' store on node 0's agent; a cause that is only an echo is
         # worth nothing to the others (they probe for the lost node themselves)
@@ -355,6 +362,7 @@ class AgentFailures:
         if keys is None:
             return seen_at
         self._watch_alarm(store, keys)
+        self._forward_left(store, keys)
         self._enforce_end()
         if self._relay is not None:
             with self._lock:  # the records and the alarm of this tick's attempt (a restart may clear them)
@@ -391,6 +399,20 @@ class AgentFailures:
                 self.preempt_request = self.preempt_request or request
                 self.preempt_stop = self.preempt_stop or stop
                 self._alarm = alarm  # only once all of it was read: a failing read reads it again next beat
+
+    def _forward_left(self, store: Any, keys: Keys) -> None:
+        """The records local ranks left in the node store when another rank's failure stopped them
+        (worker/channel.py leave_to_agent): into the job store as one batch, and acknowledged for
+        them: 4 job-store calls a node, where each rank recording its own made 4 a rank. Called by
+        this thread each tick and by :meth:`linger` (the launch ends before another tick)."""
+        if self._relay is None:
+            return
+        with self._forward_lock:  # this thread and the main thread (linger): each record once
+            count, recs = self._relay.left(keys)
+            if recs:
+                publish_echoes(store, keys, recs)
+                store.add(keys.acks, len(recs))
+            self._relay.forwarded(keys, count, [r.rank for r in recs])
 
     def _enforce_end(self) -> None:
         """Another rank's failure ended the job (last attempt), but a local worker still runs after

@@ -45,6 +45,9 @@ same prefix, so that the job's store hears from each node, not from each rank:
                        that sees the relayed alarm move reads the cause here, not in the job store
     own-failure/<N>    rank N's own failure record, written before the job's copy: its agent reads it
                        when N ends (a full disk loses the error file, a lost store host the job's copy)
+    left/<N>           rank N's record that another rank's failure stopped it (an echo), left to its
+                       agent: the agent forwards its node's into the job store in one batch and
+                       acknowledges them (:func:`publish_echoes`); ``left`` counts them
 
 and job-wide keys in the rendezvous endpoint's store (agent/admission.py), written before and
 between attempts:
@@ -201,6 +204,15 @@ class Keys:
         return self._k(f"own-failure/{r}")
 
     @property
+    def lefts(self) -> str:
+        """In the node store: a counter each rank advances after writing its ``left/<N>``."""
+        return self._k("left")
+
+    def left(self, r: int) -> str:
+        """In the node store: rank ``r``'s record that it was stopped, for its agent to forward."""
+        return self._k(f"left/{r}")
+
+    @property
     def preflight(self) -> str:
         return self._k("preflight")
 
@@ -288,6 +300,14 @@ def publish_failure(store: Any, keys: Keys, rec: fr.FailureRecord) -> int:
         store.set(keys.cause(c), rec.to_json())
     raise_alarm(store, keys)
     return c
+
+
+def publish_echoes(store: Any, keys: Keys, recs: list[fr.FailureRecord]) -> None:
+    """Record ``recs`` (echoes: a node's stopped ranks), then raise the alarm: 3 store calls whatever
+    their number, where :func:`publish_failure` makes 3 for each."""
+    last = int(store.add(keys.failures, len(recs)))
+    store.multi_set([keys.failure(k) for k in range(last - len(recs) + 1, last + 1)], [r.to_json() for r in recs])
+    raise_alarm(store, keys)
 
 
 def read_records(store: Any, names: list[str]) -> dict[str, fr.FailureRecord]:

@@ -395,10 +395,17 @@ class Monitor:
         from ddprun.worker.exit import write_error_file
 
         write_error_file(msg, record=rec)
-        self.ch.record_failure(rec)
-        self.ch.ack_failure(store)
+        self._record_stopped(rec, store)
         sys.stdout.flush()
         os._exit(1)
+
+    def _record_stopped(self, rec: fr.FailureRecord, store: Any) -> None:
+        """Publish that this rank was stopped, and that it read the cause: through its agent while
+        its relay beats (one batch a node, channel.leave_to_agent), else into the job store itself."""
+        if not self._direct and self.ch.leave_to_agent(rec):
+            return
+        self.ch.record_failure(rec)
+        self.ch.ack_failure(store)
 
     # -- preemption --------------------------------------------------------------------------
     def _signals(self, store: Any, sigs: list[int]) -> None:
