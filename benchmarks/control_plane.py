@@ -21,8 +21,9 @@ simulated rank and agent with its own clients. What is replaced, and why:
 - a node's facts for preflight: computed once and the same for every node;
 - an agent never signals processes (its simulated workers are threads);
 - store clients are all connected before the ranks start (a start-up cost, not the steady one);
-- what a rank does once it has seen another's failure: it records its echo and acknowledges, as a
-  worker does, then notes the time and ends its thread (where a worker's process ends: no other call).
+- what a rank does once it has seen another's failure: it records that it stopped, as a worker does
+  (through its agent, which forwards its node's in one batch, or itself without a node store), then
+  notes the time and ends its thread (where a worker's process ends: no other call).
 Every call to the job's store is counted (one call = one round trip; multi_get is one), the agents'
 included; calls to the node stores are counted apart.
 
@@ -32,7 +33,8 @@ bumped 20 times a second), the same to the node stores, rank 0's time per teleme
 verdict) and rank 0's gather, an injected stall to the hang report past the threshold (3 s), a
 failure record to every rank having seen it, and the job-store calls per rank that preflight and the
 failure cost (what the store must serve whatever runs the ranks: the protocol's share, where the
-times above also hold the simulator's). ``--no-node-store``: ranks talk to the job store
+times above also hold the simulator's; a failure's are counted until FORWARD_S after every rank saw
+it, less the agents' steady calls over that time). ``--no-node-store``: ranks talk to the job store
 themselves, as before the node store (each agent still reads the alarm first).
 """
 
@@ -129,6 +131,16 @@ class LocalStore:
         with self._lock:
             return [self._d[k] for k in keys]
 
+    def multi_set(self, keys, values) -> None:
+        for key, value in zip(keys, values):
+            self.set(key, value)
+
+    def add(self, key: str, amount: int) -> int:
+        with self._lock:
+            value = int(self._d.get(key, b"0")) + amount
+            self._d[key] = str(value).encode()
+            return value
+
 
 def environ(rank: int, n: int, per_node: int, port: int) -> dict[str, str]:
     return {"RANK": str(rank), "LOCAL_RANK": str(rank % per_node), "WORLD_SIZE": str(n),
@@ -183,20 +195,20 @@ class Sim:
         from ddprun.worker.channel import JobChannel
 
         self._patch()
-        self.ops, self.local_ops, self.n = Ops(), Ops(), n
+        self.ops, self.agent_ops, self.local_ops, self.n = Ops(), Ops(), Ops(), n
         ranks = [r for node in nodes for r in range(node * per_node, (node + 1) * per_node)]
         self.has0, self.has_last = 0 in ranks, n - 1 in ranks
 
-        def job_client():
+        def job_client(ops=self.ops):
             # about one connect in 50 takes 5.0 s here, the resolver's timeout ("The hostname of the client
             # socket cannot be retrieved"): a long timeout, though an agent's own client has 5 s
             return Counted(TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                                    timeout=timedelta(seconds=120)), self.ops)
+                                    timeout=timedelta(seconds=120)), ops)
 
         # every client made before the ranks start, 64 at a time: connecting is a start-up cost
         with ThreadPoolExecutor(64) as connect:
             pool = list(connect.map(lambda _: job_client(), range(2 * len(ranks))))
-            agent_clients = list(connect.map(lambda _: job_client(), nodes))  # (a 5 s one may time out connecting)
+            agent_clients = list(connect.map(lambda _: job_client(self.agent_ops), nodes))  # (a 5 s one may time out connecting)
         node_client = {node: Counted(LocalStore(), self.local_ops) for node in nodes}
         wenv = WorkerEnv(run_dir=run_dir, stall_timeout=STALL_S, stall_end=3600.0, join_timeout=120.0,
                          node_store="127.0.0.1:1" if node_store else "")
@@ -289,8 +301,7 @@ class Sim:
                     pass
 
             def _stopped_by(self, cause, store):
-                self.ch.record_failure(self.ch.stopped(cause))
-                self.ch.ack_failure(store)
+                self._record_stopped(self.ch.stopped(cause), store)  # the real path: its agent's batch, or itself
                 self.seen_at = time.time()
                 self._stop.set()
                 raise Exited  # where the real monitor's process ends (os._exit): no further store call
@@ -323,7 +334,8 @@ class Sim:
         return {}
 
     def mark(self) -> dict:
-        return {"ops": self.ops.n, "local": self.local_ops.n, "t": time.time(),
+        return {"ops": self.ops.n + self.agent_ops.n, "agent_ops": self.agent_ops.n, "local": self.local_ops.n,
+                "t": time.time(),
                 "polls": sum(m.polls for m in self.monitors), "beats": sum(a.beats for a in self.agents)}
 
     def stall(self) -> dict:
@@ -424,6 +436,20 @@ class Children:
             p.wait()
 
 
+FORWARD_S = 1.5
+"""After every rank has seen the failure: the agents' beats in this time forward their ranks' records."""
+
+
+def failure_calls(m0: list[dict], m1: list[dict], m2: list[dict], m3: list[dict]) -> float:
+    """Job-store calls from the failure to FORWARD_S after every rank saw it (m2 -> m3), less the
+    agents' steady calls over that time (their rate while training, m0 -> m1): what the failure cost."""
+    def took(a: list[dict], b: list[dict]) -> float:
+        return max(r["t"] for r in b) - max(r["t"] for r in a)
+
+    steady = sum(b["agent_ops"] - a["agent_ops"] for a, b in zip(m0, m1)) / took(m0, m1)
+    return sum(b["ops"] - a["ops"] for a, b in zip(m2, m3)) - steady * took(m2, m3)
+
+
 def one_size(n: int, per_node: int, procs: int, port: int, seconds: float, run_dir: str,
              no_node_store: bool) -> dict[str, float]:
     kids = Children(n, per_node, procs, port, run_dir, no_node_store)
@@ -456,6 +482,7 @@ def one_size(n: int, per_node: int, procs: int, port: int, seconds: float, run_d
         m2 = kids.all("mark")
         fl = kids.all("fail")
         failed, seen = min(r["failed"] for r in fl), [r["seen"] for r in fl]
+        time.sleep(FORWARD_S)  # the agents' next beats forward their stopped ranks' records
         m3 = kids.all("mark")
         kids.all("end")
     finally:
@@ -465,7 +492,7 @@ def one_size(n: int, per_node: int, procs: int, port: int, seconds: float, run_d
             "preflight_s": preflight_s, "gather_s": gather_s,
             "stall_s": (reported - stalled) if reported else float("nan"),
             "failure_s": (max(seen) - failed) if all(seen) else float("nan"),
-            "failure_calls": sum(b["ops"] - a["ops"] for a, b in zip(m2, m3)) / n,
+            "failure_calls": failure_calls(m0, m1, m2, m3) / n,
             "preflight_calls": sum(b["ops"] - a["ops"] for a, b in zip(p0, p1)) / n}
 
 
