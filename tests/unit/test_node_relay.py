@@ -485,3 +485,88 @@ def test_the_agent_forwards_no_malformed_or_first_hand_left_record_and_none_acro
     local.store.add(keys.lefts, 1)
     relay.begin(Keys("ddprun/job/r2/"), [2, 3])  # a new attempt: the last one's records are not its
     assert relay.left(keys) == (0, [])
+
+
+class FailOnce:
+    """A store client whose first call of ``name`` raises (a timed-out call: it may or may not have
+    reached the server; here it did not)."""
+
+    def __init__(self, store, name):
+        self.store, self.name, self.failed = store, name, False
+
+    def __getattr__(self, attr):
+        fn = getattr(self.store, attr)
+        if attr == self.name and not self.failed:
+            def fail(*args):
+                self.failed = True
+                raise TimeoutError(f"{attr} did not return")
+            return fail
+        return fn
+
+
+@pytest.mark.parametrize("fails", ["multi_set", "add_acks"])
+def test_a_forward_that_failed_part_way_is_finished_at_its_reserved_place_without_a_second_ack(tmp_path, job, relay,
+                                                                                             fails):
+    a = agent(tmp_path, job, relay, node=0)
+    keys = a._keys  # the attempt's own (a new attempt's keys are another object)
+    cause = fr.FailureRecord(fr.ERROR, 3, "ValueError: bad batch", 1, "host-1", t=1.0)
+    publish_failure(job, keys, cause)
+    for r in (0, 1):
+        m, jc, _ = worker(tmp_path, job, relay, rank=r)
+        m._record_stopped(m.ch.stopped(cause), jc)
+    flaky = FailOnce(job, "multi_set") if fails == "multi_set" else None
+    if fails == "add_acks":  # the acknowledgement's add fails: the records are in, their count too
+        class AcksFail(FailOnce):
+            def __getattr__(self, attr):
+                if attr == "add":
+                    return lambda key, n: (FailOnce.__getattr__(self, "add") if key == keys.acks else job.add)(key, n)
+                return getattr(job, attr)
+        flaky = AcksFail(job, "add")
+    with pytest.raises(TimeoutError):
+        a._forward_left(flaky, keys)
+    a._forward_left(client(job.port), keys)  # the next tick
+    assert int(job.add(keys.failures, 0)) == 3  # the cause and the two, numbered once
+    assert int(job.add(keys.acks, 0)) == 2
+    assert {r.rank for r in fr.parse_many(job.multi_get([keys.failure(2), keys.failure(3)]))} == {0, 1}
+    a._forward_left(client(job.port), keys)
+    assert int(job.add(keys.failures, 0)) == 3 and int(job.add(keys.acks, 0)) == 2
+
+
+def test_linger_makes_no_job_store_client_for_nothing_to_forward_or_for_a_store_that_is_gone(tmp_path, relay):
+    import time
+
+    gone = server()
+    port = gone.port
+    made = []
+    a = AgentFailures(RunDir(str(tmp_path)), "host-1", "127.0.0.1", port, "job", io.StringIO(), relay=relay,
+                      connect=lambda: made.append(1) or client(port))
+    a.on_workers_started("r1", 1, 2, {2: (0, 0, ""), 3: (1, 0, "")}, world_size=4, store=("127.0.0.1", port))
+    a._stop.set()
+    a.linger(timeout_s=0.2)
+    assert made == []  # nothing left: no client
+    keys = Keys("ddprun/job/r1/")
+    cause = fr.FailureRecord(fr.ERROR, 0, "ValueError: bad batch", 0, "host-0", t=1.0)
+    relay._store.set(keys.left(2), fr.stopped_by(cause, rank=2, node_rank=1, host="h", local_rank=0, t=2.0).to_json())
+    relay._store.add(keys.lefts, 1)
+    del gone  # the store's host is gone: its port refuses
+    t0 = time.monotonic()
+    a.linger(timeout_s=0.2)
+    assert made == [] and time.monotonic() - t0 < 1
+
+
+def test_a_rank_whose_count_for_its_agent_fails_after_its_record_is_in_leaves_it_to_the_agent(tmp_path, job, relay):
+    m, jc, nc = worker(tmp_path, job, relay, rank=1)
+
+    class NoAdd:
+        def __getattr__(self, attr):
+            if attr == "add":
+                def add(*args):
+                    raise TimeoutError("add did not return")
+                return add
+            return getattr(nc, attr)
+
+    m.ch._connect_node_fn = NoAdd
+    cause = fr.FailureRecord(fr.ERROR, 3, "ValueError: bad batch", 1, "host-1", t=1.0)
+    m._record_stopped(m.ch.stopped(cause), jc)
+    assert jc.calls == []  # not recorded twice: the agent has it
+    assert nc.store.check([m.ch.keys.left(1)])

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TextIO
 
@@ -85,6 +86,29 @@ def worker_record(error_file: str) -> fr.FailureRecord | None:
         return None
 
 
+@dataclass
+class _Batch:
+    """Stopped local ranks' records forwarded together (:meth:`AgentFailures._forward_left`); each
+    step is made once, so that a retry after a failed call neither numbers them again nor
+    acknowledges them twice (the ``acks`` count tells the first failing rank it may exit)."""
+
+    keys: Keys
+    count: int
+    """The node store's ``left`` counter when they were read."""
+    recs: list[fr.FailureRecord]
+    first: int | None = None
+    """Their place in the job's record list, once reserved."""
+    acked: bool = False
+
+    def send(self, store: Any) -> None:
+        if self.first is None:
+            self.first = int(store.add(self.keys.failures, len(self.recs))) - len(self.recs) + 1
+        publish_echoes(store, self.keys, self.recs, self.first)  # the same keys on a retry
+        if not self.acked:
+            store.add(self.keys.acks, len(self.recs))
+            self.acked = True
+
+
 class AgentFailures:
     """One per ``ddprun run`` agent; see the module docstring. Thread-safe; never raises into torch."""
 
@@ -112,6 +136,8 @@ class AgentFailures:
         self._connect_fn = connect
         self._lock = threading.Lock()
         self._forward_lock = threading.Lock()
+        self._batch: _Batch | None = None
+        """Stopped local ranks' records on their way to the job store (:meth:`_forward_left`)."""
         self._cache: dict[str, fr.FailureRecord] = {}
         self._local: dict[int, fr.FailureRecord] = {}
         self._workers: dict[int, tuple[int, int, str]] = {}  # rank -> (local rank, pid, error file)
@@ -270,8 +296,8 @@ class AgentFailures:
         own: a signal that stopped its workers, :meth:`on_signal`)."""
         keys = self._keys
         if keys is not None:
-            try:  # this node's stopped ranks, before anyone counts the records
-                self._forward_left(self._client(), keys)
+            try:  # this node's stopped ranks, before anyone counts the records; no connect to a store that is gone
+                self._forward_left(None, keys)
             except Exception:  # noqa: BLE001 - the store is gone: their error files still say it
                 pass
         cause = self.root_cause() or self.stopping_for
@@ -404,15 +430,27 @@ class AgentFailures:
         """The records local ranks left in the node store when another rank's failure stopped them
         (worker/channel.py leave_to_agent): into the job store as one batch, and acknowledged for
         them: 4 job-store calls a node, where each rank recording its own made 4 a rank. Called by
-        this thread each tick and by :meth:`linger` (the launch ends before another tick)."""
+        this thread each tick and by :meth:`linger` (the launch ends before another tick), which
+        gives no ``store``: the client is made only when there is something to forward and the
+        store's port answers. A batch whose calls failed part way is finished, not sent again: its
+        place in the job's record list is kept (:class:`_Batch`)."""
         if self._relay is None:
             return
         with self._forward_lock:  # this thread and the main thread (linger): each record once
-            count, recs = self._relay.left(keys)
-            if recs:
-                publish_echoes(store, keys, recs)
-                store.add(keys.acks, len(recs))
-            self._relay.forwarded(keys, count, [r.rank for r in recs])
+            batch = self._batch if self._batch is not None and self._batch.keys is keys else None
+            if batch is None:
+                count, recs = self._relay.left(keys)
+                if not recs:
+                    self._relay.forwarded(keys, count, [])
+                    return
+                batch = self._batch = _Batch(keys, count, recs)
+            if store is None:
+                if self._store is None and not self._reachable():
+                    return
+                store = self._client()
+            batch.send(store)
+            self._batch = None
+            self._relay.forwarded(keys, batch.count, [r.rank for r in batch.recs])
 
     def _enforce_end(self) -> None:
         """Another rank's failure ended the job (last attempt), but a local worker still runs after

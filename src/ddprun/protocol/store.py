@@ -302,11 +302,11 @@ def publish_failure(store: Any, keys: Keys, rec: fr.FailureRecord) -> int:
     return c
 
 
-def publish_echoes(store: Any, keys: Keys, recs: list[fr.FailureRecord]) -> None:
-    """Record ``recs`` (echoes: a node's stopped ranks), then raise the alarm: 3 store calls whatever
-    their number, where :func:`publish_failure` makes 3 for each."""
-    last = int(store.add(keys.failures, len(recs)))
-    store.multi_set([keys.failure(k) for k in range(last - len(recs) + 1, last + 1)], [r.to_json() for r in recs])
+def publish_echoes(store: Any, keys: Keys, recs: list[fr.FailureRecord], first: int) -> None:
+    """Write ``recs`` (echoes: a node's stopped ranks) at ``failure/<first>`` on, a place the caller
+    reserved (``add(keys.failures, len(recs))``), then raise the alarm: with the reservation 3 store
+    calls whatever their number, where :func:`publish_failure` makes 3 for each. Safe to repeat."""
+    store.multi_set([keys.failure(k) for k in range(first, first + len(recs))], [r.to_json() for r in recs])
     raise_alarm(store, keys)
 
 

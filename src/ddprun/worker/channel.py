@@ -179,20 +179,29 @@ class JobChannel:
         """Hand ``rec``, this rank's record that it was stopped, to its agent, which forwards its
         node's stopped ranks into the job store in one batch and acknowledges them: about 4 job-store
         calls a node, not 4 a rank (agent/failures.py). False when the node store did not take it
-        (none, or its agent is gone or frozen): the caller records it in the job store itself."""
+        (none, or its agent is gone or frozen): the caller records it in the job store itself. Once
+        the record is there it is the agent's, even if the count that tells the agent fails next:
+        the rank recording it too would count it, and its acknowledgement, twice."""
         try:  # bounded: a frozen agent (SIGSTOP) would hold a TCPStore client for ever
-            return bool(within(defaults.NODE_RECORD_TIMEOUT_S, self._leave, rec))
+            node = within(defaults.NODE_RECORD_TIMEOUT_S, self._leave, rec)
         except Exception:  # noqa: BLE001 - no node store, or its agent is gone or frozen
             return False
-
-    def _leave(self, rec: fr.FailureRecord) -> bool:
-        node = self.connect_node(timeout_s=defaults.NODE_RECORD_TIMEOUT_S)
         if node is None:
             return False
+        try:
+            within(defaults.NODE_RECORD_TIMEOUT_S, node.add, self.keys.lefts, 1)
+        except Exception:  # noqa: BLE001 - the agent reads it when another rank's count moves, or not at all
+            pass
+        return True
+
+    def _leave(self, rec: fr.FailureRecord) -> Any:
+        """The node store's client, once ``rec`` is in it; None when the agent gave none."""
+        node = self.connect_node(timeout_s=defaults.NODE_RECORD_TIMEOUT_S)
+        if node is None:
+            return None
         raw = rec.to_json()  # also as its own record: the copy a full disk cannot take (record_failure)
         node.multi_set([self.keys.own_failure(rec.rank), self.keys.left(rec.rank)], [raw, raw])
-        node.add(self.keys.lefts, 1)
-        return True
+        return node
 
     def _failure_store(self) -> Any:
         """This process's job-store client for the failure path: each call bounded by STORE_CALL_S, and
