@@ -183,7 +183,7 @@ class JobChannel:
         the record is there it is the agent's, even if the count that tells the agent fails next:
         the rank recording it too would count it, and its acknowledgement, twice."""
         try:  # bounded: a frozen agent (SIGSTOP) would hold a TCPStore client for ever
-            node = within(defaults.NODE_RECORD_TIMEOUT_S, self._leave, rec)
+            node = within(defaults.NODE_RECORD_TIMEOUT_S, self._hand_to_node, rec, True)
         except Exception:  # noqa: BLE001 - no node store, or its agent is gone or frozen
             return False
         if node is None:
@@ -194,15 +194,6 @@ class JobChannel:
             pass
         return True
 
-    def _leave(self, rec: fr.FailureRecord) -> Any:
-        """The node store's client, once ``rec`` is in it; None when the agent gave none."""
-        node = self.connect_node(timeout_s=defaults.NODE_RECORD_TIMEOUT_S)
-        if node is None:
-            return None
-        raw = rec.to_json()  # also as its own record: the copy a full disk cannot take (record_failure)
-        node.multi_set([self.keys.own_failure(rec.rank), self.keys.left(rec.rank)], [raw, raw])
-        return node
-
     def _failure_store(self) -> Any:
         """This process's job-store client for the failure path: each call bounded by STORE_CALL_S, and
         after one timed out the others fail at once (a stopped store host never answers)."""
@@ -210,10 +201,16 @@ class JobChannel:
             self._bounded = Bounded(self.store, defaults.STORE_CALL_S)
         return self._bounded
 
-    def _hand_to_node(self, rec: fr.FailureRecord) -> None:
+    def _hand_to_node(self, rec: fr.FailureRecord, leave: bool = False) -> Any:
+        """Write ``rec`` into this node's store as this rank's own record (the copy a full disk cannot
+        take), and with ``leave`` also as one for its agent to forward (:meth:`leave_to_agent`); the
+        node store's client, None when the agent gave none."""
         node = self.connect_node(timeout_s=defaults.NODE_RECORD_TIMEOUT_S)
-        if node is not None:
-            node.set(self.keys.own_failure(rec.rank), rec.to_json())
+        if node is None:
+            return None
+        keys = [self.keys.own_failure(rec.rank)] + ([self.keys.left(rec.rank)] if leave else [])
+        node.multi_set(keys, [rec.to_json()] * len(keys))
+        return node
 
     def _await_acks(self, timeout_s: float = defaults.ACK_WAIT_S) -> None:
         """Stay (bounded) until every other rank has read the failure: this process keeps its node's
