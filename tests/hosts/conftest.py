@@ -124,6 +124,45 @@ def two_hosts():
             shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
 
 
+DNS_SUBNET = "10.231.9"
+"""The silent nameserver's /24, inside :func:`silent_dns_host`'s two namespaces only."""
+
+
+@pytest.fixture(scope="module")
+def silent_dns_host():
+    """A host whose nameserver drops every query, as behind a firewall that drops DNS: its
+    resolv.conf names ``DNS_SUBNET.53``, which answers ARP (a namespace of its own holds it, joined
+    by a veth pair) but has no route back, so every query goes unanswered and the resolver waits out
+    its timeouts. /etc/hosts names localhost and the host itself. Torn down whatever happened."""
+    reason = _why_not()
+    if reason:
+        unavailable(reason)
+    tag = f"ddp{os.getpid() % 100000}"
+    host, dns = Host("dnsless", f"{tag}d", f"{DNS_SUBNET}.1"), f"{tag}n"
+    created: list[str] = []
+    try:
+        for ns in (host.ns, dns):
+            if _sh("ip", "netns", "add", ns, check=False).returncode != 0:
+                unavailable(f"`ip netns add {ns}` is unavailable here")
+            created.append(ns)
+        etc = NETNS_ETC / host.ns
+        etc.mkdir(parents=True, exist_ok=True)
+        (etc / "hosts").write_text(f"127.0.0.1 localhost\n{host.addr} {host.name}\n")
+        (etc / "resolv.conf").write_text(f"nameserver {DNS_SUBNET}.53\n")
+        _sh("ip", "link", "add", f"{tag}w1", "netns", host.ns, "type", "veth", "peer", "name", f"{tag}w2",
+            "netns", dns)
+        _sh("ip", "-n", host.ns, "addr", "add", f"{host.addr}/24", "dev", f"{tag}w1")
+        _sh("ip", "-n", dns, "addr", "add", f"{DNS_SUBNET}.53/32", "dev", f"{tag}w2")  # /32: no route back
+        for ns, dev in ((host.ns, f"{tag}w1"), (dns, f"{tag}w2"), (host.ns, "lo")):
+            _sh("ip", "-n", ns, "link", "set", dev, "up")
+        yield host
+    finally:
+        for ns in created:
+            _kill_namespace_processes(ns)
+            _sh("ip", "netns", "del", ns, check=False)
+        shutil.rmtree(NETNS_ETC / host.ns, ignore_errors=True)
+
+
 @pytest.fixture(autouse=True)
 def nothing_left_on_the_hosts(two_hosts):
     """After each test: no process of it is left on either host (its agents' workers die with them).

@@ -28,9 +28,10 @@ from datetime import timedelta
 from typing import Any, TextIO
 
 from ddprun._util import Bounded, within
-from ddprun.agent.endpoint import bound_server, port_open
+from ddprun.agent.endpoint import bound_server, port_open, store_server
 from ddprun.config import run_id_problem
 from ddprun.errors import LaunchError
+from ddprun.protocol import defaults
 from ddprun.protocol import store as keys
 from ddprun.protocol.store import JobRecord
 
@@ -71,6 +72,15 @@ def unreachable_line(endpoint: str, timeout_s: float, left_s: float) -> str:
             f"waiting up to {timeout_s:.0f} s ({max(0, int(left_s))} s left)")
 
 
+def slow_start_line(took_s: float, where: str) -> str:
+    name = "localhost" if where.startswith("127.") else "<its name>"
+    return (f"ddprun: note: the rendezvous store at {where} took {took_s:.1f} s to start. torch looks up the "
+            "name of each address it connects to (reverse DNS), so the likely cause is a DNS server in "
+            "/etc/resolv.conf that does not answer, and each process of the job can wait as long again when it "
+            "first connects. A nameserver that answers removes the wait, as does an /etc/hosts line on every node "
+            f"that names the address as torch dials it: '::ffff:{where} {name}'")
+
+
 def connect(addr: str, port: int, host_it: bool, timeout_s: float, out: TextIO, bind: str | None = None,
             line_every_s: float = 3.0) -> tuple[Any, bool]:
     """The endpoint's store at ``addr`` within ``timeout_s``: hosted here (``host_it`` and nothing
@@ -80,7 +90,10 @@ def connect(addr: str, port: int, host_it: bool, timeout_s: float, out: TextIO, 
     next_line = t0 + line_every_s
     while True:
         if host_it and not port_open(addr, port):
+            started = time.monotonic()
             hosted = _host(addr, port, bind)
+            if hosted is not None and time.monotonic() - started > defaults.SLOW_STORE_START_S:
+                print(slow_start_line(time.monotonic() - started, bind or addr), file=out, flush=True)
             if hosted is not None:
                 if bind is None:  # SECURITY.md: the one case a store of ddprun's listens everywhere
                     print(f"ddprun: note: the rendezvous store listens on every interface, port {port}: {addr} "
@@ -115,13 +128,10 @@ def client(addr: str, port: int, timeout_s: float = STORE_TIMEOUT_S) -> Any:
 def _host(addr: str, port: int, bind: str | None) -> Any:
     """The store server (None: the port is taken, another agent on this machine hosts it). Raises
     LaunchError when this node cannot listen there at all."""
-    from torch.distributed import TCPStore
-
     try:
         if bind is not None:
             return bound_server(bind, port, STORE_TIMEOUT_S)
-        return TCPStore(addr, port, is_master=True, multi_tenant=True, wait_for_workers=False,
-                        timeout=timedelta(seconds=STORE_TIMEOUT_S))
+        return store_server(addr, port, STORE_TIMEOUT_S, multi_tenant=True)
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
             return None

@@ -13,6 +13,8 @@ import socket
 from datetime import timedelta
 from typing import Any
 
+from ddprun.protocol import defaults
+
 
 def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
     """Whether something listens at host:port (a plain connect: refused at once when nothing does)."""
@@ -71,8 +73,6 @@ def store_bind(endpoint_host: str, local_addr: str | None, user_named: bool) -> 
 def bound_server(addr: str, port: int, timeout_s: float) -> Any:
     """A TCPStore server listening on ``addr``'s IP only, at ``port`` (0: the OS picks). Raises OSError
     when the address cannot be bound (in use: another agent on this machine hosts it already)."""
-    from torch.distributed import TCPStore
-
     family, ip = bind_address(addr)
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -84,7 +84,20 @@ def bound_server(addr: str, port: int, timeout_s: float) -> Any:
         sock.close()
         raise
     try:
-        return TCPStore(ip, port, is_master=True, multi_tenant=True, wait_for_workers=False,
-                        master_listen_fd=sock.detach(), timeout=timedelta(seconds=timeout_s))
+        return store_server(ip, port, timeout_s, multi_tenant=True, master_listen_fd=sock.detach())
     except (RuntimeError, ValueError) as e:
         raise OSError(f"the store server at {ip}:{port} did not start: {e}") from e
+
+
+def store_server(host: str, port: int, timeout_s: float, **kw: Any) -> Any:
+    """A TCPStore server at host:port (``kw``: TCPStore's own, e.g. ``master_listen_fd``) whose own
+    client's calls wait up to ``timeout_s``. Its first connect to itself gets SELF_CONNECT_S instead:
+    torch looks up the name of the address it dials (getnameinfo on ``::ffff:<ip>``, which the usual
+    /etc/hosts does not list), so a DNS server that drops packets makes that connect wait out the
+    resolver (10 s with glibc's defaults); the wait says nothing about the port."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore(host, port, is_master=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=max(timeout_s, defaults.SELF_CONNECT_S)), **kw)
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store
