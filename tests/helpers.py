@@ -1,6 +1,6 @@
 """Start launcher processes (ddprun or torchrun agents) for tests: free ports, bounded waits,
-process-group kills on timeout, and their output attached to any failure; a store client that
-records its calls."""
+process-group kills on timeout, and their output attached to any failure; store servers and
+clients made as ddprun makes them, and a client that records its calls."""
 
 from __future__ import annotations
 
@@ -66,6 +66,31 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # every pick taken: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def store_server(port: int = 0, timeout_s: float = 5.0, **kw):
+    """A TCPStore server on 127.0.0.1 (``kw``: TCPStore's own), made as ddprun makes its own
+    (agent/endpoint.py): its calls wait up to ``timeout_s``, its first connect to itself up to
+    SELF_CONNECT_S, for torch's connect looks up the address's name and a DNS server that drops a
+    packet holds that lookup for the resolver's 5 s."""
+    from ddprun.agent.endpoint import store_server as server
+
+    return server("127.0.0.1", port, timeout_s, **kw)
+
+
+def store_client(port: int, timeout_s: float = 5.0, host: str = "127.0.0.1"):
+    """A client of the store at host:port whose calls wait up to ``timeout_s``; its connect gets
+    SELF_CONNECT_S (see :func:`store_server`)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from ddprun.protocol.defaults import SELF_CONNECT_S
+
+    store = TCPStore(host, port, is_master=False, wait_for_workers=False,
+                     timeout=timedelta(seconds=max(timeout_s, SELF_CONNECT_S)))
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store
 
 
 class Counting:

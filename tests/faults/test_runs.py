@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.faults.conftest import assert_nothing_left, describe
-from tests.helpers import job_env
+from tests.helpers import job_env, store_client
 
 pytestmark = pytest.mark.faults
 
@@ -250,11 +250,9 @@ def drop_from_rendezvous(port: int) -> int:
     the round the state moves to."""
     import base64
     import pickle
-    from datetime import timedelta
 
-    from torch.distributed import TCPStore
 
-    store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+    store = store_client(port, 10.0)
     key = "torch.rendezvous.ddprun"
     raw = store.get(key)
     state = pickle.loads(base64.b64decode(raw))  # torch's own state: this test's process plays torch's part

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.faults.conftest import assert_nothing_left, describe
+from tests.helpers import store_client
 
 pytestmark = pytest.mark.faults
 
@@ -56,15 +57,12 @@ def store_env(job, rank: int) -> dict[str, str]:
 
 @pytest.mark.timeout(90)
 def test_poisoned_store_values_are_skipped_and_the_job_goes_on(nodes, tmp_path):
-    from datetime import timedelta
 
-    from torch.distributed import TCPStore
 
     job = nodes(2, 1, ["--step-s", "0.05", "--steps", "160"], extra=STALL)
     job.worker_pids(range(2))
     env = store_env(job, 0)
-    store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, wait_for_workers=False,
-                     timeout=timedelta(seconds=5))
+    store = store_client(int(env["MASTER_PORT"]), host=env["MASTER_ADDR"])
     prefix = f"ddprun/{env['TORCHELASTIC_RUN_ID']}/{env['DDPRUN_ATTEMPT']}/"
     for key, value in [("progress/0", "garbage"), ("progress/1", "\xff\x00"), ("timing/0", "{not json"),
                        ("stall/summary", "[1, 2]"), ("place/1", "null"), ("agent/1", "\x00"),
@@ -75,7 +73,7 @@ def test_poisoned_store_values_are_skipped_and_the_job_goes_on(nodes, tmp_path):
     store.set(prefix + "failure/1", json.dumps({"kind": "error", "rank": "zero"}))
     store.add(prefix + "direct", 1)  # a registered direct rank that is not a rank
     host, port = env["DDPRUN_NODE_STORE"].rsplit(":", 1)  # and node 0's own store, which its workers write
-    node = TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5))
+    node = store_client(int(port), host=host)
     for key, value in [("relay", "garbage"), ("progress/1", "x"), ("timing/0", "{not json"),
                        ("relayed-causes", '["{\\"kind\\": 1}"]')]:
         node.set(prefix + key, value)
@@ -101,9 +99,6 @@ class Payload:
 @pytest.mark.timeout(90)
 def test_a_malicious_pickle_in_every_key_ddprun_reads_runs_nothing(nodes, tmp_path):
     import pickle
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
 
     from ddprun.agent import admission, joinwatch
     from ddprun.protocol import store as keys
@@ -113,8 +108,7 @@ def test_a_malicious_pickle_in_every_key_ddprun_reads_runs_nothing(nodes, tmp_pa
     job = nodes(2, 1, ["--step-s", "0.05", "--steps", "160"], rdzv_id=None, extra=STALL)
     job.worker_pids(range(2))
     env = store_env(job, 0)
-    workers = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, wait_for_workers=False,
-                       timeout=timedelta(seconds=5))
+    workers = store_client(int(env["MASTER_PORT"]), host=env["MASTER_ADDR"])
     prefix = f"ddprun/{env['TORCHELASTIC_RUN_ID']}/{env['DDPRUN_ATTEMPT']}/"
     for key in ("progress/0", "progress/1", "timing/0", "timing/1", "timing-final/0", "stall", "stall/summary",
                 "place/0", "place/1", "agent/0", "agent/1", "rank/0", "rank/1", "node/0", "failure/1",
@@ -123,11 +117,11 @@ def test_a_malicious_pickle_in_every_key_ddprun_reads_runs_nothing(nodes, tmp_pa
     workers.add(prefix + "failures", 1)
     workers.add(prefix + "direct", 1)
     host, port = env["DDPRUN_NODE_STORE"].rsplit(":", 1)
-    node = TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5))
+    node = store_client(int(port), host=host)
     for key in ("relay", "progress/0", "timing/0", "relayed-causes"):
         node.set(prefix + key, bomb)
     del node
-    endpoint = TCPStore("127.0.0.1", job.port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5))
+    endpoint = store_client(job.port)
     for key in (keys.JOB_KEY, keys.REFORMING_KEY, keys.SINCE_KEY, keys.job_host_key(0, 0), keys.joining_key(1)):
         endpoint.set(key, bomb)
     # what a newcomer and a join watcher read from the endpoint's store

@@ -7,7 +7,6 @@ import io
 import re
 import threading
 import time
-from datetime import timedelta
 
 import pytest
 from torch.distributed import TCPStore
@@ -16,6 +15,7 @@ from ddprun.agent import admission
 from ddprun.errors import LaunchError
 from ddprun.protocol import store as keys
 from ddprun.protocol.store import JobRecord
+from tests.helpers import store_server
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -30,7 +30,7 @@ def job(nnodes=2, lo=2, hi=2, round_=0):
 
 @pytest.fixture
 def store():
-    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    return store_server()
 
 
 def test_a_full_job_refuses_everyone_and_an_elastic_one_with_room_takes_its_nodes():
@@ -59,7 +59,7 @@ def test_a_bad_job_record_is_no_job():
 def test_every_node_takes_the_first_proposal_and_an_explicit_id_as_given(store):
     assert admission.admit(store, me(proposal="first")) == "first"
     assert admission.admit(store, me(proposal="second")) == "first"
-    other = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    other = store_server()
     assert admission.admit(other, me(explicit=True, rdzv_id="job1")) == "job1"
 
 

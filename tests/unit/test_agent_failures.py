@@ -8,22 +8,21 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import timedelta
 
 import pytest
-from torch.distributed import TCPStore
 
 from ddprun.agent.failures import AgentFailures
 from ddprun.protocol import failure as fr
 from ddprun.protocol.rundir import RunDir
 from ddprun.protocol.store import Keys
+from tests.helpers import store_server
 
 pytestmark = pytest.mark.timeout(30)
 
 
 @pytest.fixture
 def store():
-    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    return store_server()
 
 
 @pytest.fixture
@@ -226,7 +225,7 @@ def test_a_worker_whose_error_file_was_lost_is_named_by_the_record_it_handed_its
     from ddprun.agent.noderelay import NodeRelay
     from ddprun.worker.channel import JobChannel
 
-    relay = NodeRelay(TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5)))
+    relay = NodeRelay(store_server())
     a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", 1, "job", io.StringIO(), relay=relay,
                       connect=lambda: (_ for _ in ()).throw(ConnectionError("the job store's host is gone")))
     a.on_workers_started("r1", 0, 2, {0: (0, 0, ""), 1: (1, 0, "")}, world_size=4,

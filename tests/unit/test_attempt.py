@@ -7,19 +7,18 @@ from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
-from torch.distributed import TCPStore
 
 from ddprun.agent import attempt
 from ddprun.agent.logs import RankLogsSpecs
 from ddprun.protocol import store as keys
 from ddprun.protocol.env import WorkerEnv
 from ddprun.worker import pgstore
-from tests.helpers import free_port
+from tests.helpers import free_port, store_server
 
 
 @pytest.fixture
 def store():
-    s = TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    s = store_server(free_port(), 10.0)
     yield s
 
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import io
 import time
-from datetime import timedelta
 
 import pytest
-from torch.distributed import TCPStore
 
 from ddprun.agent.admission import Newcomer
 from ddprun.agent.joinwatch import JoinSnapshot, JoinWatcher
 from ddprun.protocol import store as keys
+from tests.helpers import store_server
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -22,7 +21,7 @@ def watcher(store, host: str, pid: int) -> JoinWatcher:
 
 
 def test_nodes_that_came_to_join_are_counted_while_they_beat():
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    store = store_server()
     a, b = watcher(store, "node-a", 11), watcher(store, "node-b", 22)
     assert a._read().joined == ["node-a pid 11"]
     b._read()
@@ -43,7 +42,7 @@ def test_a_progress_line_comes_every_interval_with_the_seconds_left():
     from ddprun.protocol import defaults
 
     assert inspect.signature(JoinWatcher).parameters["interval_s"].default == defaults.JOIN_PROGRESS_S == 3.0
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    store = store_server()
     out = io.StringIO()
     me = Newcomer(f"127.0.0.1:{store.port}", "ddprun", "", False, "p")
     t0 = time.monotonic()

@@ -22,17 +22,17 @@ from ddprun.protocol.store import Keys, parse_relay, parse_relayed, publish_fail
 from ddprun.telemetry import PROGRESS
 from ddprun.worker import monitor as monitor_mod
 from ddprun.worker.channel import JobChannel
-from tests.helpers import Counting, await_bounded_calls
+from tests.helpers import Counting, await_bounded_calls, store_client, store_server
 
 pytestmark = pytest.mark.timeout(30)
 
 
 def server():
-    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    return store_server()
 
 
 def client(port):
-    return Counting(TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5)))
+    return Counting(store_client(port))
 
 
 @pytest.fixture

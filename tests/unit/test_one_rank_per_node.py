@@ -131,14 +131,14 @@ def test_a_process_group_made_before_is_taken_as_it_is_even_where_one_process_pe
     import torch.distributed as dist
 
     from ddprun import runtime
-    from tests.helpers import free_port
+    from tests.helpers import free_port, store_server
 
     monkeypatch.setattr(runtime, "_node_facts", lambda: GPUS4)
     monkeypatch.setattr(runtime, "_use_cuda", lambda environ: False)
     env = {**SLURM_STEP, "SLURM_GPUS_ON_NODE": "4"}
     with pytest.raises(ClusterError):
         runtime._from_environ(env, joining=True)  # what init() reads with no group: one process, 4 planned
-    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=__import__("datetime").timedelta(seconds=10))
+    store = store_server(free_port(), 10.0)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         info = runtime.rank_info(env)

@@ -435,15 +435,12 @@ def test_a_request_made_after_every_local_worker_ended_is_no_preemption_of_this_
 @pytest.fixture
 def rank_1(tmp_path, monkeypatch):
     """Rank 1's monitor (never started) on a real store, with its own preemption state."""
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
     from ddprun.protocol.env import WorkerEnv
     from ddprun.worker import monitor as monitor_mod
     from ddprun.worker.channel import JobChannel
+    from tests.helpers import store_server
 
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    store = store_server()
     state = preempt.PreemptState(signals=(signal.SIGUSR1, signal.SIGTERM))
     monkeypatch.setattr(monitor_mod, "PREEMPT", state)
     environ = {"RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "GROUP_RANK": "1", "MASTER_ADDR": "127.0.0.1",

@@ -2,14 +2,13 @@
 verdict awaited by one server-side wait instead of a poll (benchmarks/control_plane.py counts them)."""
 
 import time
-from datetime import timedelta
 
 from torch.distributed import TCPStore
 
 from ddprun.protocol.env import WorkerEnv
 from ddprun.protocol.store import present
 from ddprun.worker.channel import JobChannel
-from tests.helpers import Counting
+from tests.helpers import Counting, store_client
 
 
 def test_present_costs_one_call_when_every_key_exists_and_one_per_key_otherwise():
@@ -34,8 +33,7 @@ def test_await_key_returns_when_the_key_is_set_and_false_at_its_timeout(tmp_path
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     environ = {"RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(server.port), "TORCHELASTIC_RUN_ID": "a", "DDPRUN_ATTEMPT": "0"}
-    client = Counting(TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
-                               timeout=timedelta(seconds=10)))
+    client = Counting(store_client(server.port, 10.0))
     ch = JobChannel(environ, WorkerEnv(run_dir=str(tmp_path)), connect=lambda: client)
     t0 = time.monotonic()
     assert not ch.await_key("verdict", 0.3)
@@ -48,8 +46,7 @@ def test_await_key_returns_when_the_key_is_set_and_false_at_its_timeout(tmp_path
 def _channel(tmp_path, server, rank=1, world=4096):
     environ = {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(server.port), "TORCHELASTIC_RUN_ID": "a", "DDPRUN_ATTEMPT": "0"}
-    client = Counting(TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
-                               timeout=timedelta(seconds=10)))
+    client = Counting(store_client(server.port, 10.0))
     return JobChannel(environ, WorkerEnv(run_dir=str(tmp_path)), connect=lambda: client), client
 
 
