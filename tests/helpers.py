@@ -79,18 +79,11 @@ def store_server(port: int = 0, timeout_s: float = 5.0, **kw):
 
 
 def store_client(port: int, timeout_s: float = 5.0, host: str = "127.0.0.1"):
-    """A client of the store at host:port whose calls wait up to ``timeout_s``; its connect gets
-    SELF_CONNECT_S (see :func:`store_server`)."""
-    from datetime import timedelta
+    """A client of the store at host:port made as ddprun's agent makes its own: calls wait up to
+    ``timeout_s``, its connect up to SELF_CONNECT_S (see :func:`store_server`)."""
+    from ddprun.agent.endpoint import store_client as client
 
-    from torch.distributed import TCPStore
-
-    from ddprun.protocol.defaults import SELF_CONNECT_S
-
-    store = TCPStore(host, port, is_master=False, wait_for_workers=False,
-                     timeout=timedelta(seconds=max(timeout_s, SELF_CONNECT_S)))
-    store.set_timeout(timedelta(seconds=timeout_s))
-    return store
+    return client(host, port, timeout_s)
 
 
 class Counting:

@@ -251,7 +251,6 @@ def drop_from_rendezvous(port: int) -> int:
     import base64
     import pickle
 
-
     store = store_client(port, 10.0)
     key = "torch.rendezvous.ddprun"
     raw = store.get(key)

@@ -57,8 +57,6 @@ def store_env(job, rank: int) -> dict[str, str]:
 
 @pytest.mark.timeout(90)
 def test_poisoned_store_values_are_skipped_and_the_job_goes_on(nodes, tmp_path):
-
-
     job = nodes(2, 1, ["--step-s", "0.05", "--steps", "160"], extra=STALL)
     job.worker_pids(range(2))
     env = store_env(job, 0)

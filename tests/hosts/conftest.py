@@ -1,9 +1,11 @@
-"""Two real hosts on this machine: network namespaces joined by a veth pair, each with its own address,
+"""Two real hosts on this machine (and, for tests/hosts/test_resolver.py, a host whose DNS server
+drops every query): network namespaces joined by a veth pair, each with its own address,
 ``eth0``, hostname (UTS namespace per command) and /etc/hosts naming both (shared/testbeds/README.md).
 
 Like many containers, each host's own name resolves to 127.0.0.1 there (``127.0.0.1 algo-1``): the
 case that makes torchrun hang or bind loopback. Every namespace has ``lo`` up and a resolv.conf
-pointing at 127.0.0.1 (refused at once) so that torch's reverse lookups do not stall for 10 s each.
+pointing at 127.0.0.1 (refused at once), so that no process waits out a resolver on its first
+store connect (torch looks up the dialled address's name: tests/hosts/test_resolver.py).
 A veth pair needs no bridge, so Docker's FORWARD DROP policy does not apply and no iptables rule is
 added. Everything created is removed in the fixture's teardown, whatever happened.
 

@@ -258,3 +258,20 @@ def test_the_launch_keeps_an_endpoint_client_whose_calls_a_stopped_host_cannot_h
     admission.publish_reforming(run.endpoint_store, 1)
     admission.publish_end(run.endpoint_store, job())
     assert time.monotonic() - t0 < 1.5
+
+
+def test_a_slow_store_is_named_with_the_hosts_lines_for_the_address_torch_dials(monkeypatch):
+    from ddprun.agent.endpoint import dialled_as
+    from ddprun.protocol import defaults
+
+    assert (dialled_as("10.0.0.5"), dialled_as("2001:db8::5"), dialled_as("node01")) == (
+        "::ffff:10.0.0.5", "2001:db8::5", None)
+    monkeypatch.setattr(defaults, "SLOW_STORE_START_S", 0.05)
+    out = io.StringIO()
+    assert admission._timed(out, "10.0.0.5", "answer", lambda: time.sleep(0.1) or "store") == "store"
+    assert admission._timed(out, "node01", "start", lambda: "store") == "store"  # quick: nothing said
+    assert admission._timed(out, "node01", "start", lambda: time.sleep(0.1)) is None  # no store: nothing said
+    [line] = out.getvalue().splitlines()
+    assert "the rendezvous store at 10.0.0.5 took 0.1 s to answer" in line
+    assert "'::ffff:127.0.0.1 localhost'" in line and "'::ffff:10.0.0.5 <its name>'" in line
+    assert "'::ffff:<the IPv4 address node01 resolves to> node01'" in admission.slow_store_line(4.0, "node01", "start")

@@ -28,7 +28,7 @@ from datetime import timedelta
 from typing import Any, TextIO
 
 from ddprun._util import Bounded, within
-from ddprun.agent.endpoint import bound_server, port_open, store_server
+from ddprun.agent.endpoint import bound_server, dialled_as, port_open, store_client, store_server
 from ddprun.config import run_id_problem
 from ddprun.errors import LaunchError
 from ddprun.protocol import defaults
@@ -72,28 +72,45 @@ def unreachable_line(endpoint: str, timeout_s: float, left_s: float) -> str:
             f"waiting up to {timeout_s:.0f} s ({max(0, int(left_s))} s left)")
 
 
-def slow_start_line(took_s: float, where: str) -> str:
-    name = "localhost" if where.startswith("127.") else "<its name>"
-    return (f"ddprun: note: the rendezvous store at {where} took {took_s:.1f} s to start. torch looks up the "
-            "name of each address it connects to (reverse DNS), so the likely cause is a DNS server in "
-            "/etc/resolv.conf that does not answer, and each process of the job can wait as long again when it "
-            "first connects. A nameserver that answers removes the wait, as does an /etc/hosts line on every node "
-            f"that names the address as torch dials it: '::ffff:{where} {name}'")
+def slow_store_line(took_s: float, where: str, what: str) -> str:
+    """The note for the store at ``where`` (an IP or a name) that took ``took_s`` to ``what``."""
+    lines = ["'::ffff:127.0.0.1 localhost' (every node's own store)"]
+    mapped = dialled_as(where)
+    if mapped is None:
+        lines.append(f"'::ffff:<the IPv4 address {where} resolves to> {where}'")
+    elif mapped != "::ffff:127.0.0.1":
+        lines.append(f"'{mapped} <its name>'")
+    return (f"ddprun: note: the rendezvous store at {where} took {took_s:.1f} s to {what}. torch looks up the name "
+            "of each address it connects to (reverse DNS), so the likely cause is a DNS server in /etc/resolv.conf "
+            "that does not answer, and each process of the job can wait as long again when it first connects. A "
+            "nameserver that answers removes the wait, as do /etc/hosts lines on every node for the addresses as "
+            f"torch dials them: {' and '.join(lines)}")
+
+
+def _timed(out: TextIO, where: str, what: str, make: Any, *args: Any) -> Any:
+    """``make(*args)``, and the note of :func:`slow_store_line` when it made a store but took longer
+    than SLOW_STORE_START_S."""
+    started = time.monotonic()
+    store = make(*args)
+    took = time.monotonic() - started
+    if store is not None and took > defaults.SLOW_STORE_START_S:
+        print(slow_store_line(took, where, what), file=out, flush=True)
+    return store
 
 
 def connect(addr: str, port: int, host_it: bool, timeout_s: float, out: TextIO, bind: str | None = None,
             line_every_s: float = 3.0) -> tuple[Any, bool]:
     """The endpoint's store at ``addr`` within ``timeout_s``: hosted here (``host_it`` and nothing
     listens yet), listening on ``bind`` only (None: every interface, torch's way), or a client of it;
-    (store, hosted). Raises LaunchError when nothing answered in time or this node cannot listen."""
+    (store, hosted). Raises LaunchError when nothing answered in time or this node cannot listen.
+    One connect may overrun ``timeout_s`` by up to SELF_CONNECT_S (endpoint.py: a silent DNS server)."""
+    import torch.distributed  # noqa: F401 - before any store is timed: the import is not the store's start
+
     t0 = time.monotonic()
     next_line = t0 + line_every_s
     while True:
         if host_it and not port_open(addr, port):
-            started = time.monotonic()
-            hosted = _host(addr, port, bind)
-            if hosted is not None and time.monotonic() - started > defaults.SLOW_STORE_START_S:
-                print(slow_start_line(time.monotonic() - started, bind or addr), file=out, flush=True)
+            hosted = _timed(out, bind or addr, "start", _host, addr, port, bind)
             if hosted is not None:
                 if bind is None:  # SECURITY.md: the one case a store of ddprun's listens everywhere
                     print(f"ddprun: note: the rendezvous store listens on every interface, port {port}: {addr} "
@@ -102,7 +119,7 @@ def connect(addr: str, port: int, host_it: bool, timeout_s: float, out: TextIO, 
                 return hosted, True
         if port_open(addr, port):
             try:
-                return client(addr, port), False
+                return _timed(out, addr, "answer", store_client, addr, port, STORE_TIMEOUT_S), False
             except (RuntimeError, ValueError, TimeoutError):  # not a store yet, or it went away
                 pass
         now = time.monotonic()

@@ -91,13 +91,37 @@ def bound_server(addr: str, port: int, timeout_s: float) -> Any:
 
 def store_server(host: str, port: int, timeout_s: float, **kw: Any) -> Any:
     """A TCPStore server at host:port (``kw``: TCPStore's own, e.g. ``master_listen_fd``) whose own
-    client's calls wait up to ``timeout_s``. Its first connect to itself gets SELF_CONNECT_S instead:
+    client's calls wait up to ``timeout_s``; its connect to itself, at least SELF_CONNECT_S (see
+    :func:`_open`)."""
+    return _open(host, port, timeout_s, is_master=True, **kw)
+
+
+def store_client(host: str, port: int, timeout_s: float) -> Any:
+    """A client of the store at host:port whose calls wait up to ``timeout_s``; its connect, at least
+    SELF_CONNECT_S (see :func:`_open`)."""
+    return _open(host, port, timeout_s, is_master=False)
+
+
+def _open(host: str, port: int, timeout_s: float, **kw: Any) -> Any:
+    """A TCPStore connected within max(``timeout_s``, SELF_CONNECT_S), then bounded by ``timeout_s``:
     torch looks up the name of the address it dials (getnameinfo on ``::ffff:<ip>``, which the usual
-    /etc/hosts does not list), so a DNS server that drops packets makes that connect wait out the
-    resolver (10 s with glibc's defaults); the wait says nothing about the port."""
+    /etc/hosts does not list), so a DNS server that drops queries holds a process's first connect for
+    the resolver's timeouts (10 s with glibc's defaults); that wait says nothing about the store."""
     from torch.distributed import TCPStore
 
-    store = TCPStore(host, port, is_master=True, wait_for_workers=False,
+    store = TCPStore(host, port, wait_for_workers=False,
                      timeout=timedelta(seconds=max(timeout_s, defaults.SELF_CONNECT_S)), **kw)
     store.set_timeout(timedelta(seconds=timeout_s))
     return store
+
+
+def dialled_as(addr: str) -> str | None:
+    """How torch's connect looks up ``addr``'s name: an IPv4 address as its IPv6 mapping, an IPv6
+    address as itself; None for a name (its address is known only once resolved)."""
+    import ipaddress
+
+    try:
+        ip = ipaddress.ip_address(addr)
+    except ValueError:
+        return None
+    return f"::ffff:{ip}" if ip.version == 4 else str(ip)
