@@ -232,7 +232,7 @@ def test_a_live_job_is_seen_alive_as_soon_as_every_beat_moved_even_when_one_is_h
     assert 1.0 <= time.monotonic() - t0 < 2.0
 
 
-def test_the_launch_keeps_an_endpoint_client_whose_calls_a_stopped_host_cannot_hold(tmp_path, monkeypatch):
+def test_the_launch_keeps_an_endpoint_client_whose_calls_a_stopped_host_cannot_hold(tmp_path, monkeypatch, request):
     """After admission, the endpoint's store is written on torch's loop (the job record at each start,
     a restart's reforming mark, node 0's end): a host stopped by SIGSTOP never answers (torch's client
     waits for ever), so each of those calls gives up after STORE_CALL_S and the launch goes on."""
@@ -241,9 +241,14 @@ def test_the_launch_keeps_an_endpoint_client_whose_calls_a_stopped_host_cannot_h
     from ddprun.config import LaunchConfig
     from ddprun.protocol import defaults
 
+    thawed = threading.Event()
+    # the calls given up on wait on their helper threads: they end with the test, not 20 s into a
+    # later one that counts bounded calls in flight (test_node_relay.py's frozen port)
+    request.addfinalizer(thawed.set)
+
     class StoppedHost:  # what torch's client does when the host is stopped: it waits
         def __getattr__(self, name):
-            return lambda *a, **kw: threading.Event().wait(20)
+            return lambda *a, **kw: thawed.wait(20)
 
     monkeypatch.setattr(defaults, "STORE_CALL_S", 0.3)
     monkeypatch.setattr(admission, "connect", lambda *a, **kw: (StoppedHost(), False))
