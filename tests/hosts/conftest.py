@@ -144,8 +144,9 @@ def silent_dns_host():
     created: list[str] = []
     try:
         for ns in (host.ns, dns):
-            if _sh("ip", "netns", "add", ns, check=False).returncode != 0:
-                unavailable(f"`ip netns add {ns}` is unavailable here")
+            added = _sh("ip", "netns", "add", ns, check=False)
+            if added.returncode != 0:
+                unavailable(f"`ip netns add` is unavailable here: {added.stderr.strip()}")
             created.append(ns)
         etc = NETNS_ETC / host.ns
         etc.mkdir(parents=True, exist_ok=True)
@@ -165,19 +166,23 @@ def silent_dns_host():
         shutil.rmtree(NETNS_ETC / host.ns, ignore_errors=True)
 
 
-@pytest.fixture(autouse=True)
-def nothing_left_on_the_hosts(two_hosts):
-    """After each test: no process of it is left on either host (its agents' workers die with them).
-    A leftover gets 5 s to end by itself, then is killed and fails the test, so the next test finds
-    clean hosts (free fixed ports) either way."""
-    yield
+def fail_if_left(hosts) -> None:
+    """No process is left on ``hosts`` (:class:`Host`): a leftover gets 5 s to end by itself, then is
+    killed and fails the test, so the next test finds clean hosts (free fixed ports) either way."""
     deadline = time.monotonic() + 5
-    while any(_namespace_pids(h.ns) for h in two_hosts) and time.monotonic() < deadline:
+    while any(_namespace_pids(h.ns) for h in hosts) and time.monotonic() < deadline:
         time.sleep(0.1)
-    left = {h.name: _kill_namespace_processes(h.ns) for h in two_hosts}
+    left = {h.name: _kill_namespace_processes(h.ns) for h in hosts}
     left = {name: pids for name, pids in left.items() if pids}
     if left:
         pytest.fail(f"processes left on the hosts after the test (killed now): {left}", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_on_the_hosts(two_hosts):
+    """After each test: no process of it is left on either host (its agents' workers die with them)."""
+    yield
+    fail_if_left(two_hosts)
 
 
 RSH_AGENT = """#!/bin/sh

@@ -6,13 +6,12 @@ advice must work."""
 from __future__ import annotations
 
 import re
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import DDPRUN, Finished, describe, job_env, run_agents
-from tests.hosts.conftest import NETNS_ETC, _kill_namespace_processes, _namespace_pids
+from tests.hosts.conftest import NETNS_ETC, fail_if_left
 
 pytestmark = [pytest.mark.hosts, pytest.mark.timeout(150)]
 
@@ -26,12 +25,7 @@ TORCH_WARNING = "The hostname of the client socket cannot be retrieved"
 @pytest.fixture(autouse=True)
 def nothing_left_on_the_dnsless_host(silent_dns_host):
     yield
-    deadline = time.monotonic() + 5
-    while _namespace_pids(silent_dns_host.ns) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = _kill_namespace_processes(silent_dns_host.ns)
-    if left:
-        pytest.fail(f"processes left on {silent_dns_host.name} after the test (killed now): {left}", pytrace=False)
+    fail_if_left([silent_dns_host])
 
 
 def one_node_job(host, tmp_path) -> tuple[Finished, dict[str, str]]:
