@@ -136,7 +136,9 @@ def connect(addr: str, port: int, host_it: bool, timeout_s: float, out: TextIO, 
 
 
 def client(addr: str, port: int, timeout_s: float = STORE_TIMEOUT_S) -> Any:
-    """A client of the store at addr:port (every store client of the agent side is made here)."""
+    """A client of the store at addr:port whose connect, too, is bounded by ``timeout_s``: for threads
+    that must not stall on a stopped host (the join watch, the job's beat); :func:`connect` makes the
+    agent's main client with endpoint.store_client, whose connect outlasts a silent DNS server."""
     from torch.distributed import TCPStore
 
     return TCPStore(addr, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))

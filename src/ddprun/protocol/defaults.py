@@ -99,13 +99,14 @@ STORE_CALL_S = 5.0
 not answering: torch's TCPStore client waits for ever on a store whose host's process is stopped."""
 
 SELF_CONNECT_S = 60.0
-"""A store server ddprun starts waits this long for its own first connect to itself (agent/endpoint.py):
-torch's connect looks up the address's name, and a DNS server that drops packets holds that lookup
-for the resolver's timeouts (10 s with glibc's defaults: 5 s a try, 2 tries). Its calls afterwards
-keep their own, shorter bound."""
+"""The connect of a store server ddprun starts (to itself) and of the agent's client of the endpoint's
+store may take this long (agent/endpoint.py): torch's connect looks up the address's name, and a DNS
+server that drops packets holds that lookup for the resolver's timeouts (10 s with glibc's defaults:
+5 s a try, 2 tries). Their calls afterwards keep their own, shorter bound."""
 
 SLOW_STORE_START_S = 3.0
-"""A store server that took longer than this to start is named on the console, with its likely cause."""
+"""The endpoint's store that took longer than this to start, or to answer the agent's connect, is
+named on the console with its likely cause."""
 
 NODE_RECORD_TIMEOUT_S = 2.0
 """A failing worker tries this long to hand its failure record to its agent's node store (127.0.0.1)."""
