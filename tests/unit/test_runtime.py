@@ -164,15 +164,25 @@ def test_the_group_is_kept_after_an_unhandled_exception_and_a_group_the_script_d
 
 
 def test_a_destroy_that_hangs_at_exit_is_left_after_its_limit(monkeypatch, capsys):
+    import threading
     import time
 
     os.environ.update(torchrun_env(port=free_port()))
     runtime.init(timeout=30)
-    monkeypatch.setattr(dist, "destroy_process_group", lambda: time.sleep(30))
+    real_destroy, released = dist.destroy_process_group, threading.Event()
+    # hangs until the test has seen the limit, then destroys the group: nothing outlives the test
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: released.wait(30) and real_destroy())
     t0 = time.monotonic()
-    runtime._destroy_at_exit(limit_s=0.3)
-    assert time.monotonic() - t0 < 2
+    try:
+        runtime._destroy_at_exit(limit_s=0.3)
+        assert time.monotonic() - t0 < 2
+    finally:
+        released.set()
+        for t in threading.enumerate():
+            if t.name == "ddprun-end-groups":
+                t.join(10)
     assert "ddprun: ending the process groups did not finish within 0.3 s; exiting without it." in capsys.readouterr().err
+    assert not dist.is_initialized()
 
 
 def test_under_ddprun_runs_hard_exit_init_leaves_the_teardown_to_it(monkeypatch):
