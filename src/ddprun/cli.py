@@ -398,6 +398,7 @@ def cmd_run(cfg: LaunchConfig, environ: Mapping[str, str]) -> int:
     from ddprun.agent.run import check_run_root, early_standbys
     from ddprun.cluster.torchrun import TorchrunEnvironment
     from ddprun.errors import ClusterError
+    from ddprun.openfiles import raise_soft_limit
 
     if TorchrunEnvironment.detect(environ):
         raise ClusterError(
@@ -412,6 +413,7 @@ def cmd_run(cfg: LaunchConfig, environ: Mapping[str, str]) -> int:
 
         requeue_command(environ)  # no SLURM job or no scontrol: said now, not after the preemption
     check_run_root(cfg)
+    raise_soft_limit()  # before any worker starts: every process of the job inherits it
     standby = early_standbys(cfg, environ)  # first: their imports overlap this agent's
     try:
         return _launch(cfg, environ, standby)

@@ -259,6 +259,7 @@ def _join_group(spec: ClusterSpec, info: RankInfo, backend: str | None, timeout:
     from ddprun.firstcollective import first_collective, probe_timeout
 
     probe_s = probe_timeout(environ)
+    _open_files(info, environ)
     ends_groups = not inside_worker(environ) or soft_exit(environ)  # ddprun run's hard exit skips that teardown
     if ends_groups:
         _import_dynamo()
@@ -272,6 +273,20 @@ def _join_group(spec: ClusterSpec, info: RankInfo, backend: str | None, timeout:
         keep_destroyed_groups()  # the script's own destroy_process_group too: released at exit, not freed mid-run
         atexit.register(_destroy_at_exit)
     return backend
+
+
+def _open_files(info: RankInfo, environ: Mapping[str, str]) -> None:
+    """Rank 0 of a job without an agent's store (srun/mpirun) hosts the group's store, one socket a
+    rank: its open-files limit is raised to that, and a hard limit below it is said (openfiles.py)."""
+    from ddprun.openfiles import needed_without_agent, raise_soft_limit, too_low
+
+    if info.rank != 0 or environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return
+    need = needed_without_agent(info.world_size)
+    warning = too_low(raise_soft_limit(need), need, f"{info.world_size} ranks",
+                      "in rank 0, which hosts the job's store (1 a rank, and its own)")
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
 
 
 def _import_dynamo() -> None:

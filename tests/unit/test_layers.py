@@ -14,7 +14,7 @@ LAYERS = [
     ("protocol", ["ddprun.protocol"]),
     ("model", ["ddprun.config", "ddprun.cluster", "ddprun.telemetry", "ddprun.preempt", "ddprun.ranktable", "ddprun.report",
                "ddprun.mismatch", "ddprun.plan_json", "ddprun.cli_help"]),
-    ("runtime", ["ddprun.runtime", "ddprun.firstcollective", "ddprun.pgkeep"]),
+    ("runtime", ["ddprun.runtime", "ddprun.firstcollective", "ddprun.pgkeep", "ddprun.openfiles"]),
     ("sides", ["ddprun.agent", "ddprun.worker", "ddprun.train"]),
     ("top", ["ddprun.api", "ddprun.lightning", "ddprun.pytorch_lightning", "ddprun.ray", "ddprun.demo",
              "ddprun.demo_train", "ddprun.cli", "ddprun.__main__", "ddprun"]),

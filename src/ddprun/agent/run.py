@@ -257,8 +257,10 @@ class AgentLog:
         os.dup2(self._saved, 2)
         os.close(self._saved)
         if value is not None and not isinstance(value, (KeyboardInterrupt, SystemExit)):
-            print(f"ddprun: the launcher failed: {type(value).__name__}: {value}\nSee {self.path}",
-                  file=self.console, flush=True)
+            from ddprun.openfiles import exhausted_hint
+
+            print(f"ddprun: the launcher failed: {type(value).__name__}: {value}{exhausted_hint(value)}\n"
+                  f"See {self.path}", file=self.console, flush=True)
         self.console.close()
 
 
@@ -281,6 +283,7 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
     cfg = replace(cfg, local_addr=local, rdzv_conf={**net.rdzv_conf, **cfg.rdzv_conf})
     if net.summary():
         print(net.summary(), file=console, flush=True)
+    _open_files(spec, console)
     t0 = time.monotonic()
     bind = store_bind(spec.master_addr, local, named) if spec.master_addr else None
     prepared = replace(prepare(cfg, spec, environ, hostname, net.worker_env), bind=bind)
@@ -307,6 +310,18 @@ def launch(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hos
     if outcome.exit_code == 0:
         print(f"ddprun: run {run.run_id} finished on this node in {outcome.wall_s:.1f} s", file=console, flush=True)
     return outcome
+
+
+def _open_files(spec: ClusterSpec, console: TextIO) -> None:
+    """Raise the open-files limit to what hosting this job's stores needs (any node may: group rank 0
+    hosts the workers' store), and warn when the hard limit is below it (openfiles.py)."""
+    from ddprun.openfiles import agent_warning, needed, raise_soft_limit
+
+    world = spec.max_nodes * spec.nproc_per_node
+    limits = raise_soft_limit(needed(world, spec.max_nodes, spec.nproc_per_node))
+    warning = agent_warning(limits, world, spec.max_nodes, spec.nproc_per_node)
+    if warning:
+        print(warning, file=console, flush=True)
 
 
 def node_relay(console: TextIO) -> Any:
@@ -636,7 +651,9 @@ def ending(e: BaseException, agent: _AgentRun, err: TextIO) -> Outcome:
             agent.failures.linger()  # the store's host keeps its record of the stop up for the others to read
             print(f"ddprun: stopped by {fr.signal_name(-sig)}; workers stopped.", file=err, flush=True)
         return Outcome(128 + sig, run.rundir.path, 0.0)
-    return _from_records(agent, err, f"ddprun: the launcher failed: {name}: {e}\n"
+    from ddprun.openfiles import exhausted_hint
+
+    return _from_records(agent, err, f"ddprun: the launcher failed: {name}: {e}{exhausted_hint(e)}\n"
                                      f"See {run.rundir.agent_log(run.host)}")
 
 
