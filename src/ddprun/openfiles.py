@@ -23,7 +23,7 @@ FILES_PER_RANK = 3
 FILES_PER_NODE = 6
 """Sockets an agent holds to the stores: 2 to the workers', 4 to the rendezvous'."""
 FILES_OWN = 256
-"""The hosting agent's own files: its store clients, node store, log files, pipes, torch's."""
+"""The hosting process's own files: its store clients, node store, log files, pipes, torch's."""
 FILES_PER_LOCAL_RANK = 16
 """The agent's files per local worker: its log files, pipes and node-store connections."""
 FLOOR = 65536
@@ -34,7 +34,7 @@ files too (a DataLoader passing tensors through file descriptors), whatever the 
 @dataclass(frozen=True)
 class Limits:
     before: int
-    """The soft limit the agent started with."""
+    """The soft limit the process started with."""
     soft: int
     hard: int
     """RLIM_INFINITY as -1."""
