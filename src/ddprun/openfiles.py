@@ -15,6 +15,7 @@ to it needs no privilege (Ray and the JVM do the same at start).
 
 from __future__ import annotations
 
+import errno
 import resource
 from dataclasses import dataclass
 
@@ -26,6 +27,9 @@ FILES_OWN = 256
 """The hosting process's own files: its store clients, node store, log files, pipes, torch's."""
 FILES_PER_LOCAL_RANK = 16
 """The agent's files per local worker: its log files, pipes and node-store connections."""
+RAISE_IT = ("nofile in /etc/security/limits.conf, LimitNOFILE= for a systemd service, `--ulimit nofile=N` "
+            "for docker; a SLURM job takes the submitting shell's (`ulimit -n` there)")
+"""How to raise the hard limit, for both HINTs."""
 FLOOR = 65536
 """The soft limit is raised at least this far (within the hard limit): room for the workers' own
 files too (a DataLoader passing tensors through file descriptors), whatever the job's size."""
@@ -33,8 +37,6 @@ files too (a DataLoader passing tensors through file descriptors), whatever the 
 
 @dataclass(frozen=True)
 class Limits:
-    before: int
-    """The soft limit the process started with."""
     soft: int
     hard: int
     """RLIM_INFINITY as -1."""
@@ -69,7 +71,7 @@ def raise_soft_limit(want: int = FLOOR) -> Limits:
             resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
         except (OSError, ValueError):
             new = soft
-    return Limits(soft, new, hard)
+    return Limits(new, hard)
 
 
 def too_low(limits: Limits, need: int, job: str, host: str) -> str | None:
@@ -80,9 +82,8 @@ def too_low(limits: Limits, need: int, job: str, host: str) -> str | None:
     return (f"ddprun: warning: this job ({job}) needs about {need} open files {host}; this node's limit is "
             f"{limits.soft} (ulimit -n; hard limit {limits.hard}). Past it the store drops connections: ranks "
             f"fail with 'Connection reset by peer' after their timeout, or the process with 'Too many open "
-            f"files'. HINT: raise the hard limit on every node to at least {need}: nofile in "
-            f"/etc/security/limits.conf, LimitNOFILE= for a systemd service, `--ulimit nofile={need}` for "
-            f"docker; a SLURM job takes the submitting shell's (`ulimit -n` there).")
+            f"files'. HINT: raise the hard limit on every node to at least {need}: "
+            f"{RAISE_IT.replace('nofile=N', f'nofile={need}')}.")
 
 
 def agent_warning(limits: Limits, world_size: int, nnodes: int, nproc_per_node: int) -> str | None:
@@ -95,11 +96,8 @@ def agent_warning(limits: Limits, world_size: int, nnodes: int, nproc_per_node: 
 
 def exhausted_hint(e: BaseException) -> str:
     """A HINT line for an ``OSError`` EMFILE (this process ran out of open files); else ""."""
-    import errno
-
     if not (isinstance(e, OSError) and e.errno == errno.EMFILE):
         return ""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     return (f"\nHINT: this process ran out of open files at its limit of {soft} (ulimit -n; hard limit {hard}); "
-            f"raise the hard limit on every node (nofile in /etc/security/limits.conf, LimitNOFILE=, "
-            f"`docker run --ulimit nofile=N`).")
+            f"raise the hard limit on every node: {RAISE_IT}.")

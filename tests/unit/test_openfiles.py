@@ -39,25 +39,25 @@ def test_the_soft_limit_is_never_lowered():
 def test_a_thousand_nodes_of_eight_need_more_than_a_default_soft_limit():
     need = needed(8192, 1024, 8)
     assert 8192 * 3 < need < 40_000  # what the store host holds: 3 sockets a rank, 6 a node, its own files
-    assert agent_warning(Limits(1024, 1024, 1024), 8192, 1024, 8) is not None
-    assert agent_warning(Limits(1024, 65536, 1_048_576), 8192, 1024, 8) is None
+    assert agent_warning(Limits(1024, 1024), 8192, 1024, 8) is not None
+    assert agent_warning(Limits(65536, 1_048_576), 8192, 1024, 8) is None
     assert 8192 < needed_without_agent(8192) < need  # srun/mpirun: rank 0's store, one socket a rank
 
 
 def test_a_hard_limit_below_the_need_is_one_warning_with_the_values_and_a_hint():
-    msg = agent_warning(Limits(1024, 4096, 4096), 8192, 1024, 8)
+    msg = agent_warning(Limits(4096, 4096), 8192, 1024, 8)
     assert msg is not None and msg.startswith("ddprun: warning: ") and "\n" not in msg
     assert f"needs about {needed(8192, 1024, 8)} open files on the node that hosts its stores" in msg
     assert "8192 ranks on 1024 node(s)" in msg and "limit is 4096" in msg and "hard limit 4096" in msg
     assert "HINT: raise the hard limit on every node" in msg and "Connection reset by peer" in msg
-    msg = too_low(Limits(1024, 4096, 4096), 8448, "8192 ranks", "in rank 0")
+    msg = too_low(Limits(4096, 4096), 8448, "8192 ranks", "in rank 0")
     assert msg is not None and "this job (8192 ranks) needs about 8448 open files in rank 0" in msg
 
 
 def test_an_unlimited_or_sufficient_limit_says_nothing():
-    assert agent_warning(Limits(INF, INF, INF), 8192, 1024, 8) is None
-    assert agent_warning(Limits(1024, 65536, 65536), 16, 2, 8) is None
-    assert too_low(Limits(1024, 8448, 8448), 8448, "8192 ranks", "in rank 0") is None
+    assert agent_warning(Limits(INF, INF), 8192, 1024, 8) is None
+    assert agent_warning(Limits(65536, 65536), 16, 2, 8) is None
+    assert too_low(Limits(8448, 8448), 8448, "8192 ranks", "in rank 0") is None
 
 
 @pytest.fixture
@@ -73,7 +73,7 @@ def test_raise_soft_limit_sets_the_process_limit(low_soft_limit):
     hard = low_soft_limit
     limits = raise_soft_limit(1000)
     want = FLOOR if hard == INF else min(hard, FLOOR)
-    assert limits == Limits(256, want, hard)
+    assert limits == Limits(want, hard)
     assert resource.getrlimit(resource.RLIMIT_NOFILE) == (want, hard)
 
 
@@ -116,7 +116,7 @@ def test_rank_0_says_when_its_hard_limit_is_below_the_store_it_hosts(monkeypatch
 
     from ddprun import runtime
 
-    monkeypatch.setattr(openfiles, "raise_soft_limit", lambda need: Limits(1024, 4096, 4096))
+    monkeypatch.setattr(openfiles, "raise_soft_limit", lambda need: Limits(4096, 4096))
     runtime._open_files(SimpleNamespace(rank=0, world_size=8192), {})
     err = capsys.readouterr().err
     assert err.startswith(f"ddprun: warning: this job (8192 ranks) needs about {needed_without_agent(8192)} open "
