@@ -48,11 +48,13 @@ class Nodes:
 
     def __init__(self, tmp_path: Path, n: int, nproc: int, job_args: list[str], extra: list[str] | None = None,
                  rdzv_id: str | None = "fault", env: dict[str, str] | None = None, nnodes: str | None = None,
-                 script: str = JOB, port: int | None = None, name: str = "node", gate: Path | None = None):
+                 script: str = JOB, port: int | None = None, name: str = "node", gate: Path | None = None,
+                 prefix: list[str] | None = None):
         """``rdzv_id=None``: no --rdzv-id (the nodes agree on a new run id); ``port``: join the
         endpoint of another Nodes; ``script``: another job than scripts/job.py (no --pids then);
         ``gate``: each process starts now (its pid is taken) but execs ``ddprun run`` only once that
-        file exists (at most 60 s later)."""
+        file exists (at most 60 s later); ``prefix``: a command that execs ``ddprun run`` (its pid
+        stays the agent's), e.g. ``prlimit --nofile=40:40``."""
         self.dir, self.port = tmp_path, port or free_port()
         self.pids_dir = tmp_path / "pids"
         self.pids_dir.mkdir(exist_ok=True)
@@ -60,6 +62,7 @@ class Nodes:
         job = [JOB, "--pids", str(self.pids_dir)] if script == JOB else [script]
         self.cmd = [DDPRUN, "run", "--nnodes", nnodes or str(n), "--nproc-per-node", str(nproc), "--rdzv-endpoint",
                     f"127.0.0.1:{self.port}", *ident, *(extra or []), *job, *job_args]
+        self.cmd = [*(prefix or []), *self.cmd]
         self.env = env or job_env()
         if gate is not None:  # exec keeps the pid: the agent has this early pid, and arrives late
             self.cmd = ["sh", "-c", 'i=0; while [ ! -e "$0" ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; '
