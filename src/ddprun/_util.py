@@ -31,14 +31,6 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def cpu_count() -> int:
-    """CPUs this process may run on (affinity-aware, unlike os.cpu_count())."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def parse_bool(value: str | None, default: bool = False) -> bool:
     """Parse '1/0/true/false/yes/no/on/off' (case-insensitive); None or '' gives ``default``."""
     if value is None or value.strip() == "":

@@ -81,11 +81,12 @@ def _node_facts():
     """The node probe resolve() needs (the only I/O here besides torch.cuda)."""
     import torch
 
-    from ddprun._util import cpu_count
+    from ddprun import cpus
     from ddprun.cluster.base import NodeFacts
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return NodeFacts(hostname=socket.gethostname(), cpus=cpu_count(), cuda_devices=gpus)
+    mine = cpus.probe()
+    return NodeFacts(hostname=socket.gethostname(), cpus=mine.usable, cuda_devices=gpus, cpus_note=mine.note())
 
 
 def _use_cuda(environ: Mapping[str, str]) -> bool:

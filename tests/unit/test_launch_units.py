@@ -4,11 +4,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from ddprun._util import cpu_count
 from ddprun.agent.run import _AgentRun, check_run_root, in_run_dir, omp_threads, parse_local_ranks, prepare, worker_extras
 from ddprun.cluster.base import NodeFacts
 from ddprun.cluster.detect import resolve
 from ddprun.config import LaunchConfig
+from ddprun.cpus import cpu_count
 from ddprun.errors import ConfigError
 
 CPU_NODE = NodeFacts(hostname="h", cpus=8)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
-from ddprun._util import Bounded, cpu_count
+from ddprun._util import Bounded
 from ddprun.agent import admission
 from ddprun.agent import console as agent_console
 from ddprun.agent.endpoint import free_port
@@ -30,6 +30,7 @@ from ddprun.agent.standby import WORKER_MODULE
 from ddprun.cluster.base import ClusterSpec
 from ddprun.cluster.slurm import requeue_command
 from ddprun.config import LaunchConfig
+from ddprun.cpus import cpu_count
 from ddprun.errors import ConfigError, LaunchError
 from ddprun.protocol import defaults
 from ddprun.protocol import failure as fr

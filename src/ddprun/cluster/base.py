@@ -23,6 +23,12 @@ class NodeFacts:
     """CUDA devices visible to this process (after CUDA_VISIBLE_DEVICES)."""
     addresses: tuple[str, ...] = ()
     """IP addresses of this node (its name resolved, its interfaces), to find it in a hostfile."""
+    cpus_note: str = ""
+    """Why ``cpus`` is less than the cores this process may run on (a container's CPU limit), else ''."""
+
+    def cpus_text(self) -> str:
+        """``4 CPUs``, with the note when there is one."""
+        return f"{self.cpus} CPU{'' if self.cpus == 1 else 's'}" + (f": {self.cpus_note}" if self.cpus_note else "")
 
 
 @dataclass(frozen=True)

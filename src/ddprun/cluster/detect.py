@@ -95,11 +95,11 @@ def parse_nproc(raw: str, node: NodeFacts) -> tuple[int, str]:
             )
         return node.cuda_devices, f"--nproc-per-node gpu ({node.cuda_devices} visible GPUs)"
     if raw == "cpu":
-        return node.cpus, f"--nproc-per-node cpu ({node.cpus} CPUs)"
+        return node.cpus, f"--nproc-per-node cpu ({node.cpus_text()})"
     if raw == "auto":
         if node.cuda_devices:
             return node.cuda_devices, f"--nproc-per-node auto ({node.cuda_devices} visible GPUs)"
-        return node.cpus, f"--nproc-per-node auto (no GPU; {node.cpus} CPUs)"
+        return node.cpus, f"--nproc-per-node auto (no GPU; {node.cpus_text()})"
     try:
         n = int(raw)
     except ValueError:

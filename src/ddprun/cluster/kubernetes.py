@@ -59,7 +59,7 @@ def _nproc(environ: Mapping[str, str], node: NodeFacts) -> Fact | None:
                            seen=f"{src}, host {node.hostname}: 0 GPUs",
                            hint="Request GPUs in the pod spec (resources.limits nvidia.com/gpu), or set nprocPerNode.")
     if raw == "cpu":
-        return Fact(node.cpus, f"{src} ({node.cpus} CPUs)")
+        return Fact(node.cpus, f"{src} ({node.cpus_text()})")
     return Fact(env_int(environ, "PET_NPROC_PER_NODE", minimum=1), src)
 
 

@@ -7,7 +7,7 @@ import socket
 import sys
 from collections.abc import Mapping
 
-from ddprun._util import cpu_count
+from ddprun import cpus
 from ddprun.cluster.base import ClusterSpec, NodeFacts
 from ddprun.errors import ConfigError
 
@@ -48,7 +48,9 @@ def probe_node(environ: Mapping[str, str]):
     """The I/O behind detection: hostname (DDPRUN_HOSTNAME overrides it), addresses, CPUs, CUDA devices."""
     gpus = cuda_devices()
     hostname = environ.get("DDPRUN_HOSTNAME") or socket.gethostname()
-    return NodeFacts(hostname=hostname, cpus=cpu_count(), cuda_devices=gpus, addresses=_node_addresses(hostname))
+    mine = cpus.probe()
+    return NodeFacts(hostname=hostname, cpus=mine.usable, cuda_devices=gpus, addresses=_node_addresses(hostname),
+                     cpus_note=mine.note())
 
 
 def check_endpoint(spec: ClusterSpec) -> None:

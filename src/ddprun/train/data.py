@@ -32,7 +32,7 @@ from torch.utils.data import (
     TensorDataset,
 )
 
-from ddprun._util import cpu_count
+from ddprun.cpus import cpu_count
 from ddprun.errors import ConfigError
 from ddprun.preempt import PREEMPT
 from ddprun.runtime import RankInfo
