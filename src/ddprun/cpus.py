@@ -8,25 +8,19 @@ Sizing processes and threads by the host's cores oversubscribes it: 96 processes
 ``os.cpu_count()``, ``os.sched_getaffinity`` and torch read the cores only; the JVM, Go (1.25) and
 Ray read the limit too, and so does ddprun.
 
-The limit is read from this process's own cgroup (``/proc/self/cgroup``: cgroup v2's ``0::PATH``, or
-the line of cgroup v1's ``cpu`` controller) and each of its ancestors under the standard mount points,
-and the smallest one wins. Inside a container the cgroup namespace shows its own cgroup as ``/``,
-the mount point itself; a path missing under the mount point (a container without a cgroup namespace
-shows its host's path) is skipped. Nothing here imports torch.
+The limit is read from this process's own cgroup and each of its ancestors (cgroups.py: v2's
+``cpu.max``, v1's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``), and the smallest one wins. Nothing
+here imports torch.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
-V2_MOUNT = "/sys/fs/cgroup"
-V1_CPU_MOUNT = "/sys/fs/cgroup/cpu"  # a link to cpu,cpuacct where the two controllers share a hierarchy
-
-Reader = Callable[[str], "str | None"]
-"""A file's text, or None when it cannot be read."""
+from ddprun import cgroups
+from ddprun.cgroups import Reader
 
 
 @dataclass(frozen=True)
@@ -52,28 +46,6 @@ class Cpus:
         return f"the cgroup's CPU limit ({self.limit:g} {unit}; {self.cores} cores visible)"
 
 
-def cgroup_paths(proc_cgroup: str) -> list[tuple[str, str]]:
-    """(mount point, cgroup path) of this process's CPU controller from ``/proc/self/cgroup``'s text:
-    cgroup v1's ``cpu`` line and cgroup v2's ``0::`` line, whichever are there."""
-    out = []
-    for line in proc_cgroup.splitlines():
-        hier, _, rest = line.partition(":")
-        controllers, sep, path = rest.partition(":")
-        if not sep or not path.startswith("/"):
-            continue
-        if hier == "0" and controllers == "":
-            out.append((V2_MOUNT, path))
-        elif "cpu" in controllers.split(","):
-            out.append((V1_CPU_MOUNT, path))
-    return out
-
-
-def _ancestors(path: str) -> list[str]:
-    """``/a/b`` -> ``/a/b``, ``/a``, ``/``."""
-    parts = [p for p in path.split("/") if p]
-    return ["/" + "/".join(parts[:i]) for i in range(len(parts), -1, -1)]
-
-
 def _v2_limit(text: str | None) -> float | None:
     fields = (text or "").split()
     if len(fields) != 2 or fields[0] == "max":
@@ -89,29 +61,23 @@ def _ratio(quota: str, period: str) -> float | None:
     return q / p if q > 0 and p > 0 else None
 
 
+def _v1_limit(quota: str | None, period: str | None) -> float | None:
+    return _ratio(quota.strip(), period.strip()) if quota and period else None
+
+
 def cgroup_limit(proc_cgroup: str, read: Reader) -> float | None:
     """The smallest CPU limit (CPUs) on this process's cgroup and its ancestors; None without one.
     Pure but for ``read``; what cannot be read or parsed is no limit."""
     limits = []
-    for mount, path in cgroup_paths(proc_cgroup):
-        for d in _ancestors(path):
-            base = mount.rstrip("/") + ("" if d == "/" else d)
-            if mount == V2_MOUNT:
-                limit = _v2_limit(read(f"{base}/cpu.max"))
+    for place in cgroups.places(proc_cgroup, "cpu"):
+        for d in place.dirs():
+            if place.v2:
+                limit = _v2_limit(read(f"{d}/cpu.max"))
             else:
-                quota, period = read(f"{base}/cpu.cfs_quota_us"), read(f"{base}/cpu.cfs_period_us")
-                limit = _ratio(quota.strip(), period.strip()) if quota and period else None
+                limit = _v1_limit(read(f"{d}/cpu.cfs_quota_us"), read(f"{d}/cpu.cfs_period_us"))
             if limit is not None:
                 limits.append(limit)
     return min(limits) if limits else None
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return None
 
 
 def _cores() -> int:
@@ -121,7 +87,7 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def probe(read: Reader = _read) -> Cpus:
+def probe(read: Reader = cgroups.read_text) -> Cpus:
     """This process's :class:`Cpus`, read now (a pod's limit may be resized while it runs)."""
     return Cpus(_cores(), cgroup_limit(read("/proc/self/cgroup") or "", read))
 

@@ -1,6 +1,6 @@
 """The CPUs a process may use (cpus.py): its cores, capped by its cgroup's CPU limit, read from the
 files of cgroup v1 and v2 as a container and a bare host lay them out. The real thing, a job in a
-CPU-limited container, is tests/faults/test_cpu_limit.py."""
+CPU-limited container, is tests/faults/test_containers.py."""
 
 from __future__ import annotations
 
@@ -9,22 +9,13 @@ import pytest
 from ddprun.cluster.base import NodeFacts
 from ddprun.cluster.detect import parse_nproc
 from ddprun.cluster.kubernetes import KubernetesEnvironment
-from ddprun.cpus import Cpus, cgroup_limit, cgroup_paths, probe
+from ddprun.cpus import Cpus, cgroup_limit, probe
 
-HYBRID = "12:pids:/\n4:memory:/x\n3:cpuset:/\n2:cpu,cpuacct:/kubepods/pod1/c1\n1:name=systemd:/\n0::/\n"
-"""cgroup v1 controllers with v2's unified line (this is how Docker on a v1 host, and this test
-machine, show a process's cgroups)."""
 V2 = "0::/kubepods.slice/pod1/c1\n"
 
 
 def files(table: dict[str, str]):
     return lambda path: table.get(path)
-
-
-def test_the_cpu_controller_is_found_in_v1_and_v2_lines():
-    assert cgroup_paths(HYBRID) == [("/sys/fs/cgroup/cpu", "/kubepods/pod1/c1"), ("/sys/fs/cgroup", "/")]
-    assert cgroup_paths(V2) == [("/sys/fs/cgroup", "/kubepods.slice/pod1/c1")]
-    assert cgroup_paths("garbage\n5:cpuset:/a\n") == []
 
 
 def test_a_v2_limit_is_quota_over_period_and_max_is_none():

@@ -10,7 +10,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 PKG = SRC / "ddprun"
 
 LAYERS = [
-    ("base", ["ddprun.errors", "ddprun._util", "ddprun._version", "ddprun.cpus"]),
+    ("base", ["ddprun.errors", "ddprun._util", "ddprun._version", "ddprun.cpus", "ddprun.cgroups"]),
     ("protocol", ["ddprun.protocol"]),
     ("model", ["ddprun.config", "ddprun.cluster", "ddprun.telemetry", "ddprun.preempt", "ddprun.ranktable", "ddprun.report",
                "ddprun.mismatch", "ddprun.plan_json", "ddprun.cli_help"]),

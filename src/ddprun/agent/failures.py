@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TextIO
 
+from ddprun import cgroups
 from ddprun._util import Bounded, within
 from ddprun.protocol import defaults
 from ddprun.protocol import failure as fr
@@ -49,15 +50,15 @@ FIRST_BEAT_S = 2 * BEAT_S + 1.0
 its workers start within torch's rendezvous poll (1 s) of these, its first beat within 2 beats."""
 
 
-def oom_kills(proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> int | None:
-    """The oom_kill count of this process's cgroup (v2 ``memory.events``), None where unreadable."""
-    try:
-        with open(os.path.join(proc_root, "self", "cgroup")) as fp:
-            path = next(line.split(":", 2)[2].strip() for line in fp if line.startswith("0::"))
-        with open(os.path.join(cgroup_root, path.lstrip("/"), "memory.events")) as fp:
-            return int(next(line.split()[1] for line in fp if line.startswith("oom_kill ")))
-    except (OSError, StopIteration, ValueError, IndexError):
-        return None
+def oom_kills(read: cgroups.Reader = cgroups.read_text) -> int | None:
+    """How many processes the out-of-memory killer ended in this process's cgroup, where its workers
+    are: cgroup v2's ``memory.events`` (which counts its sub-cgroups' too) or v1's
+    ``memory.oom_control`` (Linux 4.13 on); None where neither can be read."""
+    for place in cgroups.places(read("/proc/self/cgroup") or "", "memory"):
+        kills = cgroups.counter(place.own("memory.events" if place.v2 else "memory.oom_control", read), "oom_kill")
+        if kills is not None:
+            return kills
+    return None
 
 
 def kill_children(pids: list[int], sig: int, proc_root: str = "/proc") -> list[int]:
@@ -254,7 +255,7 @@ class AgentFailures:
         if code != -signal.SIGKILL or self._oom0 is None:
             return ""
         now = oom_kills()
-        return f"memory.events oom_kill {self._oom0} -> {now}" if now is not None and now > self._oom0 else ""
+        return f"the cgroup's oom_kill count went {self._oom0} -> {now}" if now is not None and now > self._oom0 else ""
 
     def _publish(self, rec: fr.FailureRecord) -> None:
         """Into the run directory and the store (best effort: the store may be gone)."""

@@ -41,7 +41,7 @@ ECHOES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe"
 """What a rank sees when a peer of its collective died; the peer's failure is the cause."""
 
 SIGKILL_HINT = ("killed by SIGKILL: the out-of-memory killer? see `dmesg` or the cgroup's memory.events "
-                "(memory.max_usage / oom_kill); or a scheduler that ended the job")
+                "(oom_kill; cgroup v1: memory.oom_control); or a scheduler that ended the job")
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,9 @@ def from_exit(rank: int, exit_code: int, *, node_rank: int, host: str, local_ran
         name = signal_name(exit_code)
         hint = SIGKILL_HINT if name == "SIGKILL" else ""
         if oom_evidence:
-            hint = f"the out-of-memory killer ended it ({oom_evidence})"
+            hint = (f"the out-of-memory killer ended it ({oom_evidence}): the node's processes needed more "
+                    "memory than the node or its container allows (smaller batches, fewer DataLoader workers, "
+                    "or a larger memory limit)")
         return FailureRecord(SIGNAL, rank, "", node_rank, host, local_rank, exit_code, name, hint, by="agent", t=t)
     return FailureRecord(EXIT, rank, "the process ended without a Python error", node_rank, host, local_rank,
                          exit_code, by="agent", t=t)

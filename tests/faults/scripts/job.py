@@ -30,6 +30,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--beat-s", type=float, default=0.0, help="after step 3: ddprun.heartbeat() only for this long")
     p.add_argument("--manual-sgd", action="store_true", help="update parameters by hand (no torch.optim)")
     p.add_argument("--write-mb", type=float, default=0.0, help="each step, print this many MB (a full disk)")
+    p.add_argument("--hog-rank", type=int, default=None, help="from step 3, this rank keeps 64 MiB more each step")
     p.add_argument("--until", default=None, help="after --steps, go on until this file exists (on any rank)")
     p.add_argument("--min-world", type=int, default=0,
                    help="count steps only while WORLD_SIZE is at least this (a job that waits for a late node)")
@@ -82,7 +83,7 @@ def main() -> None:
     model = nn.parallel.DistributedDataParallel(nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     steps = args.steps if dist.get_world_size() >= args.min_world else 10**9  # ended by a restart or the test
-    step = 0
+    step, hog = 0, []
     while not done(step, steps, args.until):
         step += 1
         loss = model(torch.randn(16, 8)).pow(2).mean()
@@ -108,6 +109,8 @@ def main() -> None:
             ctypes.PyDLL(None).sleep(args.hold_gil_s)  # PyDLL keeps the GIL: no other thread of it runs
         if step == 3 and (args.eval_s or args.beat_s):
             phase(args, rank)
+        if step >= 3 and args.hog_rank == rank:
+            hog.append(bytearray(64 << 20))  # zeroed, so resident: the out-of-memory killer's pick
         if args.write_mb:  # log lines that fill the disk under the run directory
             for _ in range(int(args.write_mb * 2**20) // 100):
                 print("x" * 99)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from ddprun import cgroups
 from tests.faults.conftest import describe
 from tests.helpers import DDPRUN, job_env
 from tests.system import unavailable
@@ -35,39 +37,40 @@ pytestmark = pytest.mark.faults
 PERIOD_US = 100_000
 
 
-def _controller() -> tuple[Path, bool]:
-    """(the cpu controller's root, whether it is cgroup v2), or the test cannot run here."""
-    v1, v2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
+def _hierarchy(controller: str) -> tuple[Path, Path, bool]:
+    """(the mount point of the hierarchy with ``controller``, this process's cgroup there, whether it
+    is cgroup v2), or the test cannot run here."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
-        unavailable("a CPU-limited container needs root and `unshare` (util-linux)")
-    if (v1 / "cpu.cfs_quota_us").exists():
-        return v1, False
-    controllers = v2 / "cgroup.controllers"
-    if controllers.exists() and "cpu" in controllers.read_text().split():
-        with contextlib.suppress(OSError):
-            (v2 / "cgroup.subtree_control").write_text("+cpu")
-        return v2, True
-    unavailable("no cgroup cpu controller is mounted at /sys/fs/cgroup(/cpu)")
+        unavailable("a container needs root and `unshare` (util-linux)")
+    for place in cgroups.places(Path("/proc/self/cgroup").read_text(), controller):
+        mount, own = Path(place.mount), Path(place.mount) / place.path.lstrip("/")
+        if not place.v2 and own.is_dir():
+            return mount, own, False
+        if place.v2 and controller in (own / "cgroup.controllers").read_text(errors="replace").split():
+            with contextlib.suppress(OSError):  # children get the controller's files only where it is on
+                (own / "cgroup.subtree_control").write_text(f"+{controller}")
+            return mount, own, True
+    unavailable(f"no cgroup {controller} controller is mounted at /sys/fs/cgroup(/{controller})")
     raise AssertionError("unreachable")
 
 
 @contextlib.contextmanager
-def container(cpus: float) -> Iterator[list[str]]:
-    """A command prefix that execs its command in a new container limited to ``cpus`` CPUs."""
-    root, v2 = _controller()
-    group = root / f"ddprun-test-{os.getpid()}-{time.monotonic_ns()}"
+def container(controller: str, v1: dict[str, str], v2: dict[str, str]) -> Iterator[list[str]]:
+    """A command prefix that execs its command in a new container: a cgroup made under this
+    process's own with ``controller``'s files set (``v1`` or ``v2``; a file the kernel does not have,
+    as swap accounting may not be, is left out), and a cgroup and mount namespace in which it is
+    mounted where the hierarchy's root was."""
+    mount, own, is_v2 = _hierarchy(controller)
+    group = own / f"ddprun-test-{os.getpid()}-{time.monotonic_ns()}"
     try:
         group.mkdir()
-        quota = str(int(cpus * PERIOD_US))
-        if v2:
-            (group / "cpu.max").write_text(f"{quota} {PERIOD_US}")
-        else:
-            (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-            (group / "cpu.cfs_quota_us").write_text(quota)
+        for name, value in (v2 if is_v2 else v1).items():
+            if (group / name).exists() or name == next(iter(v2 if is_v2 else v1)):
+                (group / name).write_text(value)
     except OSError as e:
-        unavailable(f"cannot make a CPU-limited cgroup under {root}: {e}")
+        unavailable(f"cannot make a {controller} cgroup under {own}: {e}")
     # the process joins the cgroup before its cgroup namespace is made, so that cgroup is its "/"
-    inner = f'mount --bind {group} {root} && exec "$@"'
+    inner = f'mount --bind {group} {mount} && exec "$@"'
     try:
         yield ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec unshare --cgroup --mount sh -c \'{inner}\' inner "$@"',
                "outer"]
@@ -75,6 +78,19 @@ def container(cpus: float) -> Iterator[list[str]]:
         _remove(group, kill=True)  # a test that failed midway: what it started goes with it
         raise
     _remove(group, kill=False)
+
+
+def cpu_limited(cpus: float) -> contextlib.AbstractContextManager[list[str]]:
+    """A container limited to ``cpus`` CPUs (``docker run --cpus``)."""
+    quota = str(int(cpus * PERIOD_US))
+    return container("cpu", {"cpu.cfs_quota_us": quota, "cpu.cfs_period_us": str(PERIOD_US)},
+                     {"cpu.max": f"{quota} {PERIOD_US}"})
+
+
+def memory_limited(limit: int) -> contextlib.AbstractContextManager[list[str]]:
+    """A container limited to ``limit`` bytes of memory and no swap (``docker run --memory``)."""
+    return container("memory", {"memory.limit_in_bytes": str(limit), "memory.memsw.limit_in_bytes": str(limit)},
+                     {"memory.max": str(limit), "memory.swap.max": "0"})
 
 
 def _remove(group: Path, kill: bool) -> None:
@@ -110,7 +126,7 @@ def _cores() -> int:
 @pytest.mark.timeout(90)
 def test_nproc_cpu_in_a_one_cpu_container_starts_one_process_with_one_thread(nodes, tmp_path):
     cores = _cores()
-    with container(1.0) as prefix:
+    with cpu_limited(1.0) as prefix:
         plan = subprocess.run([*prefix, DDPRUN, "plan", "--nproc-per-node", "cpu", "--explain"], env=job_env(),
                               cwd=tmp_path, capture_output=True, text=True, timeout=60)
         env = {k: v for k, v in job_env().items() if k != "OMP_NUM_THREADS"}  # ddprun's choice, not the tests'
@@ -130,8 +146,23 @@ def test_nproc_cpu_in_a_one_cpu_container_starts_one_process_with_one_thread(nod
 @pytest.mark.timeout(90)
 def test_a_limit_above_the_cores_changes_nothing(tmp_path):
     cores = _cores()
-    with container(cores + 2.0) as prefix:
+    with cpu_limited(cores + 2.0) as prefix:
         plan = subprocess.run([*prefix, DDPRUN, "plan", "--nproc-per-node", "cpu", "--explain"], env=job_env(),
                               cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert plan.returncode == 0, plan.stdout + plan.stderr
     assert f"nproc_per_node: {cores}  <- --nproc-per-node cpu ({cores} CPUs)\n" in plan.stdout, plan.stdout
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_the_containers_oom_killer_ends_is_named_with_the_evidence(nodes):
+    """Rank 1 of a 1 x 2 job grows by 64 MiB a step in a container limited to 1.5 GB (the other
+    processes hold ~0.9 GB): the kernel's OOM killer ends it. Before (cgroup v1): only the guess
+    `the out-of-memory killer? see dmesg ...`, while the cgroup counted the kill."""
+    with memory_limited(1_500_000_000) as prefix:
+        [ended] = nodes(1, 2, ["--step-s", "0.02", "--steps", "400", "--hog-rank", "1"],
+                        prefix=prefix).finish(timeout=60)
+    out = ended.output
+    assert ended.returncode == 1, describe([ended])
+    assert re.search(r"ddprun: the job failed: rank 1 \(node 0, \S+\) was killed by SIGKILL\n"
+                     r"HINT: the out-of-memory killer ended it \(the cgroup's oom_kill count went 0 -> [1-9]\d*\)", out), out
+    assert re.search(r"rank\(s\) 0 on \S+ were stopped because of it", out), out
