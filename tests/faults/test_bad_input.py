@@ -2,6 +2,7 @@
 for usage errors, and no traceback."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -80,3 +81,23 @@ def test_a_malformed_ddprun_variable_is_named_not_reported_as_an_unreachable_sto
     assert "Traceback" not in out
     assert not list(tmp_path.glob("rank-*.pid")), "user code ran despite the bad value"
     assert os.environ.get(var) is None  # the test's own environment untouched
+
+
+@pytest.mark.timeout(120)
+def test_a_script_that_fits_outside_its_main_guard_trains_without_loader_workers_and_says_why(nodes, tmp_path):
+    """Each DataLoader worker (forkserver) imports the main script again: one whose top-level code
+    runs fit would run it in every worker. Before: every worker ran the script's body and failed,
+    and rank 0 ended with only `DataLoader worker (pid(s) N) exited unexpectedly` (8.5 s)."""
+    script = str(Path(__file__).parent / "scripts" / "fit_unguarded.py")
+    line = next(i for i, text in enumerate(Path(script).read_text().splitlines(), 1) if text.startswith("result ="))
+    [ended] = nodes(1, 2, ["2"], script=script).finish(timeout=90)
+    out = ended.output
+    assert ended.returncode == 0, out
+    assert re.search(r"ddprun: fit loads the data in the training process \(num_workers=0, not 1\): "
+                     rf"\S+fit_unguarded\.py, line {line} runs at the top level of the script, outside "
+                     r'`if __name__ == "__main__":`.*HINT: put the script\'s top-level code under', out), out
+    assert out.count("ddprun: fit loads the data") == 1, out  # rank 0, once
+    logs = "".join(p.read_text() for p in sorted(tmp_path.glob("runs/*/logs/rank-*.log")))
+    bodies = set(re.findall(r"the script's body runs in pid (\d+)", out + logs))
+    assert len(bodies) == 2, (bodies, out)  # the two ranks; no worker ran it
+    assert re.search(r"rank 0: trained 4 steps", out), out

@@ -36,6 +36,7 @@ from ddprun.cpus import cpu_count
 from ddprun.errors import ConfigError
 from ddprun.preempt import PREEMPT
 from ddprun.runtime import RankInfo
+from ddprun.train import mainguard
 
 DEFAULT_MAX_WORKERS = 2
 
@@ -118,10 +119,24 @@ def worker_bound(local_world_size: int, cpus: int | None = None) -> int:
 def choose_num_workers(requested: int | None, dataset: Any, local_world_size: int, cpus: int | None = None,
                        warn: bool = True) -> int:
     """``requested`` capped at :func:`worker_bound`; None = ``min(2, bound)``, or 0 for a TensorDataset.
+    0, said once with ``warn``, where each worker would run the script again (train/mainguard.py).
 
     A TensorDataset's items are slices of tensors already in memory: worker processes would only add
     their start-up (an import of torch each) and a copy of every batch through shared memory.
     """
+    workers = _capped(requested, dataset, local_world_size, cpus, warn)
+    if workers == 0 or (unguarded := mainguard.find()) is None:
+        return workers
+    if warn:
+        warnings.warn(f"ddprun: fit loads the data in the training process (num_workers=0, not {workers}): "
+                      f"{unguarded.where()} runs at the top level of the script, outside "
+                      f'`if __name__ == "__main__":`, and each DataLoader worker ({start_method()}: fork is unsafe '
+                      "once the process group runs) would run the script again. HINT: put the script's top-level "
+                      'code under `if __name__ == "__main__":` to get the workers back.', stacklevel=3)
+    return 0
+
+
+def _capped(requested: int | None, dataset: Any, local_world_size: int, cpus: int | None, warn: bool) -> int:
     bound = worker_bound(local_world_size, cpus)
     if requested is None:
         return 0 if isinstance(dataset, TensorDataset) else min(DEFAULT_MAX_WORKERS, bound)
@@ -132,7 +147,7 @@ def choose_num_workers(requested: int | None, dataset: Any, local_world_size: in
         if warn:
             warnings.warn(f"ddprun: num_workers={requested} per rank is more than this node's CPUs allow "
                           f"({cpus if cpus is not None else cpu_count()} CPUs / {local_world_size} ranks); "
-                          f"using {bound}.", stacklevel=3)
+                          f"using {bound}.", stacklevel=4)
         return bound
     return requested
 
