@@ -166,3 +166,24 @@ def test_a_worker_the_containers_oom_killer_ends_is_named_with_the_evidence(node
     assert re.search(r"ddprun: the job failed: rank 1 \(node 0, \S+\) was killed by SIGKILL\n"
                      r"HINT: the out-of-memory killer ended it \(the cgroup's oom_kill count went 0 -> [1-9]\d*\)", out), out
     assert re.search(r"rank\(s\) 0 on \S+ were stopped because of it", out), out
+
+
+@pytest.mark.timeout(90)
+def test_a_full_dev_shm_is_named_with_its_size_and_what_to_give_the_container(nodes):
+    """A container's /dev/shm is 64 MiB unless given more (docker's default); a DataLoader worker
+    hands its rank 128 MiB batches through it. Before: a 2,000-character headline of the worker's
+    traceback, cut at `RuntimeError: unable to a`, and no HINT."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        unavailable("a private /dev/shm needs root and `unshare` (util-linux)")
+    small_shm = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$@"', "inner"]
+    script = str(Path(__file__).parent / "scripts" / "fit_big_batches.py")
+    [ended] = nodes(1, 1, [], script=script, prefix=small_shm).finish(timeout=60)
+    out = ended.output
+    assert ended.returncode == 1, out
+    failed = out[out.index("ddprun: the job failed: "):].splitlines()
+    assert re.fullmatch(r"ddprun: the job failed: rank 0 \(node 0, \S+\) failed: RuntimeError: Caught RuntimeError in "
+                        r"DataLoader worker process 0: RuntimeError: unable to allocate shared memory\(shm\) for file "
+                        r"</torch_\d+_\d+_\d+>: No space left on device \(28\)", failed[0]), failed
+    assert failed[1].startswith("HINT: the shared memory DataLoader workers pass batches through is full "
+                                "(/dev/shm is 64 MiB): give the container more (docker run --shm-size=8g"), failed
+    assert "Original Traceback" not in out.split("ddprun: the job failed: ")[1], out

@@ -40,6 +40,33 @@ ECHOES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe"
           "failed to recv, got 0 bytes", "Timed out waiting for peer")
 """What a rank sees when a peer of its collective died; the peer's failure is the cause."""
 
+SUMMARY_MAX = 2000
+"""Characters of a summary a record keeps (a bad value in the store must not flood every console)."""
+TRACEBACK_MARKS = ("Original Traceback (most recent call last):", "Traceback (most recent call last):")
+
+
+def condense(text: str, limit: int = SUMMARY_MAX) -> str:
+    """An error's text as a record's summary. A traceback inside the message (torch re-raises a
+    DataLoader worker's error in its rank with the worker's traceback in it) becomes its last lines,
+    the error that ended it: ``Caught RuntimeError in DataLoader worker process 0: RuntimeError:
+    unable to allocate shared memory(shm) ...``; a text still over ``limit`` keeps its start and its
+    end, where the error is."""
+    lines = text.splitlines()
+    mark = next((i for i, line in enumerate(lines) if line.strip() in TRACEBACK_MARKS), None)
+    if mark is not None and mark > 0:
+        frames = lines[mark + 1:]
+        end = len(frames)
+        while end > 0 and not frames[end - 1].startswith((" ", "\t")):
+            end -= 1
+        error = [line for line in frames[end:] if line.strip()]
+        if error:
+            text = "\n".join(lines[:mark]).rstrip().rstrip(".:") + ": " + "\n".join(error)
+    if len(text) <= limit:
+        return text
+    head = limit // 4
+    return f"{text[:head]} [... {len(text) - limit} characters ...] {text[-(limit - head):]}"
+
+
 SIGKILL_HINT = ("killed by SIGKILL: the out-of-memory killer? see `dmesg` or the cgroup's memory.events "
                 "(oom_kill; cgroup v1: memory.oom_control); or a scheduler that ended the job")
 
@@ -86,7 +113,7 @@ class FailureRecord:
         for name in ("node_rank", "local_rank"):
             if not isinstance(kw.get(name, -1), int):
                 raise ValueError(f"{name} is not an integer")
-        kw["summary"] = kw["summary"][:2000]
+        kw["summary"] = condense(kw["summary"])
         if kw.get("cause") is not None:
             kw["cause"] = asdict(cls.from_dict(kw["cause"])) if isinstance(kw["cause"], dict) else None
         return cls(**kw)

@@ -167,7 +167,7 @@ def _on_error(e: BaseException, channel: JobChannel | None) -> None:
                      f"{first_line}, at {ddp_exit.user_frame(e)}); the agents name the cause")
     else:
         ddp_exit.print_user_traceback(e)
-    ddp_exit.record(channel.me(fr.ERROR, text), channel, e)
+    ddp_exit.record(channel.me(fr.ERROR, fr.condense(text), hint=ddp_exit.error_hint(text)), channel, e)
 
 
 def _preemption_signals(wenv: WorkerEnv | None) -> int | None:

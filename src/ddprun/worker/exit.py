@@ -27,9 +27,9 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
-from typing import Protocol
+from typing import Any, Protocol
 
 from ddprun.protocol import defaults
 from ddprun.protocol import env as wenv
@@ -91,6 +91,27 @@ def own_record(kind: str, summary: str, environ: Mapping[str, str], exit_code: i
 
     return FailureRecord(kind, num("RANK"), summary, num("GROUP_RANK"), socket.gethostname(), num("LOCAL_RANK"),
                          exit_code, t=time.time())
+
+
+SHM_ERRORS = ("unable to allocate shared memory", "unable to write to file </torch_", "out of shared memory",
+              "insufficient shared memory")
+"""torch's words when the shared memory a DataLoader worker hands its batches through is full."""
+
+
+def error_hint(text: str, shm: str = "/dev/shm", statvfs: Callable[[str], Any] = os.statvfs) -> str:
+    """A HINT for an error whose cause is the node rather than the code, else '': shared memory too
+    small for the batches DataLoader workers hand their rank (a container's /dev/shm is 64 MiB
+    unless it is given more), with its size."""
+    if not any(m in text for m in SHM_ERRORS):
+        return ""
+    try:
+        st = statvfs(shm)
+        size = f"{st.f_blocks * st.f_frsize / 2**20:.0f} MiB"
+    except OSError as e:
+        size = f"unreadable: {e.strerror}"
+    return (f"the shared memory DataLoader workers pass batches through is full ({shm} is {size}): give the "
+            "container more (docker run --shm-size=8g or --ipc=host; Kubernetes: an emptyDir volume with "
+            "medium: Memory at /dev/shm), or use fewer workers or smaller batches")
 
 
 def user_frame(e: BaseException) -> str:
