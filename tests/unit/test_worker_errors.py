@@ -22,7 +22,7 @@ def raised(fn):
 
 def channel(waited: list):
     return SimpleNamespace(cause=lambda: None, await_cause=lambda s: waited.append(s),
-                           me=lambda kind, text: (kind, text))
+                           me=lambda kind, text, hint="": (kind, text))
 
 
 @pytest.fixture
