@@ -65,11 +65,11 @@ def _v1_limit(quota: str | None, period: str | None) -> float | None:
     return _ratio(quota.strip(), period.strip()) if quota and period else None
 
 
-def cgroup_limit(proc_cgroup: str, read: Reader) -> float | None:
-    """The smallest CPU limit (CPUs) on this process's cgroup and its ancestors; None without one.
-    Pure but for ``read``; what cannot be read or parsed is no limit."""
+def cgroup_limit(places: list[cgroups.Place], read: Reader) -> float | None:
+    """The smallest CPU limit (CPUs) on this process's cgroup and its ancestors in ``places``; None
+    without one. Pure but for ``read``; what cannot be read or parsed is no limit."""
     limits = []
-    for place in cgroups.places(proc_cgroup, "cpu"):
+    for place in places:
         for d in place.dirs():
             if place.v2:
                 limit = _v2_limit(read(f"{d}/cpu.max"))
@@ -89,7 +89,7 @@ def _cores() -> int:
 
 def probe(read: Reader = cgroups.read_text) -> Cpus:
     """This process's :class:`Cpus`, read now (a pod's limit may be resized while it runs)."""
-    return Cpus(_cores(), cgroup_limit(read("/proc/self/cgroup") or "", read))
+    return Cpus(_cores(), cgroup_limit(cgroups.mine("cpu", read), read))
 
 
 def cpu_count() -> int:

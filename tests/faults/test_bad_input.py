@@ -90,7 +90,7 @@ def test_a_script_that_fits_outside_its_main_guard_trains_without_loader_workers
     and rank 0 ended with only `DataLoader worker (pid(s) N) exited unexpectedly` (8.5 s)."""
     script = str(Path(__file__).parent / "scripts" / "fit_unguarded.py")
     line = next(i for i, text in enumerate(Path(script).read_text().splitlines(), 1) if text.startswith("result ="))
-    [ended] = nodes(1, 2, ["2"], script=script).finish(timeout=90)
+    [ended] = nodes(1, 2, ["1"], script=script).finish(timeout=90)
     out = ended.output
     assert ended.returncode == 0, out
     assert re.search(r"ddprun: fit loads the data in the training process \(num_workers=0, not 1\): "

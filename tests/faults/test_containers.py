@@ -42,49 +42,56 @@ def _hierarchy(controller: str) -> tuple[Path, Path, bool]:
     is cgroup v2), or the test cannot run here."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         unavailable("a container needs root and `unshare` (util-linux)")
-    for place in cgroups.places(Path("/proc/self/cgroup").read_text(), controller):
-        mount, own = Path(place.mount), Path(place.mount) / place.path.lstrip("/")
-        if not place.v2 and own.is_dir():
+    for place in cgroups.mine(controller):
+        mount, own = Path(place.mount), Path(place.dir)
+        if not own.is_dir():
+            continue
+        if not place.v2:
             return mount, own, False
-        if place.v2 and controller in (own / "cgroup.controllers").read_text(errors="replace").split():
+        if controller in (own / "cgroup.controllers").read_text(errors="replace").split():
             with contextlib.suppress(OSError):  # children get the controller's files only where it is on
                 (own / "cgroup.subtree_control").write_text(f"+{controller}")
             return mount, own, True
-    unavailable(f"no cgroup {controller} controller is mounted at /sys/fs/cgroup(/{controller})")
+    unavailable(f"no cgroup {controller} controller is mounted for this process")
     raise AssertionError("unreachable")
 
 
 @contextlib.contextmanager
-def container(controller: str, v1: dict[str, str], v2: dict[str, str]) -> Iterator[list[str]]:
+def container(controller: str, v1: dict[str, str], v2: dict[str, str], cgroupns: bool = True) -> Iterator[list[str]]:
     """A command prefix that execs its command in a new container: a cgroup made under this
-    process's own with ``controller``'s files set (``v1`` or ``v2``; a file the kernel does not have,
-    as swap accounting may not be, is left out), and a cgroup and mount namespace in which it is
-    mounted where the hierarchy's root was."""
+    process's own with ``controller``'s files set (``v1`` or ``v2``: the first is the limit; a later
+    one the kernel does not have, as swap accounting may not be, is left out), mounted where the
+    hierarchy was in a mount namespace of its own, and (``cgroupns``) a cgroup namespace in which it
+    is ``/``; without one its processes see its host path, as in a Docker container on cgroup v1."""
     mount, own, is_v2 = _hierarchy(controller)
     group = own / f"ddprun-test-{os.getpid()}-{time.monotonic_ns()}"
+    files = v2 if is_v2 else v1
     try:
         group.mkdir()
-        for name, value in (v2 if is_v2 else v1).items():
-            if (group / name).exists() or name == next(iter(v2 if is_v2 else v1)):
+        for i, (name, value) in enumerate(files.items()):
+            if i == 0 or (group / name).exists():
                 (group / name).write_text(value)
     except OSError as e:
-        unavailable(f"cannot make a {controller} cgroup under {own}: {e}")
+        with contextlib.suppress(OSError):
+            group.rmdir()
+        unavailable(f"cannot make a {controller} cgroup under {own} (on cgroup v2 a cgroup with processes "
+                    f"cannot give its children a controller): {e}")
     # the process joins the cgroup before its cgroup namespace is made, so that cgroup is its "/"
     inner = f'mount --bind {group} {mount} && exec "$@"'
+    unshare = "unshare --cgroup --mount" if cgroupns else "unshare --mount"
     try:
-        yield ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec unshare --cgroup --mount sh -c \'{inner}\' inner "$@"',
-               "outer"]
+        yield ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec {unshare} sh -c \'{inner}\' inner "$@"', "outer"]
     except BaseException:
         _remove(group, kill=True)  # a test that failed midway: what it started goes with it
         raise
     _remove(group, kill=False)
 
 
-def cpu_limited(cpus: float) -> contextlib.AbstractContextManager[list[str]]:
+def cpu_limited(cpus: float, cgroupns: bool = True) -> contextlib.AbstractContextManager[list[str]]:
     """A container limited to ``cpus`` CPUs (``docker run --cpus``)."""
     quota = str(int(cpus * PERIOD_US))
     return container("cpu", {"cpu.cfs_quota_us": quota, "cpu.cfs_period_us": str(PERIOD_US)},
-                     {"cpu.max": f"{quota} {PERIOD_US}"})
+                     {"cpu.max": f"{quota} {PERIOD_US}"}, cgroupns)
 
 
 def memory_limited(limit: int) -> contextlib.AbstractContextManager[list[str]]:
@@ -124,9 +131,10 @@ def _cores() -> int:
 
 
 @pytest.mark.timeout(90)
-def test_nproc_cpu_in_a_one_cpu_container_starts_one_process_with_one_thread(nodes, tmp_path):
+@pytest.mark.parametrize("cgroupns", [True, False], ids=["cgroup-namespace", "host-path"])
+def test_nproc_cpu_in_a_one_cpu_container_starts_one_process_with_one_thread(nodes, tmp_path, cgroupns):
     cores = _cores()
-    with cpu_limited(1.0) as prefix:
+    with cpu_limited(1.0, cgroupns) as prefix:
         plan = subprocess.run([*prefix, DDPRUN, "plan", "--nproc-per-node", "cpu", "--explain"], env=job_env(),
                               cwd=tmp_path, capture_output=True, text=True, timeout=60)
         env = {k: v for k, v in job_env().items() if k != "OMP_NUM_THREADS"}  # ddprun's choice, not the tests'

@@ -112,6 +112,7 @@ def test_a_killed_rank_of_fit_leaves_no_dataloader_worker_or_forkserver(tmp_path
     assert all(e.returncode == 1 for e in ended), describe(ended)
     for e in ended:
         assert re.fullmatch(r"rank 1 \(node \d, \S+\) was killed by SIGKILL", cause_line(e.output)), describe(ended)
+        assert "fit loads the data in the training process" not in e.output, "a guarded script keeps its workers"
     assert_nothing_left(tmp_path, within_s=10)  # a worker notices its forkserver's end within 5 s
 
 

@@ -151,6 +151,7 @@ def test_sigusr1_to_every_process_under_an_agent_spares_fits_dataloader_workers(
                                     "--num-workers", "1"])
     assert_one_stop(ended, tmp_path, "SIGUSR1")
     assert "DataLoader worker" not in "".join(e.output for e in ended), describe(ended)
+    assert "fit loads the data in the training process" not in "".join(e.output for e in ended), "its workers ran"
     assert_nothing_left(tmp_path)
 
 

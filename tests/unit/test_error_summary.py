@@ -34,17 +34,36 @@ def test_a_message_without_a_traceback_is_kept_as_it_is():
         "Traceback (most recent call last):\n  File x\nKeyError: 1"  # nothing before it to keep
 
 
-def test_a_long_text_keeps_its_start_and_its_end():
+def test_the_head_is_one_line_and_an_errors_own_continuation_lines_stay():
+    text = ("ProcessRaisedException: \n\n-- Process 1 terminated with the following error:\n"
+            "Traceback (most recent call last):\n  File \"w.py\", line 3, in f\n    g()\n    ^^^\n"
+            "ValueError: bad shape\n  expected (2, 3)\n")
+    assert fr.condense(text) == ("ProcessRaisedException: -- Process 1 terminated with the following error: "
+                                 "ValueError: bad shape\n  expected (2, 3)")
+
+
+def test_a_long_text_keeps_its_start_and_its_end_in_exactly_the_limit_and_says_how_much_is_left_out():
     text = "RuntimeError: " + "x" * 5000 + " the end"
     out = fr.condense(text, limit=1000)
     assert out.startswith("RuntimeError: xxx") and out.endswith("x the end"), out
-    assert "[... 4022 characters ...]" in out and len(out) < 1100
+    assert len(out) == 1000 and "[... 4049 characters ...]" in out, out
+    assert fr.condense(out, limit=1000) == out  # a record read back is not clipped again
 
 
-def test_a_record_read_back_is_condensed_too():
-    rec = fr.FailureRecord(fr.ERROR, 1, "E: " + "y" * 3000 + " tail", 0, "h", 1, 1)
+def test_a_peers_echo_stays_one_however_it_is_shortened():
+    middle = "RuntimeError: " + "y" * 3000 + " Connection reset by peer " + "z" * 3000
+    out = fr.condense(middle, limit=1000)
+    assert len(out) == 1000 and "[... 5099 characters with 'Connection reset by peer' ...]" in out, out
+    assert fr.looks_like_echo(out) and fr.condense(out, limit=1000) == out
+    inside = "RuntimeError: Caught in worker 0.\nTraceback (most recent call last):\n  File \"x\", line 1\n" \
+             "    recvBytes(...)  # Connection reset by peer\nRuntimeError: gone"
+    assert fr.looks_like_echo(fr.condense(inside))  # the traceback stays where only it says so
+
+
+def test_a_record_read_back_is_condensed_once():
+    rec = fr.FailureRecord(fr.ERROR, 1, fr.condense("E: " + "y" * 3000 + " tail"), 0, "h", 1, 1)
     back = fr.FailureRecord.from_json(rec.to_json())
-    assert back.summary.endswith(" tail") and len(back.summary) < fr.SUMMARY_MAX + 50
+    assert back.summary == rec.summary and back.summary.endswith(" tail") and len(back.summary) == fr.SUMMARY_MAX
 
 
 def test_a_full_dev_shm_gets_a_hint_with_its_size():

@@ -32,12 +32,33 @@ SCRIPT = textwrap.dedent('''\
             main()                              # 16
     for i in range(2):                          # 17
         main()                                  # 18
+    if __name__ == "__main__":                  # 19
+        @run_it                                 # 20
+        def go():                               # 21
+            main()                              # 22
+    if (__name__ == "__main__"                  # 23
+            and main()):                        # 24
+        pass                                    # 25
+    if __name__ != "__main__":                  # 26
+        pass                                    # 27
+    else:                                       # 28
+        main()                                  # 29
+    if __name__ == "__main__":                  # 30
+        pass                                    # 31
+    elif True:                                  # 32
+        main()                                  # 33
+    match 1:                                    # 34
+        case 1:                                 # 35
+            main()                              # 36
 ''')
 
 
 @pytest.mark.parametrize("line, guarded", [(4, False), (6, True), (8, False), (11, True), (13, True), (16, True),
-                                           (18, False), (1, False)])
+                                           (18, False), (1, False), (20, True), (24, True), (29, True),
+                                           (33, False), (36, False)])
 def test_a_line_is_guarded_only_inside_the_body_of_a_main_test(line, guarded):
+    """A decorator, the test itself, an ``else`` of ``!=`` (any other test of ``__name__``: not
+    known, so guarded); an ``elif`` of ``==`` runs on a re-import."""
     assert mainguard.guarded(SCRIPT, line) is guarded
 
 
@@ -54,6 +75,13 @@ def test_unparsable_source_changes_nothing():
 ])
 def test_only_a_main_module_multiprocessing_reimports_counts(main, path):
     assert mainguard.reimported(main) == path
+
+
+def test_a_relative_path_is_the_one_multiprocessing_reimports(tmp_path, monkeypatch):
+    """spawn.py joins it to the directory the process started in; the script may have left it."""
+    monkeypatch.setattr(mainguard.process, "ORIGINAL_DIR", str(tmp_path))
+    monkeypatch.chdir("/")
+    assert mainguard.reimported(SimpleNamespace(__file__="train.py", __spec__=None)) == str(tmp_path / "train.py")
 
 
 def test_find_reads_the_main_modules_running_statement(tmp_path, monkeypatch):

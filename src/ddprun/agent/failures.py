@@ -51,10 +51,11 @@ its workers start within torch's rendezvous poll (1 s) of these, its first beat 
 
 
 def oom_kills(read: cgroups.Reader = cgroups.read_text) -> int | None:
-    """How many processes the out-of-memory killer ended in this process's cgroup, where its workers
-    are: cgroup v2's ``memory.events`` (which counts its sub-cgroups' too) or v1's
-    ``memory.oom_control`` (Linux 4.13 on); None where neither can be read."""
-    for place in cgroups.places(read("/proc/self/cgroup") or "", "memory"):
+    """How many processes the out-of-memory killer ended in this process's own cgroup, where its
+    workers are: cgroup v2's ``memory.events`` (which counts its sub-cgroups' too) or v1's
+    ``memory.oom_control`` (Linux 4.13 on); None where neither can be read (never an ancestor's,
+    which counts other processes' kills)."""
+    for place in cgroups.mine("memory", read):
         kills = cgroups.counter(place.own("memory.events" if place.v2 else "memory.oom_control", read), "oom_kill")
         if kills is not None:
             return kills
@@ -171,7 +172,9 @@ class AgentFailures:
         """A worker group (re)started: its attempt id, this node's rank, rank -> (local rank, pid, error file),
         and the workers' store (MASTER_ADDR:MASTER_PORT; torch's c10d hosts it on node 0's agent, apart from
         the rendezvous endpoint's)."""
+        oom0 = oom_kills()  # an earlier attempt's out-of-memory kill is not this attempt's evidence
         with self._lock:
+            self._oom0 = oom0
             if store is not None and store != (self._addr, self._port):
                 self._addr, self._port = store
                 self._store = None

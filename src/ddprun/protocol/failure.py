@@ -46,25 +46,49 @@ TRACEBACK_MARKS = ("Original Traceback (most recent call last):", "Traceback (mo
 
 
 def condense(text: str, limit: int = SUMMARY_MAX) -> str:
-    """An error's text as a record's summary. A traceback inside the message (torch re-raises a
-    DataLoader worker's error in its rank with the worker's traceback in it) becomes its last lines,
-    the error that ended it: ``Caught RuntimeError in DataLoader worker process 0: RuntimeError:
-    unable to allocate shared memory(shm) ...``; a text still over ``limit`` keeps its start and its
-    end, where the error is."""
+    """An error's text as a record's summary, at most ``limit`` characters (idempotent). A traceback
+    inside the message (torch re-raises a DataLoader worker's error in its rank with the worker's
+    traceback in it) becomes the error that ended it: ``Caught RuntimeError in DataLoader worker
+    process 0: RuntimeError: unable to allocate shared memory(shm) ...``; a text still too long keeps
+    its start and its end, where the error is. A peer's echo (:data:`ECHOES`) stays one."""
+    short = _without_traceback(text)
+    if looks_like_echo(text) and not looks_like_echo(short):
+        short = text
+    if len(short) <= limit:
+        return short
+    out = _clip(short, limit)
+    phrase = next((p for p in ECHOES if p in short), None)
+    return out if phrase is None or phrase in out else _clip(short, limit, phrase)
+
+
+def _clip(text: str, limit: int, phrase: str | None = None) -> str:
+    """``text``'s start and end, and between them how much was left out: ``limit`` characters."""
+    head, dropped = limit // 4, len(text) - limit
+    for _ in range(3):  # the marker's length depends on the count it gives
+        marker = f" [... {dropped} characters{f' with {phrase!r}' if phrase else ''} ...] "
+        if (dropped_now := len(text) - limit + len(marker)) == dropped:
+            break
+        dropped = dropped_now
+    tail = limit - head - len(marker)
+    return text[:head] + marker + text[len(text) - tail:]
+
+
+def _without_traceback(text: str) -> str:
+    """``text`` with a traceback after its first lines replaced by the error that ended it."""
     lines = text.splitlines()
     mark = next((i for i, line in enumerate(lines) if line.strip() in TRACEBACK_MARKS), None)
-    if mark is not None and mark > 0:
-        frames = lines[mark + 1:]
-        end = len(frames)
-        while end > 0 and not frames[end - 1].startswith((" ", "\t")):
-            end -= 1
-        error = [line for line in frames[end:] if line.strip()]
-        if error:
-            text = "\n".join(lines[:mark]).rstrip().rstrip(".:") + ": " + "\n".join(error)
-    if len(text) <= limit:
+    if mark is None or mark == 0:
         return text
-    head = limit // 4
-    return f"{text[:head]} [... {len(text) - limit} characters ...] {text[-(limit - head):]}"
+    rest = lines[mark + 1:]
+    frames = [i for i, line in enumerate(rest) if line.startswith('  File "')]
+    start = frames[-1] + 1 if frames else 0
+    while start < len(rest) and rest[start].startswith("    "):  # the frame's code and its ^^^ marks
+        start += 1
+    error = [line for line in rest[start:] if line.strip()]
+    if not error:
+        return text
+    head = " ".join(line.strip() for line in lines[:mark] if line.strip()).rstrip(".:")
+    return f"{head}: " + "\n".join(error)
 
 
 SIGKILL_HINT = ("killed by SIGKILL: the out-of-memory killer? see `dmesg` or the cgroup's memory.events "

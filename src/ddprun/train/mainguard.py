@@ -18,7 +18,9 @@ from __future__ import annotations
 import ast
 import os
 import sys
+import tokenize
 from dataclasses import dataclass
+from multiprocessing import process
 from types import FrameType
 
 
@@ -33,36 +35,45 @@ class Unguarded:
         return f"{self.path}, line {self.line}"
 
 
-def _is_main_test(test: ast.expr) -> bool:
-    """``__name__ == "__main__"`` (either side, possibly inside an ``and``)."""
-    for node in ast.walk(test):
-        if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.Eq):
-            sides = [node.left, *node.comparators]
-            names = [s for s in sides if isinstance(s, ast.Name) and s.id == "__name__"]
-            consts = [s for s in sides if isinstance(s, ast.Constant) and s.value == "__main__"]
-            if names and consts:
-                return True
-    return False
+def _mentions_name(test: ast.expr) -> bool:
+    return any(isinstance(n, ast.Name) and n.id == "__name__" for n in ast.walk(test))
+
+
+def _main_only(test: ast.expr) -> bool:
+    """True only for ``__name__ == "__main__"`` (either side), alone or in an ``and``."""
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        return any(_main_only(v) for v in test.values)
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, *test.comparators]
+    return any(isinstance(s, ast.Name) and s.id == "__name__" for s in sides) and \
+        any(isinstance(s, ast.Constant) and s.value == "__main__" for s in sides)
 
 
 def _covers(stmts: list[ast.stmt], line: int) -> ast.stmt | None:
-    return next((s for s in stmts if s.lineno <= line <= (s.end_lineno or s.lineno)), None)
+    """The statement of ``stmts`` whose lines (its decorators' too) include ``line``."""
+    for s in stmts:
+        first = min([s.lineno, *(d.lineno for d in getattr(s, "decorator_list", []))])
+        if first <= line <= (s.end_lineno or s.lineno):
+            return s
+    return None
 
 
 def guarded(source: str, line: int) -> bool:
-    """Whether ``line`` of a module's ``source`` runs only when ``__name__ == "__main__"``: inside the
-    body of such an ``if``, at any depth of compound statements (pure). Unparsable source: True
-    (nothing is known, so nothing is changed)."""
+    """Whether ``line`` of a module's ``source`` runs only when ``__name__ == "__main__"``: in such an
+    ``if``'s test or body (not its ``else``), at any depth of compound statements (pure). Where it
+    cannot tell (unparsable source, another test of ``__name__``): True, so nothing is changed."""
     try:
         stmts: list[ast.stmt] = ast.parse(source).body
     except (SyntaxError, ValueError):
         return True
     while (stmt := _covers(stmts, line)) is not None:
-        if isinstance(stmt, ast.If) and _is_main_test(stmt.test):
-            return _covers(stmt.body, line) is not None
-        inner = [getattr(stmt, f, []) for f in ("body", "orelse", "finalbody", "handlers")]
+        if isinstance(stmt, ast.If) and _mentions_name(stmt.test):
+            return not (_main_only(stmt.test) and _covers(stmt.orelse, line) is not None)
+        inner = [getattr(stmt, f, []) for f in ("body", "orelse", "finalbody")]
         stmts = [s for block in inner if isinstance(block, list) for s in block if isinstance(s, ast.stmt)]
         stmts += [s for h in getattr(stmt, "handlers", []) for s in h.body]
+        stmts += [s for c in getattr(stmt, "cases", []) for s in c.body]
     return False
 
 
@@ -75,7 +86,8 @@ def reimported(main: object) -> str | None:
         return None
     if os.path.splitext(os.path.basename(path))[0] == "ipython":
         return None
-    return path
+    # as spawn.py records it: relative to the directory the process started in, not the current one
+    return os.path.normpath(os.path.join(getattr(process, "ORIGINAL_DIR", None) or os.getcwd(), path))
 
 
 def find(frame: FrameType | None = None) -> Unguarded | None:
@@ -92,8 +104,8 @@ def find(frame: FrameType | None = None) -> Unguarded | None:
     if f is None:
         return None
     try:
-        with open(path, encoding="utf-8") as fp:
+        with tokenize.open(path) as fp:  # the file's own encoding
             source = fp.read()
-    except (OSError, UnicodeDecodeError):
+    except (OSError, SyntaxError, UnicodeDecodeError):
         return None
     return None if guarded(source, f.f_lineno) else Unguarded(path, f.f_lineno)
