@@ -413,3 +413,20 @@ def test_the_request_is_read_on_demand_before_a_beat_reads_it(agent, store):
     a.on_workers_started("r2", 0, 2, {0: (0, 0, ""), 1: (1, 0, "")}, world_size=4,
                          store=("127.0.0.1", store.port), last_attempt=False)
     assert a.read_preempt_request() is None  # the last attempt's request: not this one's
+
+
+def test_an_oom_kill_is_evidence_only_for_a_sigkill_of_its_own_attempt(agent, store, monkeypatch):
+    """The cgroup's oom_kill count is read at each attempt's start: a kill in attempt r1 does not make
+    a later SIGKILL (a scheduler, a user) an out-of-memory kill in r2."""
+    a, _ = agent
+    kills = iter([1, 1, 1, 2])
+    monkeypatch.setattr("ddprun.agent.failures.oom_kills", lambda: next(kills))
+    a.on_workers_started("r2", 0, 2, {0: (0, 0, ""), 1: (1, 0, "")}, world_size=4,
+                         store=("127.0.0.1", store.port), last_attempt=True)  # r1's kill counted: 1
+    a.on_worker_exit(1, 1, 0, -signal.SIGKILL)  # still 1: not an OOM kill
+    assert a.local_record(1).hint == fr.SIGKILL_HINT
+    a.on_workers_started("r3", 0, 2, {0: (0, 0, ""), 1: (1, 0, "")}, world_size=4,
+                         store=("127.0.0.1", store.port), last_attempt=True)
+    a.on_worker_exit(1, 1, 0, -signal.SIGKILL)  # 1 -> 2 in this attempt
+    assert a.local_record(1).hint.startswith("the out-of-memory killer ended it (the cgroup's oom_kill count went "
+                                             "1 -> 2)"), a.local_record(1).hint
