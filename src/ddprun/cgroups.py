@@ -63,9 +63,7 @@ def _mounts(mountinfo: str, controller: str, v2: bool) -> list[tuple[str, str]]:
 def _under(path: str, root: str) -> str | None:
     """``path`` relative to ``root`` ('' for itself), or None when it is not below it."""
     root = root.rstrip("/")
-    if path == root or (root == "" and path.startswith("/")):
-        return path[len(root):].rstrip("/")
-    return path[len(root):].rstrip("/") if path.startswith(root + "/") else None
+    return path[len(root):].rstrip("/") if path == root or path.startswith(root + "/") else None
 
 
 def places(proc_cgroup: str, mountinfo: str, controller: str) -> list[Place]:

@@ -40,7 +40,7 @@ class Cpus:
 
     def note(self) -> str:
         """Why :attr:`usable` is less than the cores, for a plan or a warning; '' when it is not."""
-        if self.usable >= self.cores or self.limit is None:
+        if self.limit is None or self.usable >= self.cores:
             return ""
         unit = "CPU" if self.limit == 1 else "CPUs"
         return f"the cgroup's CPU limit ({self.limit:g} {unit}; {self.cores} cores visible)"
@@ -62,7 +62,7 @@ def _ratio(quota: str, period: str) -> float | None:
 
 
 def _v1_limit(quota: str | None, period: str | None) -> float | None:
-    return _ratio(quota.strip(), period.strip()) if quota and period else None
+    return _ratio(quota, period) if quota and period else None
 
 
 def cgroup_limit(places: list[cgroups.Place], read: Reader) -> float | None:

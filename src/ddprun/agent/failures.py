@@ -156,7 +156,8 @@ class AgentFailures:
         self._reforming = False
         """torch re-forms the group (a restart, a node joining or dropped): no workers, no store to lose."""
         self._thread: threading.Thread | None = None
-        self._oom0 = oom_kills()
+        self._oom0: int | None = None
+        """The cgroup's oom_kill count when this attempt's workers started (on_workers_started)."""
         self.lost: fr.FailureRecord | None = None
         self._hang_said: bytes | None = None
         self.stopping_for: fr.FailureRecord | None = None
