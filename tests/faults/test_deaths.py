@@ -149,7 +149,7 @@ def test_a_frozen_agent_is_named_lost_and_its_workers_end_while_it_stays_frozen(
     endpoint's host; rank 0's, which hosts the workers' store): the others name it lost and end, and
     its workers, whose node store no longer answers (torch's TCPStore client would wait for it for
     ever), end too, while it stays frozen."""
-    job = nodes(3, 1, SLOW, extra=["--stop-grace", "3"])
+    job = nodes(3, 1, SLOW)  # torch's 30 s --stop-grace: no stop of the survivors may wait it out
     pids = job.worker_pids(range(3))
     endpoint, workers_store = job.store_host(), job.agent_of(pids[0])
     victim = {"endpoint-store": endpoint, "workers-store": workers_store}.get(where)

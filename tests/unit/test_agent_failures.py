@@ -218,6 +218,31 @@ def test_a_lost_store_stops_a_worker_that_ignores_sigterm_after_the_stop_grace(t
 
 
 
+def test_every_stop_of_the_workers_is_marked_in_the_node_store_first(tmp_path, stand_in):
+    """A lost job store, and torch's own stops (mark_stopping), mark this node's stop where its workers'
+    signal thread reads it (worker/signals.py): the job store, gone silent, is never asked."""
+    from ddprun.agent.noderelay import NodeRelay
+
+    node = store_server()
+    worker = stand_in()
+
+    def gone():
+        raise ConnectionRefusedError("the store's host is gone")
+
+    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", 1, "job", io.StringIO(), lost_after_s=1.0,
+                      connect=gone, relay=NodeRelay(node), stop_grace_s=1.0)
+    a.on_workers_started("r1", 1, 2, {1: (0, worker.pid, "")}, world_size=2)
+    try:
+        assert worker.wait(timeout=10) == -signal.SIGTERM
+        assert node.check([Keys("ddprun/job/r1/").stopping(1)])
+        a.on_workers_started("r2", 1, 2, {1: (0, stand_in().pid, "")}, world_size=2)
+        assert not node.check([Keys("ddprun/job/r2/").stopping(1)])
+        a.mark_stopping()  # torch's agent is about to signal them
+        assert node.check([Keys("ddprun/job/r2/").stopping(1)])
+    finally:
+        a.stop()
+
+
 def test_a_worker_whose_error_file_was_lost_is_named_by_the_record_it_handed_its_node(tmp_path, store):
     """A full disk under the run directory loses the worker's error file, and the job store may be
     gone with its host (node 0 ended first): the copy in the node store is the worker's own record,

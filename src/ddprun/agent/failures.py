@@ -534,6 +534,8 @@ class AgentFailures:
         self._store_given_up = True
         self.stopping_for = self.root_cause() if self._cache else self.lost
         print(f"ddprun: {self.lost.headline()}; stopping this node's workers", file=self.out, flush=True)
+        if self._relay is not None:  # the workers must not ask the lost store whether this is a preemption
+            self._relay.mark_stopping(self._node)
         pids = [pid for _, pid, _ in list(self._workers.values())]
         for pid in pids:
             try:
@@ -728,6 +730,8 @@ class AgentFailures:
             failed_here = bool(self._local)
         if self.stopping_for is None and failed_here:
             self.stopping_for = self.root_cause()
+        if self._relay is not None:  # first, where the workers look first (worker/signals.py)
+            self._relay.mark_stopping(self._node)
         self._mark(lambda keys: keys.stopping(self._node))
 
     def mark_said(self) -> None:

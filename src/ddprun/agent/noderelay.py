@@ -11,6 +11,7 @@ the job's alarm counter from there; the agent's failure thread (agent/failures.p
 * each second :meth:`NodeRelay.progress`: every local rank's count, which goes into the agent's
   heartbeat record in the job store (one write a node);
 * :meth:`NodeRelay.timings`: the local ranks' timing windows, one record a node, when they changed;
+* :meth:`NodeRelay.mark_stopping`: the agent signals its workers now, not for a preemption;
 * :meth:`NodeRelay.left`: the records of local ranks another rank's failure stopped, which the agent
   writes into the job store in one batch and acknowledges for them (4 calls a node, not 4 a rank).
 
@@ -38,7 +39,8 @@ NODE_HOST = "127.0.0.1"
 
 class NodeRelay:
     """One per agent, for the whole launch; only the agent's failure thread calls its reads and writes
-    (:meth:`own_record`, a read of one key, is called from torch's agent thread too, and :meth:`left`
+    (:meth:`own_record`, a read of one key, and :meth:`mark_stopping`, a write of one, are called from
+    torch's agent thread too, and :meth:`left`
     and :meth:`forwarded` from the main thread's linger, under the agent's forward lock)."""
 
     def __init__(self, server: Any = None):
@@ -148,6 +150,18 @@ class NodeRelay:
             return None
         parsed = fr.parse_many([self._store.get(keys.own_failure(rank))])
         return parsed[0] if parsed else None
+
+    def mark_stopping(self, node: int) -> None:
+        """This agent signals its workers now (a failure, a restart, a lost job store): a signal that
+        reaches them is not a preemption request. Their signal thread reads this first (worker/signals.py),
+        so a job store that stopped answering never delays their end. Any thread; best effort."""
+        keys, _ = self._current()
+        if keys is None or self._store is None:
+            return
+        try:
+            self._store.set(keys.stopping(node), "1")
+        except Exception:  # noqa: BLE001 - the workers then ask the job store, as without a node store
+            pass
 
     def close(self) -> None:
         """Let the server go (ddprun.launch runs its agent in the caller's process)."""

@@ -43,6 +43,8 @@ same prefix, so that the job's store hears from each node, not from each rank:
     relayed-causes     JSON list of the failure records the agent had read when it relayed that alarm
                        (:func:`relayable`; written before ``relay``, only when they changed): a rank
                        that sees the relayed alarm move reads the cause here, not in the job store
+    stopping/<node>    as in the job store, written there first: the workers' signal thread reads
+                       it here (worker/signals.py), so a job store that went silent never delays it
     own-failure/<N>    rank N's own failure record, written before the job's copy: its agent reads it
                        when N ends (a full disk loses the error file, a lost store host the job's copy)
     left/<N>           rank N's record that another rank's failure stopped it (an echo), left to its

@@ -43,6 +43,7 @@ from ddprun.telemetry import PROGRESS, TIMER, summarize
 from ddprun.worker import collectives, stacks
 from ddprun.worker.channel import JobChannel
 from ddprun.worker.exit import record, stopped_message
+from ddprun.worker.signals import NodeMark, SignalWatch
 
 BUSY_LIMIT_FACTOR = 4
 """A declared busy phase counts as progress for at most this many stall timeouts."""
@@ -123,9 +124,11 @@ class Monitor:
         """Readers (observers, rank 0): the ranks registered as talking to the job store, and how many."""
         self._echo_seen: float | None = None
         self._detail = self._summary = ""
-        self._sigfd: int | None = None
+        self._signal_watch: SignalWatch | None = None
+        self._handed: collections.deque[int] = collections.deque()
+        """Signals the signal thread handed over (worker/signals.py), not read yet."""
         self._wake: tuple[int, int] | None = None
-        """A pipe that :meth:`stop` writes to, to end the thread's wait on ``_sigfd`` at once."""
+        """A pipe that :meth:`stop` and the signal thread write to, to end the thread's wait at once."""
         self._rate_samples: collections.deque[tuple[float, int]] = collections.deque(maxlen=12)
         wenv = ch.wenv
         # rank 0 reports first (its output is on a console); the backup only if rank 0 does not
@@ -139,20 +142,34 @@ class Monitor:
             self.stragglers = StragglerWatch(ch.run_dir, wenv.straggler_margin, wenv.straggler_windows)
 
     def start(self, signal_fd: int | None = None) -> Monitor:
-        """``signal_fd``: where preemption signals arrive (:func:`ddprun.preempt.install`)."""
-        self._sigfd = signal_fd
-        if signal_fd is not None:  # stop() must end a select on it at once, not after a poll interval
+        """``signal_fd``: where preemption signals arrive (:func:`ddprun.preempt.install`); a thread of
+        their own reads them (worker/signals.py) and hands this one those that are not its agent's stop."""
+        if signal_fd is not None:  # a handed signal, and stop(), end this thread's wait at once
             self._wake = os.pipe()
+            ch = self.ch
+            mark = NodeMark((lambda: ch.connect_node(defaults.RELAY_STALE_S)) if ch.wenv.node_store else None)
+            self._signal_watch = SignalWatch(signal_fd, mark, ch.keys.stopping(ch.node_rank), self._hand)
         self._thread.start()
+        if self._signal_watch is not None:
+            self._signal_watch.start()
         return self
 
-    def stop(self) -> None:
-        self._stop.set()
+    def _hand(self, sigs: list[int]) -> None:
+        self._handed.extend(sigs)
+        self._poke()
+
+    def _poke(self) -> None:
         if self._wake is not None:
             try:
                 os.write(self._wake[1], b"x")
             except OSError:  # a full pipe: a wake-up is pending already
                 pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._signal_watch is not None:
+            self._signal_watch.stop()
+        self._poke()
 
     def flush_timing(self) -> None:
         """At a clean exit: publish the last, partial timing window, so that a run shorter than a
@@ -189,19 +206,21 @@ class Monitor:
                     return
 
     def _wait(self) -> list[int] | None:
-        """One poll interval, or less when a signal arrives: the signals that arrived; None at stop."""
-        if self._sigfd is None:
+        """One poll interval, or less when a signal is handed over: the signals handed; None at stop."""
+        if self._wake is None:
             return None if self._stop.wait(defaults.MONITOR_POLL_S) else []
-        ready, _, _ = select.select([self._sigfd, self._wake[0]] if self._wake else [self._sigfd], [], [],
-                                    defaults.MONITOR_POLL_S)
+        ready, _, _ = select.select([self._wake[0]], [], [], defaults.MONITOR_POLL_S)
+        if ready:
+            try:
+                os.read(self._wake[0], 64)
+            except OSError:
+                pass
         if self._stop.is_set():
             return None
-        if self._sigfd not in ready:
-            return []
-        try:
-            return [b for b in os.read(self._sigfd, 64) if b in PREEMPT.signals]
-        except OSError:
-            return []
+        sigs = []
+        while self._handed:
+            sigs.append(self._handed.popleft())
+        return sigs
 
     def _poll_failed(self, e: Exception) -> bool:
         """Say a failing poll once; True when the thread should give up (the store is gone for good)."""

@@ -1,0 +1,99 @@
+"""The preemption signals that reach a worker, read on a thread of their own (the wakeup pipe of
+:func:`ddprun.preempt.install`).
+
+A signal that the rank's agent sends as it stops its workers (a failure, a restart, a job store
+that stopped answering) ends the rank at once: the agent marks its stop in its node store before it
+signals them (agent/noderelay.py ``stopping``), and that one local read is all this thread waits
+for. Every other signal goes to the monitor (worker/monitor.py), which asks the job to stop at one
+step through the job store. So a monitor whose store call waits on a host that went silent (the
+client's 30 s timeout: no FIN or RST comes from a machine that lost power) delays only a
+preemption request, never the agent's stop.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ddprun import preempt
+from ddprun._util import Bounded, within
+from ddprun.preempt import PREEMPT
+from ddprun.protocol import defaults
+
+POLL_S = 1.0
+"""How often the thread looks at its stop event while no signal comes (:meth:`SignalWatch.stop` wakes it at once)."""
+
+
+class NodeMark:
+    """Whether this node's agent marked ``key`` in the node store: one bounded read on a client of its
+    own (the monitor's may be busy). False when there is no node store, or it does not answer within
+    RELAY_STALE_S (a frozen agent): the monitor then asks the job store, as it always did."""
+
+    def __init__(self, connect: Callable[[], Any] | None):
+        """``connect()``: a new node store client, or None when the agent gave none; None: no node store."""
+        self._connect: Callable[[], Any] | None = connect
+        self._client: Bounded | None = None
+
+    def ready(self) -> None:
+        """Connect now (bounded), so that a signal finds a client; a failure is tried again then."""
+        try:
+            self._connected()
+        except Exception:  # noqa: BLE001 - a signal will try again
+            self._client = None
+
+    def __call__(self, key: str) -> bool:
+        try:
+            client = self._connected()
+            return client is not None and bool(client.check([key]))
+        except Exception:  # noqa: BLE001 - no answer: the monitor decides through the job store
+            self._client = None
+            return False
+
+    def _connected(self) -> Any:
+        if self._client is None and self._connect is not None:
+            client = within(defaults.RELAY_STALE_S, self._connect)
+            if client is None:
+                self._connect = None
+                return None
+            self._client = Bounded(client, defaults.RELAY_STALE_S)
+        return self._client
+
+
+class SignalWatch:
+    """The thread (module docstring). ``mark(key)``: whether the agent marked ``key``, its stop (a
+    bounded local read); ``handoff(signals)``: give the others to the monitor."""
+
+    def __init__(self, sigfd: int, mark: NodeMark, key: str, handoff: Callable[[list[int]], None]):
+        self._sigfd, self._mark, self._key, self._handoff = sigfd, mark, key, handoff
+        self._stop = threading.Event()
+        self._wake = os.pipe()
+        self._thread = threading.Thread(target=self._loop, name="ddprun-signals", daemon=True)
+
+    def start(self) -> SignalWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            os.write(self._wake[1], b"x")
+        except OSError:  # a full pipe: a wake-up is pending already
+            pass
+
+    def _loop(self) -> None:
+        self._mark.ready()
+        while not self._stop.is_set():
+            ready, _, _ = select.select([self._sigfd, self._wake[0]], [], [], POLL_S)
+            if self._sigfd not in ready or self._stop.is_set():
+                continue
+            try:
+                sigs = [b for b in os.read(self._sigfd, 64) if b in PREEMPT.signals]
+            except OSError:
+                continue
+            if sigs and self._mark(self._key):
+                preempt.die_by(sigs[0])  # torch's agent stops its workers: as it always did
+            if sigs:
+                self._handoff(sigs)

@@ -1,0 +1,129 @@
+"""The worker's signal thread (worker/signals.py): its agent's stop ends the rank at once, whatever a
+store call of the monitor waits on; any other signal goes to the monitor's preemption protocol."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from ddprun import preempt
+from ddprun.protocol import defaults
+from ddprun.protocol import preempt as pp
+from ddprun.worker import signals as signals_mod
+from tests.helpers import store_client, store_server
+
+
+class Silent:
+    """A job store whose host went silent: every call waits (here until the test ends)."""
+
+    def __init__(self) -> None:
+        self.calls, self.release = 0, threading.Event()
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            self.calls += 1
+            self.release.wait(30)
+            raise TimeoutError(f"{name}: the store's host did not answer")
+        return call
+
+
+@pytest.fixture
+def rank_1(tmp_path, monkeypatch):
+    """(make, node store, relay, died): ``make(job_store)`` starts rank 1's monitor (node 1) with its
+    signal thread on a pipe standing in for the wakeup fd; returns (monitor, the pipe's write end).
+    ``died`` collects the signals die_by got (the rank stays alive for the test). Under ddprun.fit: a
+    preemption request is agreed on, not the end of the rank."""
+    from ddprun.agent.noderelay import NodeRelay
+    from ddprun.protocol.env import WorkerEnv
+    from ddprun.worker import monitor as monitor_mod
+    from ddprun.worker.channel import JobChannel
+
+    state = preempt.PreemptState(signals=(signal.SIGUSR1, signal.SIGTERM))
+    state.fit_active = True  # something stops at a step: a preemption request does not end the rank
+    monkeypatch.setattr(monitor_mod, "PREEMPT", state)
+    monkeypatch.setattr(signals_mod, "PREEMPT", state)
+    died: list[int] = []
+    monkeypatch.setattr(preempt, "die_by", died.append)
+    node = store_server()
+    relay = NodeRelay(node)
+    started: list = []
+
+    def make(job_store):
+        environ = {"RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "GROUP_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": "1", "TORCHELASTIC_RUN_ID": "a", "DDPRUN_ATTEMPT": "0"}
+        wenv = WorkerEnv(run_dir=str(tmp_path), node_store=f"127.0.0.1:{node.port}", stall_timeout=0)
+        ch = JobChannel(environ, wenv, connect=lambda: job_store, connect_node=lambda: store_client(node.port))
+        relay.begin(ch.keys, [1])
+        r, w = os.pipe()
+        mon = monitor_mod.Monitor(ch).start(r)
+        started.append(mon)
+        return mon, w
+
+    yield make, node, relay, died
+    for mon in started:
+        mon.stop()
+
+
+def _within(seconds: float, done) -> float:
+    t0 = time.monotonic()
+    while not done() and time.monotonic() - t0 < seconds:
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def test_the_agents_stop_ends_the_rank_at_once_while_the_monitor_waits_on_a_silent_job_store(rank_1):
+    """A machine that lost power sends no FIN or RST: the monitor's job-store call waits out its
+    client's 30 s. Its agent marked the stop in the node store and sent SIGTERM: the rank ends now."""
+    make, _, relay, died = rank_1
+    silent = Silent()
+    mon, w = make(silent)
+    try:
+        assert _within(5, lambda: silent.calls > 0) < 5  # the monitor thread is in a call that does not return
+        relay.mark_stopping(1)
+        os.write(w, bytes([signal.SIGTERM]))
+        took = _within(5, lambda: died)
+        assert died == [signal.SIGTERM] and took < 1.0, (died, took)
+        assert silent.calls == 1  # the monitor is still waiting: the signal never went through it
+    finally:
+        silent.release.set()
+
+
+def test_a_signal_the_agent_did_not_mark_goes_to_the_monitor_which_asks_the_job_to_stop(rank_1):
+    make, *_, died = rank_1
+    job = store_server()
+    mon, w = make(job)
+    os.write(w, bytes([signal.SIGUSR1]))
+    keys = mon.ch.keys
+    assert _within(5, lambda: job.check([keys.preempt])) < 5
+    req = pp.Request.parse(job.get(keys.preempt))
+    assert (req.signal, req.by) == ("SIGUSR1", "rank 1") and died == []
+
+
+def test_a_mark_of_another_node_or_attempt_is_not_this_ranks_stop(rank_1):
+    """The node store holds this attempt's keys: a mark left by an earlier attempt or another node's
+    key is no stop of this rank's agent."""
+    make, node, relay, died = rank_1
+    job = store_server()
+    mon, w = make(job)
+    from ddprun.protocol.store import Keys
+
+    node.set(Keys("ddprun/a/earlier/").stopping(1), "1")
+    node.set(mon.ch.keys.stopping(0), "1")
+    os.write(w, bytes([signal.SIGUSR1]))
+    assert _within(5, lambda: job.check([mon.ch.keys.preempt])) < 5 and died == []
+
+
+def test_a_frozen_agents_node_store_is_asked_within_a_bound(monkeypatch):
+    """A node store that does not answer (its agent is stopped) is no answer: False within the bound,
+    and the monitor decides through the job store."""
+    monkeypatch.setattr(defaults, "RELAY_STALE_S", 0.3)
+    frozen = threading.Event()
+    mark = signals_mod.NodeMark(lambda: frozen.wait(10))
+    t0 = time.monotonic()
+    assert mark("k") is False and time.monotonic() - t0 < 1.0
+    frozen.set()
+    assert signals_mod.NodeMark(None)("k") is False  # no node store: the monitor asks the job store
