@@ -1,8 +1,11 @@
-"""A host that dies without a word: power lost, a kernel panic, a cable pulled. Its link goes dark
-first, then every process on it is killed, so no FIN or RST ever reaches the other host (a kill -9
-on a live machine sends them: tests/faults/test_deaths.py). The dead host ran the rendezvous endpoint
-and rank 0, so every store the survivor talks to sits there: its store calls get no answer, not an
-error, and torch's client waits its whole timeout.
+"""A host that dies without a word: power lost, a kernel panic. Every packet it would send is dropped
+first (a qdisc that queues nothing), then every process on it is killed, so no FIN or RST ever
+reaches the other host (a kill -9 on a live machine sends them: tests/faults/test_deaths.py), and
+its kernel answers nothing: the survivor's packets go out and vanish, as behind a switch. (Taking
+its link down instead would drop the carrier under the survivor, whose kernel then fails its own
+sends: not what a dead machine does.) The dead host ran the rendezvous endpoint and rank 0, so every
+store the survivor talks to sits there: its store calls get no answer, not an error, and torch's
+client waits its whole timeout.
 
 The survivor names the lost host and ends within seconds, with no process left: its worker, blocked
 in a collective and in a store call, ends by its agent's stop at once, not after torch's 30 s
@@ -29,8 +32,10 @@ LOST = re.compile(r"^ddprun: the job failed: (node \d \(algo-1\) was lost: its a
                   re.M)
 
 
-def _link(host, state: str) -> None:
-    subprocess.run(["ip", "-n", host.ns, "link", "set", "eth0", state], check=True, timeout=10)
+def _silence(host, on: bool) -> None:
+    """Every packet ``host`` sends dropped (``pfifo limit 0``), or its link as before."""
+    args = ["add", "dev", "eth0", "root", "pfifo", "limit", "0"] if on else ["del", "dev", "eth0", "root"]
+    subprocess.run(["ip", "netns", "exec", host.ns, "tc", "qdisc", *args], check=on, timeout=10)
 
 
 @pytest.mark.timeout(90)
@@ -48,12 +53,12 @@ def test_a_host_that_dies_silently_is_named_and_the_survivor_ends_within_seconds
             time.sleep(0.1)
         assert len(list(pids.glob("rank-*.pid"))) == 2, other.output
         try:
-            _link(dead, "down")  # first: the kill below must send nothing the survivor could read
+            _silence(dead, True)  # first: the kill below must send nothing the survivor could read
             dark = time.monotonic() - other.t0
             assert _kill_namespace_processes(dead.ns), "nothing ran on the dead host"
             rc, ended = other.finish(timeout=45)
         finally:
-            _link(dead, "up")  # the hosts are shared by the module's other tests
+            _silence(dead, False)  # the hosts are shared by the other tests
     print(f"a host that died silently -> the survivor exited {rc} {ended - dark:.1f} s after")
     assert rc == 1, other.output
     assert LOST.search(other.output), other.output
