@@ -455,3 +455,54 @@ def test_an_oom_kill_is_evidence_only_for_a_sigkill_of_its_own_attempt(agent, st
     a.on_worker_exit(1, 1, 0, -signal.SIGKILL)  # 1 -> 2 in this attempt
     assert a.local_record(1).hint.startswith("the out-of-memory killer ended it (the cgroup's oom_kill count went "
                                              "1 -> 2)"), a.local_record(1).hint
+
+
+def test_after_a_network_outage_shorter_than_the_lost_bound_the_beat_is_back_within_two_seconds(tmp_path, store,
+                                                                                                  stand_in):
+    """A 6 s outage of the link to the job store, the packets vanishing in a switch: the call in flight
+    gets no answer (the agent drops it after STORE_CALL_S), and a connect made during the outage never
+    completes in time (its SYN retries come 1, 3, 7 s after it began). When the link returns, this
+    node's beat is back within about two seconds: the other nodes, which name it lost after 10 s
+    of silence, never do. It used to wait 5 s after the dropped call before it tried again: 10 s after
+    the outage began, when it named the store lost itself (here, and in a real 6 s outage)."""
+    from tests.helpers import store_client
+
+    down, released = threading.Event(), threading.Event()
+
+    def silent():  # no answer while the link is down; the test's end releases the thread
+        released.wait(30)
+        raise TimeoutError("no answer")
+
+    class Link:
+        """A client of the job store through the link."""
+
+        def __init__(self):
+            if down.is_set():
+                silent()
+            self._client = store_client(store.port)
+
+        def __getattr__(self, name):
+            method = getattr(self._client, name)
+            return lambda *args, **kwargs: silent() if down.is_set() else method(*args, **kwargs)
+
+    beat_key = Keys("ddprun/job/r1/").agent(1)
+    a = AgentFailures(RunDir(str(tmp_path)), "host-b", "127.0.0.1", store.port, "job", io.StringIO(), connect=Link)
+    worker = stand_in()
+    a.on_workers_started("r1", 1, 2, {1: (0, worker.pid, "")}, world_size=2)
+    try:
+        deadline = time.monotonic() + 5
+        while not store.check([beat_key]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        down.set()
+        time.sleep(6.0)
+        before = store.get(beat_key)
+        down.clear()
+        back = time.monotonic()
+        while store.get(beat_key) == before and time.monotonic() - back < 8:
+            time.sleep(0.05)
+        took = time.monotonic() - back
+    finally:
+        a.stop()
+        released.set()
+    assert took < 3.0 and a.lost is None, (took, a.lost)
+    assert worker.poll() is None  # its workers train on

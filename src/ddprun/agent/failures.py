@@ -41,6 +41,11 @@ from ddprun.protocol.store import Keys, publish_echoes, publish_failure, raise_a
 BEAT_S = 1.0
 STORE_CALL_S = defaults.STORE_CALL_S
 LOST_AFTER_S = 10.0
+RECONNECT_S = 1.0
+"""A new client of a store that answered before is made within this, else tried again at the next
+tick: after a network outage shorter than LOST_AFTER_S, this node's beat goes through within about
+two seconds of the link's return. One long connect would wait out TCP's backed-off SYN retries (1,
+3, 7 s after it began), and the node would be named lost although it is back."""
 ENFORCE_S = 5.0
 """A local worker still running this long after another rank's failure ended the job is killed."""
 RESTART_CAUSE_WAIT_S = 3.0
@@ -149,9 +154,10 @@ class AgentFailures:
         self._cause_seen: float | None = None
         self._store: Any = None
         self._retry_at = 0.0
-        self._store_given_up = False
-        self._last: Bounded | None = None
         """A new client is tried again from then on (the last try timed out)."""
+        self._answered = False
+        """This store answered a connect before: a new client is a reconnect (RECONNECT_S)."""
+        self._store_given_up = False
         self._stop = threading.Event()
         self._reforming = False
         """torch re-forms the group (a restart, a node joining or dropped): no workers, no store to lose."""
@@ -178,7 +184,7 @@ class AgentFailures:
             self._oom0 = oom0
             if store is not None and store != (self._addr, self._port):
                 self._addr, self._port = store
-                self._store = None
+                self._store, self._answered = None, False
             self._keys = Keys(f"ddprun/{self._run_id}/{attempt}/")
             self._started_at = time.monotonic()
             # a store named lost in the last attempt is tried afresh: this round's may be another (a new
@@ -334,16 +340,16 @@ class AgentFailures:
         if self._store is None:
             if self._store_given_up:  # named lost, this node's workers stopped: no more waits on it
                 raise TimeoutError("the job store stopped answering")
-            last, self._last = self._last, None
-            if last is not None and last.stuck_at is not None:  # a call timed out: that counts as a try
-                self._retry_at = max(self._retry_at, last.stuck_at + STORE_CALL_S)
             if time.monotonic() < self._retry_at:  # it did not answer a moment ago: fail fast meanwhile
                 raise TimeoutError(f"the job store did not answer within {STORE_CALL_S:g} s")
-            try:
-                self._store = self._last = Bounded(within(STORE_CALL_S, self._connect), STORE_CALL_S)
+            try:  # a reconnect is tried again at the next tick: its SYN then goes out again
+                self._store = Bounded(within(RECONNECT_S if self._answered else STORE_CALL_S, self._connect),
+                                      STORE_CALL_S)
             except TimeoutError:
-                self._retry_at = time.monotonic() + STORE_CALL_S
+                if not self._answered:
+                    self._retry_at = time.monotonic() + STORE_CALL_S
                 raise
+            self._answered = True
         return self._store
 
     def _connect(self) -> Any:
