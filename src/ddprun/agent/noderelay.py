@@ -40,8 +40,8 @@ NODE_HOST = "127.0.0.1"
 class NodeRelay:
     """One per agent, for the whole launch; only the agent's failure thread calls its reads and writes
     (:meth:`own_record`, a read of one key, and :meth:`mark_stopping`, a write of one, are called from
-    torch's agent thread too, and :meth:`left`
-    and :meth:`forwarded` from the main thread's linger, under the agent's forward lock)."""
+    torch's agent thread too, and :meth:`left` and :meth:`forwarded` from the main thread's linger,
+    under the agent's forward lock)."""
 
     def __init__(self, server: Any = None):
         """``server``: a store to use instead of a new one on 127.0.0.1 (tests, benchmarks)."""

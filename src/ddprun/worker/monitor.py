@@ -43,7 +43,7 @@ from ddprun.telemetry import PROGRESS, TIMER, summarize
 from ddprun.worker import collectives, stacks
 from ddprun.worker.channel import JobChannel
 from ddprun.worker.exit import record, stopped_message
-from ddprun.worker.signals import NodeMark, SignalWatch
+from ddprun.worker.signals import NodeMark, SignalWatch, wake
 
 BUSY_LIMIT_FACTOR = 4
 """A declared busy phase counts as progress for at most this many stall timeouts."""
@@ -160,10 +160,7 @@ class Monitor:
 
     def _poke(self) -> None:
         if self._wake is not None:
-            try:
-                os.write(self._wake[1], b"x")
-            except OSError:  # a full pipe: a wake-up is pending already
-                pass
+            wake(self._wake[1])
 
     def stop(self) -> None:
         self._stop.set()

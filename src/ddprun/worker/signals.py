@@ -27,6 +27,14 @@ POLL_S = 1.0
 """How often the thread looks at its stop event while no signal comes (:meth:`SignalWatch.stop` wakes it at once)."""
 
 
+def wake(fd: int) -> None:
+    """One byte into a wake-up pipe's write end ``fd``, so a ``select`` on its read end returns now."""
+    try:
+        os.write(fd, b"x")
+    except OSError:  # a full pipe: a wake-up is pending already
+        pass
+
+
 class NodeMark:
     """Whether this node's agent marked ``key`` in the node store: one bounded read on a client of its
     own (the monitor's may be busy). False when there is no node store, or it does not answer within
@@ -78,10 +86,7 @@ class SignalWatch:
 
     def stop(self) -> None:
         self._stop.set()
-        try:
-            os.write(self._wake[1], b"x")
-        except OSError:  # a full pipe: a wake-up is pending already
-            pass
+        wake(self._wake[1])
 
     def _loop(self) -> None:
         self._mark.ready()
@@ -93,7 +98,8 @@ class SignalWatch:
                 sigs = [b for b in os.read(self._sigfd, 64) if b in PREEMPT.signals]
             except OSError:
                 continue
-            if sigs and self._mark(self._key):
+            if not sigs:
+                continue
+            if self._mark(self._key):
                 preempt.die_by(sigs[0])  # torch's agent stops its workers: as it always did
-            if sigs:
-                self._handoff(sigs)
+            self._handoff(sigs)
