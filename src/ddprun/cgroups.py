@@ -109,3 +109,15 @@ def counter(text: str | None, key: str) -> int | None:
             except ValueError:
                 return None
     return None
+
+
+def oom_kills(read: Reader = read_text) -> int | None:
+    """How many processes the out-of-memory killer ended in this process's own cgroup, where its
+    workers are: cgroup v2's ``memory.events`` (which counts its sub-cgroups' too) or v1's
+    ``memory.oom_control`` (Linux 4.13 on); None where neither can be read (never an ancestor's,
+    which counts other processes' kills)."""
+    for place in mine("memory", read):
+        kills = counter(place.own("memory.events" if place.v2 else "memory.oom_control", read), "oom_kill")
+        if kills is not None:
+            return kills
+    return None

@@ -177,6 +177,28 @@ def test_a_worker_the_containers_oom_killer_ends_is_named_with_the_evidence(node
 
 
 @pytest.mark.timeout(90)
+def test_a_dataloader_worker_the_containers_oom_killer_ends_is_named_with_the_evidence(nodes):
+    """A DataLoader worker grows by 64 MiB a sample in a container limited to 1.5 GB: the OOM killer
+    ends it, and its rank raises, as torch finds it gone or in the middle of handing over a batch.
+    Before: `RuntimeError: DataLoader worker (pid(s) N) exited unexpectedly`, or a bare
+    `ConnectionResetError: [Errno 104] Connection reset by peer` taken for a peer's echo (not published
+    as the job's cause), and nothing on why, while the cgroup counted the kill."""
+    script = str(Path(__file__).parent / "scripts" / "fit_hungry_loader.py")
+    with memory_limited(1_500_000_000) as prefix:
+        [ended] = nodes(1, 1, [], script=script, prefix=prefix).finish(timeout=60)
+    out = ended.output
+    assert ended.returncode == 1 and "trained" not in out, describe([ended])
+    headline = re.search(r"ddprun: the job failed: rank 0 \(node 0, \S+\) failed: (.*)\nHINT: (.*)", out)
+    assert headline, out
+    print(headline[1])
+    assert re.fullmatch(r"RuntimeError: DataLoader worker \(pid\(s\) \d+\) exited unexpectedly|its DataLoader worker "
+                        r"ended while handing it a batch \((ConnectionResetError|ConnectionRefusedError|EOFError|"
+                        r"FileNotFoundError): .*\)", headline[1]), out
+    assert re.match(r"the out-of-memory killer ended a DataLoader worker of this rank \(the cgroup's oom_kill count "
+                    r"went 0 -> [1-9]\d* while the rank ran\)", headline[2]), out
+
+
+@pytest.mark.timeout(90)
 def test_a_full_dev_shm_is_named_with_its_size_and_what_to_give_the_container(nodes):
     """A container's /dev/shm is 64 MiB unless given more (docker's default); a DataLoader worker
     hands its rank 128 MiB batches through it. Before: a 2,000-character headline of the worker's

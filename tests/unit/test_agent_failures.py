@@ -445,7 +445,7 @@ def test_an_oom_kill_is_evidence_only_for_a_sigkill_of_its_own_attempt(agent, st
     a later SIGKILL (a scheduler, a user) an out-of-memory kill in r2."""
     a, _ = agent
     kills = iter([1, 1, 1, 2])
-    monkeypatch.setattr("ddprun.agent.failures.oom_kills", lambda: next(kills))
+    monkeypatch.setattr("ddprun.cgroups.oom_kills", lambda: next(kills))
     a.on_workers_started("r2", 0, 2, {0: (0, 0, ""), 1: (1, 0, "")}, world_size=4,
                          store=("127.0.0.1", store.port), last_attempt=True)  # r1's kill counted: 1
     a.on_worker_exit(1, 1, 0, -signal.SIGKILL)  # still 1: not an OOM kill

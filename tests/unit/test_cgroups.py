@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddprun.agent.failures import oom_kills
-from ddprun.cgroups import Place, counter, places
+from ddprun.cgroups import Place, counter, oom_kills, places
 
 HYBRID = "12:pids:/\n4:memory:/x/y\n3:cpuset:/\n2:cpu,cpuacct:/kubepods/pod1/c1\n1:name=systemd:/\n0::/\n"
 """cgroup v1 controllers beside v2's empty unified line (Docker on a v1 host, and this test machine)."""

@@ -1,6 +1,7 @@
-"""What a failed rank's record says (protocol/failure.py ``condense``, worker/exit.py ``error_hint``):
-the error that ended it in a line, not a traceback torch put inside the message, and a HINT where the
-node, not the code, is the cause. The real thing is tests/faults/test_containers.py (a full /dev/shm)."""
+"""What a failed rank's record says (protocol/failure.py ``condense``, worker/exit.py ``error_text``
+and ``error_hint``): the error that ended it in a line, not a traceback torch put inside the message,
+and a HINT where the node, not the code, is the cause. The real things are in
+tests/faults/test_containers.py (a full /dev/shm, a DataLoader worker the OOM killer ends)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 from types import SimpleNamespace
 
 from ddprun.protocol import failure as fr
-from ddprun.worker.exit import error_hint
+from ddprun.worker.exit import error_hint, error_text
 
 WORKER_ERROR = """RuntimeError: Caught RuntimeError in DataLoader worker process 0.
 Original Traceback (most recent call last):
@@ -82,3 +83,68 @@ def test_an_unreadable_dev_shm_is_said_and_other_errors_get_no_hint():
 
     assert "(/dev/shm is unreadable: No such file or directory)" in error_hint(WORKER_ERROR, statvfs=missing)
     assert error_hint("ValueError: bad shape") == ""
+
+
+def chain(files: list[str], error: BaseException, i: int = 0) -> None:
+    """Raise ``error`` from a traceback with a frame in each of ``files`` (outermost first)."""
+    code = compile("call(files, error, i + 1) if i + 1 < len(files) else throw()\n", files[i], "exec")
+    exec(code, {"call": chain, "files": files, "error": error, "i": i, "throw": lambda: _raise(error)})  # noqa: S102
+
+
+def _raise(error: BaseException) -> None:
+    raise error
+
+
+HANDOVER = ["/venv/site-packages/torch/utils/data/dataloader.py", "/usr/lib/python3.11/multiprocessing/queues.py",
+            "/venv/site-packages/torch/multiprocessing/reductions.py",
+            "/usr/lib/python3.11/multiprocessing/connection.py"]
+
+
+def test_a_loader_worker_gone_in_the_middle_of_a_hand_over_is_said_for_what_it_is_and_no_peers_echo():
+    e = chain_error(HANDOVER, ConnectionResetError(104, "Connection reset by peer"))
+    text = error_text(e)
+    assert text == ("its DataLoader worker ended while handing it a batch (ConnectionResetError: [Errno 104] "
+                    "Connection reset by peer)"), text
+    assert not fr.looks_like_echo(text) and not fr.FailureRecord(fr.ERROR, 1, text).is_echo
+    # the same error outside a batch's hand-over: the user's own connection, said as it is
+    for files in (HANDOVER[1:], HANDOVER[:2] + HANDOVER[3:]):
+        assert error_text(chain_error(files, ConnectionResetError(104, "Connection reset by peer"))) == \
+            "ConnectionResetError: [Errno 104] Connection reset by peer"
+    assert error_text(chain_error(HANDOVER, ValueError("bad pickle"))) == "ValueError: bad pickle"
+
+
+def chain_error(files: list[str], error: BaseException) -> BaseException:
+    try:
+        chain(files, error)
+    except BaseException as e:  # noqa: BLE001
+        return e
+    raise AssertionError("not raised")
+
+
+def test_an_error_of_a_ranks_own_loader_worker_is_never_a_peers_echo():
+    refused = ("RuntimeError: Caught ConnectionRefusedError in DataLoader worker process 0: ConnectionRefusedError: "
+               "[Errno 111] Connection refused")  # the worker's own data server
+    assert not fr.looks_like_echo(refused) and not fr.FailureRecord(fr.ERROR, 0, refused).is_echo
+    assert fr.looks_like_echo("RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+
+
+LOADER_ENDS = ["RuntimeError: DataLoader worker (pid(s) 4321) exited unexpectedly",
+               "RuntimeError: DataLoader worker (pid 4321) is killed by signal: Killed. ",
+               "its DataLoader worker ended while handing it a batch (EOFError: )"]
+
+
+def test_a_loader_worker_that_ended_without_an_error_gets_the_oom_kill_as_evidence_where_the_cgroup_counted_one():
+    for text in LOADER_ENDS:
+        assert error_hint(text, oom_kills=(2, 3)).startswith(
+            "the out-of-memory killer ended a DataLoader worker of this rank (the cgroup's oom_kill count went 2 -> 3 "
+            "while the rank ran): each worker holds its own copy of the dataset"), text
+        for counts in [(3, 3), (None, None), (None, 3)]:  # no kill while it ran, or no counter to read
+            assert error_hint(text, oom_kills=counts).startswith(
+                "a DataLoader worker of this rank ended without a Python error: the out-of-memory killer? "), text
+
+
+def test_a_loader_worker_that_exited_with_a_code_or_a_python_error_gets_no_oom_hint():
+    assert error_hint("RuntimeError: DataLoader worker (pid 7) exited unexpectedly with exit code 1. Details are lost "
+                      "due to multiprocessing.", oom_kills=(0, 1)) == ""
+    assert error_hint("RuntimeError: Caught ValueError in DataLoader worker process 0: ValueError: x",
+                      oom_kills=(0, 1)) == ""

@@ -55,18 +55,6 @@ FIRST_BEAT_S = 2 * BEAT_S + 1.0
 its workers start within torch's rendezvous poll (1 s) of these, its first beat within 2 beats."""
 
 
-def oom_kills(read: cgroups.Reader = cgroups.read_text) -> int | None:
-    """How many processes the out-of-memory killer ended in this process's own cgroup, where its
-    workers are: cgroup v2's ``memory.events`` (which counts its sub-cgroups' too) or v1's
-    ``memory.oom_control`` (Linux 4.13 on); None where neither can be read (never an ancestor's,
-    which counts other processes' kills)."""
-    for place in cgroups.mine("memory", read):
-        kills = cgroups.counter(place.own("memory.events" if place.v2 else "memory.oom_control", read), "oom_kill")
-        if kills is not None:
-            return kills
-    return None
-
-
 def kill_children(pids: list[int], sig: int, proc_root: str = "/proc") -> list[int]:
     """Send ``sig`` to those of ``pids`` that are still running children of this process (a pid that
     ended may have been reused by now); the pids signalled."""
@@ -179,7 +167,7 @@ class AgentFailures:
         """A worker group (re)started: its attempt id, this node's rank, rank -> (local rank, pid, error file),
         and the workers' store (MASTER_ADDR:MASTER_PORT; torch's c10d hosts it on node 0's agent, apart from
         the rendezvous endpoint's)."""
-        oom0 = oom_kills()  # an earlier attempt's out-of-memory kill is not this attempt's evidence
+        oom0 = cgroups.oom_kills()  # an earlier attempt's out-of-memory kill is not this attempt's evidence
         with self._lock:
             self._oom0 = oom0
             if store is not None and store != (self._addr, self._port):
@@ -264,7 +252,7 @@ class AgentFailures:
     def _oom_evidence(self, code: int) -> str:
         if code != -signal.SIGKILL or self._oom0 is None:
             return ""
-        now = oom_kills()
+        now = cgroups.oom_kills()
         return f"the cgroup's oom_kill count went {self._oom0} -> {now}" if now is not None and now > self._oom0 else ""
 
     def _publish(self, rec: fr.FailureRecord) -> None:

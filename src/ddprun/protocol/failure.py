@@ -39,6 +39,9 @@ ECHOES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe"
           "Socket closed", "Read error", "Write error", "recvBytes", "sendBytes", "DistNetworkError",
           "failed to recv, got 0 bytes", "Timed out waiting for peer")
 """What a rank sees when a peer of its collective died; the peer's failure is the cause."""
+OWN_PROCESSES = ("DataLoader worker",)
+"""Words of an error from a rank's own helper processes: never a peer's echo, whatever follows (a
+DataLoader worker refused by a data server, or gone while it handed its rank a batch)."""
 
 SUMMARY_MAX = 2000
 """Characters of a summary a record keeps (a bad value in the store must not flood every console)."""
@@ -176,8 +179,9 @@ class FailureRecord:
 
 
 def looks_like_echo(text: str) -> bool:
-    """Whether an error text is what a rank sees when a peer died (module docstring)."""
-    return any(p in text for p in ECHOES)
+    """Whether an error text is what a rank sees when a peer died (module docstring); one that names
+    the rank's own helper processes (:data:`OWN_PROCESSES`) is its own failure."""
+    return any(p in text for p in ECHOES) and not any(p in text for p in OWN_PROCESSES)
 
 
 def signal_name(exit_code: int) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 
+from ddprun import cgroups
 from ddprun._util import die_with_parent, within
 from ddprun.errors import ConfigError
 from ddprun.preempt import PREEMPT, Preempted
@@ -130,9 +131,10 @@ def raised_in_torch(e: BaseException) -> bool:
     return False
 
 
-def _on_error(e: BaseException, channel: JobChannel | None) -> None:
-    """Record and report a failure that left the user's code (module docstring)."""
-    text = f"{type(e).__name__}: {e}"
+def _on_error(e: BaseException, channel: JobChannel | None, oom0: int | None = None) -> None:
+    """Record and report a failure that left the user's code (module docstring); ``oom0``: the
+    cgroup's oom_kill count when the user's code started (worker/exit.py error_hint)."""
+    text = ddp_exit.error_text(e)
     known = _known_failure(e)
     if channel is None:
         if known is not None:
@@ -167,7 +169,8 @@ def _on_error(e: BaseException, channel: JobChannel | None) -> None:
                      f"{first_line}, at {ddp_exit.user_frame(e)}); the agents name the cause")
     else:
         ddp_exit.print_user_traceback(e)
-    ddp_exit.record(channel.me(fr.ERROR, fr.condense(text), hint=ddp_exit.error_hint(text)), channel, e)
+    hint = ddp_exit.error_hint(text, oom_kills=(oom0, cgroups.oom_kills() if oom0 is not None else None))
+    ddp_exit.record(channel.me(fr.ERROR, fr.condense(text), hint=hint), channel, e)
 
 
 def _preemption_signals(wenv: WorkerEnv | None) -> int | None:
@@ -226,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     namespace_process_groups(os.environ)
     keep_destroyed_groups()  # a DDP model freed after destroy_process_group must not deadlock the exit
     code, by_itself = 0, False
+    oom0 = cgroups.oom_kills()  # a rise by the failure is evidence against a DataLoader worker's end
     try:
         _run_user_code(argv)
         by_itself = True
@@ -242,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     except BaseException as e:  # noqa: BLE001 - every failure must be recorded before exiting
         code = 1
         try:
-            _on_error(e, channel)
+            _on_error(e, channel, oom0)
         except BaseException as again:  # noqa: BLE001 - e.g. a full disk under the rank log: say it, record it
             text = f"{type(e).__name__}: {e}"
             if channel is not None:

@@ -22,6 +22,7 @@ import gc
 import io
 import json
 import os
+import re
 import socket
 import sys
 import threading
@@ -98,12 +99,54 @@ SHM_ERRORS = ("unable to allocate shared memory", "unable to write to file </tor
 """torch's words when the shared memory a DataLoader worker hands its batches through is full."""
 
 
-def error_hint(text: str, shm: str = "/dev/shm", statvfs: Callable[[str], Any] = os.statvfs) -> str:
-    """A HINT for an error whose cause is the node rather than the code, else '': shared memory too
-    small for the batches DataLoader workers hand their rank (a container's /dev/shm is 64 MiB
-    unless it is given more), with its size."""
-    if not any(m in text for m in SHM_ERRORS):
+LOADER_END = re.compile(r"DataLoader worker \(pid(?:\(s\))? [\d, ]+\) (?:exited unexpectedly(?! with exit code)"
+                        r"|is killed by signal: Killed)|DataLoader worker ended while handing")
+"""Words for a DataLoader worker that ended without a Python error: torch's, when its rank found it
+gone (a forkserver's or spawn's worker) or its SIGCHLD said SIGKILL (a forked one); ddprun's, when it
+went in the middle of a hand-over (:func:`error_text`)."""
+HANDOVER_ERRORS = (ConnectionError, EOFError, FileNotFoundError)
+
+
+def error_text(e: BaseException) -> str:
+    """``Type: message`` of an error that left the user's code. A batch's tensors pass from a
+    DataLoader worker to its rank through the worker (the rank asks it for their file descriptors):
+    when the worker is killed in between, the rank gets a bare ``ConnectionResetError`` (torch looks
+    for a dead worker only once the forkserver has reaped it, a moment later), said here for what it is."""
+    text = f"{type(e).__name__}: {e}"
+    if isinstance(e, HANDOVER_ERRORS):
+        files = {os.path.normpath(f.filename) for f in traceback.extract_tb(e.__traceback__)}
+        if any(f.endswith(os.path.join("torch", "utils", "data", "dataloader.py")) for f in files) and \
+                any(f.endswith(os.path.join("torch", "multiprocessing", "reductions.py")) for f in files):
+            return f"its DataLoader worker ended while handing it a batch ({text})"
+    return text
+
+
+def error_hint(text: str, shm: str = "/dev/shm", statvfs: Callable[[str], Any] = os.statvfs,
+               oom_kills: tuple[int | None, int | None] = (None, None)) -> str:
+    """A HINT for an error whose cause is the node rather than the code, else '':
+
+    - shared memory too small for the batches DataLoader workers hand their rank (a container's
+      /dev/shm is 64 MiB unless it is given more), with its size;
+    - a DataLoader worker that ended without a Python error, most often the out-of-memory killer's
+      pick (each worker holds its own copy of the dataset): ``oom_kills`` is the cgroup's oom_kill
+      count when the rank started and now (cgroups.oom_kills); a rise is the evidence.
+    """
+    if any(m in text for m in SHM_ERRORS):
+        return _shm_hint(shm, statvfs)
+    if not LOADER_END.search(text):
         return ""
+    before, now = oom_kills
+    if before is not None and now is not None and now > before:
+        return (f"the out-of-memory killer ended a DataLoader worker of this rank (the cgroup's oom_kill count "
+                f"went {before} -> {now} while the rank ran): each worker holds its own copy of the dataset and of "
+                "the batches it prefetches; use fewer workers (num_workers), a dataset that reads its samples "
+                "lazily, smaller batches, or a larger memory limit")
+    return ("a DataLoader worker of this rank ended without a Python error: the out-of-memory killer? (each "
+            "worker holds its own copy of the dataset; see `dmesg` or the cgroup's memory.events: oom_kill); "
+            "num_workers=0 loads in the rank itself and shows a crash's traceback")
+
+
+def _shm_hint(shm: str, statvfs: Callable[[str], Any]) -> str:
     try:
         st = statvfs(shm)
         size = f"{st.f_blocks * st.f_frsize / 2**20:.0f} MiB"
