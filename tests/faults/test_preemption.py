@@ -105,6 +105,25 @@ def test_a_signal_to_one_agent_stops_every_rank_at_one_step(tmp_path, name):
     assert_nothing_left(tmp_path)
 
 
+@pytest.mark.timeout(90)
+def test_a_hangup_of_a_job_started_with_nohup_is_ignored_and_it_trains_to_its_end(tmp_path):
+    """`nohup ddprun run ...`, and the terminal closes (an ssh session drops): SIGHUP to the agent.
+    Before: torch's agent replaced the SIG_IGN nohup leaves with its handler, and ddprun took the
+    hangup for a preemption: every rank stopped at one step, exit 75 (torchrun's own agent stops its
+    workers: `SignalException: Process N got signal: 1`)."""
+    job = Nodes(tmp_path, 1, 1, [*SLOW, "--out", str(tmp_path / "out"), "--signal-step", "5", "--signal-rank", "0",
+                                 "--send-signal", "HUP", "--signal-to", "agent", "--marker", str(tmp_path / "signalled")],
+                extra=["--log-dir", str(tmp_path / "runs")], script=FIT, prefix=["nohup"])
+    [ended] = job.finish(timeout=60)
+    assert ended.returncode == 0, describe([ended])
+    assert (tmp_path / "signalled").read_text().startswith("SIGHUP from rank 0"), "the hangup was never sent"
+    assert json.loads((tmp_path / "out" / "facts-0.json").read_text())["steps"] == STEPS, describe([ended])
+    assert "SIGHUP" not in ended.output and "preempt" not in ended.output, describe([ended])
+    agent_log = next((tmp_path / "runs" / "fault" / "logs").glob("agent-*.log")).read_text()
+    assert "ddprun: SIGHUP is ignored (nohup): a closed terminal does not stop this node" in agent_log, agent_log
+    assert_nothing_left(tmp_path)
+
+
 @pytest.mark.timeout(120)
 def test_a_second_signal_to_an_agent_stops_its_workers_at_once(tmp_path):
     job = Nodes(tmp_path, 2, 1, [*SLOW, "--out", str(tmp_path / "out"), "--signal-step", "5", "--signal-rank", "0",

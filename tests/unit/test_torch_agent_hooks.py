@@ -359,3 +359,11 @@ def test_on_a_torch_without_shutdown_timeout_the_agent_starts_and_a_signal_stop_
     closes.clear()
     agent._shutdown()  # any other stop: torch's 30 s, as torch >= 2.12 gives it
     assert closes == [(signal.SIGTERM, 30), ("torch", signal.SIGTERM)]
+
+
+def test_under_nohup_torchs_agent_is_told_every_signal_it_handles_but_sighup():
+    from ddprun.agent.torch_agent import without_hangup
+
+    assert without_hangup(None) == "SIGTERM,SIGINT,SIGQUIT"  # torch's default, less SIGHUP
+    assert without_hangup("SIGTERM, SIGHUP,SIGUSR1") == "SIGTERM,SIGUSR1"  # the user's own list, less SIGHUP
+    assert without_hangup("SIGHUP") == ""

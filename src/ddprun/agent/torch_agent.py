@@ -159,6 +159,8 @@ class DdprunAgent(LocalElasticAgent):
         if threading.current_thread() is not threading.main_thread():
             return
         for sig in self._hooks.preempt_signals:
+            if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:
+                continue  # nohup: a closed terminal is no preemption (run_agent)
             signal.signal(sig, self._preempt_signal)
 
     def _preempt_signal(self, signum: int, frame: Any) -> None:
@@ -472,14 +474,36 @@ def run_agent(config: Any, entrypoint: str, args: list[str], hooks: AgentHooks) 
     main = threading.current_thread() is threading.main_thread()
     caught: set[int] = {*EARLY_SIGNALS, signal.SIGINT, signal.SIGQUIT, *hooks.preempt_signals}
     saved = {sig: signal.getsignal(sig) for sig in caught} if main else {}
+    nohup = saved.get(signal.SIGHUP) is signal.SIG_IGN
     for sig in EARLY_SIGNALS if main else ():
-        signal.signal(sig, _signal_exception)
+        if not (nohup and sig == signal.SIGHUP):
+            signal.signal(sig, _signal_exception)
+    before = os.environ.get(SIGNALS_VAR)
+    if nohup:
+        print("ddprun: SIGHUP is ignored (nohup): a closed terminal does not stop this node", file=sys.stderr,
+              flush=True)
+        os.environ[SIGNALS_VAR] = without_hangup(before)  # an explicit export: torch reads it from os.environ
     try:
         return _run(config, entrypoint, args, hooks, params)
     finally:
         for num, handler in saved.items():
             if handler is not None:  # None: a handler set from C, which Python cannot put back
                 signal.signal(num, handler)
+        if nohup:
+            os.environ.pop(SIGNALS_VAR, None) if before is None else os.environ.__setitem__(SIGNALS_VAR, before)
+
+
+SIGNALS_VAR = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+"""The signals torch's agent stops its workers for, read at each start of the workers; its default
+is SIGTERM, SIGINT, SIGHUP and SIGQUIT."""
+
+
+def without_hangup(value: str | None) -> str:
+    """:data:`SIGNALS_VAR`'s ``value`` (None: torch's default) without SIGHUP. torch would replace the
+    SIG_IGN that ``nohup`` leaves with its handler, and a terminal closed under a job its user started
+    with nohup would stop it (torch's ``SignalException: Process N got signal: 1``)."""
+    names = (value if value is not None else "SIGTERM,SIGINT,SIGHUP,SIGQUIT").split(",")
+    return ",".join(n.strip() for n in names if n.strip() and n.strip() != "SIGHUP")
 
 
 EARLY_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
