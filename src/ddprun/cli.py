@@ -494,6 +494,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = config_from_args(args)
         if args.command == "plan":
             return cmd_plan(cfg, args, environ)
+        from ddprun.agent.console_stream import guard_standard_streams
+
+        guard_standard_streams()  # a console that goes away (a closed pipe, a dropped ssh) does not end the job
         try:
             return _exit_now(cmd_run(cfg, environ))
         except KeyboardInterrupt:  # after the agent ended (the report, the summary): nothing to stop

@@ -1,14 +1,18 @@
 """Ends that used to hang or say nothing: an atexit handler that never returns, a full disk under
-the run directory, an elastic job that loses the node hosting its store, torch's shared-store switch."""
+the run directory, an elastic job that loses the node hosting its store, torch's shared-store switch,
+a console that goes away."""
 
+import json
 import os
 import re
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from tests.faults.conftest import assert_nothing_left, describe
+from tests.helpers import DDPRUN, job_env
 
 pytestmark = pytest.mark.faults
 
@@ -142,3 +146,30 @@ def test_torchs_unshared_store_switch_is_said_not_silent(nodes, tmp_path):
     (ended,) = job.finish(timeout=40)
     assert ended.returncode == 0, describe([ended])
     assert "warning: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in ended.output and "are off" in ended.output
+
+
+@pytest.mark.timeout(60)
+def test_a_console_that_goes_away_leaves_the_job_training_to_its_end(tmp_path):
+    """The agent's stdout and stderr are a pipe whose reader ends after the first line (`ddprun run ...
+    | head -1`, a killed `tee`; an ssh session that dropped gives EIO instead). Before: the log
+    follower's thread died at the next line, and the launch ended with `the launcher failed:
+    BrokenPipeError` and exit 1 after the job; a line the agent itself printed meanwhile (a failure, a
+    preemption) would have ended it mid-run, and its workers with it."""
+    fit = str(Path(__file__).parents[1] / "multiprocess" / "scripts" / "fit_restart.py")
+    cmd = [DDPRUN, "run", "--nproc-per-node", "1", "--rdzv-id", "gone", "--log-dir", str(tmp_path / "runs"), fit,
+           "--out", str(tmp_path / "out"), "--steps", "30", "--step-sleep", "0.1"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        first = proc.stdout.readline().decode()
+        proc.stdout.close()  # the reader is gone: every later write of the agent's fails with EPIPE
+        code = proc.wait(timeout=45)
+    finally:
+        proc.kill()
+    log = next((tmp_path / "runs" / "gone" / "logs").glob("agent-*.log")).read_text()
+    assert first.startswith("ddprun: run gone: 1 node(s) x 1 process(es)"), first
+    assert code == 0, log
+    assert json.loads((tmp_path / "out" / "facts-0.json").read_text())["steps"] == 30, log
+    gone = log.index("ddprun: the console went away (BrokenPipeError: [Errno 32] Broken pipe): the job goes on")
+    assert "step 30/30" in log[gone:] and "ddprun: report: runs/gone/report.html" in log[gone:], log
+    assert "Traceback" not in log, log
+    assert_nothing_left(tmp_path)

@@ -243,6 +243,7 @@ class AgentLog:
         self.path = path
 
     def __enter__(self) -> AgentLog:
+        from ddprun.agent.console_stream import ConsoleStream
         from ddprun.agent.logs import route_torch_logging
 
         self.handler = route_torch_logging(self.path)
@@ -250,7 +251,7 @@ class AgentLog:
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(fd, 2)
         os.close(fd)
-        self.console: TextIO = os.fdopen(os.dup(self._saved), "w", buffering=1)
+        self.console: Any = ConsoleStream(os.fdopen(os.dup(self._saved), "w", buffering=1))
         return self
 
     def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
