@@ -99,6 +99,29 @@ def test_a_worker_killed_on_a_node_of_two_leaves_its_sibling_stopped_not_failed_
     assert_nothing_left(tmp_path)
 
 
+@pytest.mark.timeout(90)
+def test_a_rank_whose_script_ends_while_another_waits_for_it_is_named_by_every_node(nodes, tmp_path):
+    """Uneven data: rank 1 trains 5 steps and its script ends (exit 0); rank 0 goes on into the next
+    step's all-reduce, and gloo tells it its peer closed the connection. Before: every node named rank
+    0's echo (`Connection closed by peer ... typically caused by a remote worker crashing`) as the
+    job's cause, and rank 1's node said it finished."""
+    job = nodes(2, 1, ["--steps", "60", "--short-rank", "1", "--short-steps", "5"])
+    ended = job.finish(timeout=60)
+    assert [e.returncode for e in ended] == [1, 1], describe(ended)
+    cause = (r"^ddprun: the job failed: rank 1 \(node \d, \S+\) finished first: its script ended \(exit 0\) after 5 "
+             r"optimizer steps while another rank still waited for it in a collective\nHINT: every rank must call "
+             r"the same collectives: a rank with fewer batches \(uneven data per rank\)")
+    for e in ended:
+        assert re.search(cause, e.output, re.M), describe(ended)
+        assert "finished on this node" not in e.output and "Connection closed by peer" not in cause_line(e.output)
+    assert sum("ddprun: this node's ranks ended their script (exit 0), but the job failed:" in e.output
+               for e in ended) == 1, describe(ended)
+    logs = tmp_path / "runs" / "fault" / "logs"
+    assert "rank 1: done after 5 steps" in (logs / "rank-1.log").read_text()
+    assert "ddprun: stopped because rank 1 (node" in (logs / "rank-0.log").read_text()
+    assert_nothing_left(tmp_path)
+
+
 @pytest.mark.timeout(120)
 def test_a_killed_rank_of_fit_leaves_no_dataloader_worker_or_forkserver(tmp_path):
     """A rank of ddprun.fit with DataLoader workers is SIGKILLed (the OOM killer): its forkserver and

@@ -506,3 +506,23 @@ def test_after_a_network_outage_shorter_than_the_lost_bound_the_beat_is_back_wit
         released.set()
     assert took < 3.0 and a.lost is None, (took, a.lost)
     assert worker.poll() is None  # its workers train on
+
+
+def test_the_exit_barrier_is_left_once_the_job_has_a_first_hand_cause_and_not_for_an_echo(agent, store):
+    """A node whose ranks all ended 0 waits in the agents' exit barrier; a node whose ranks failed never
+    arrives there. The job's first-hand cause ends the wait (here, carried by the record of a rank it
+    stopped: a peer that finished first); an echo alone does not, its cause may still come."""
+    from ddprun.protocol.store import publish_failure
+
+    a, _ = agent
+    keys = Keys("ddprun/job/r1/")
+    publish_failure(store, keys, fr.FailureRecord(fr.ERROR, 0, "RuntimeError: Connection closed by peer", 0, "host-a",
+                                                  0, t=time.time()))
+    time.sleep(1.5)  # three beats: read
+    assert a.records() and not a.exit_barrier_done() and a.job_failed() is None
+    first = fr.finished_first(fr.CleanEnd(3, 1, "host-1", 1, 5, time.time()))
+    publish_failure(store, keys, fr.stopped_by(first, rank=0, node_rank=0, host="host-a", local_rank=0, t=time.time()))
+    deadline = time.monotonic() + 3
+    while not a.exit_barrier_done() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert a.exit_barrier_done() and a.job_failed() == first

@@ -20,9 +20,10 @@ def raised(fn):
     raise AssertionError("did not raise")
 
 
-def channel(waited: list):
+def channel(waited: list, first_end=None):
     return SimpleNamespace(cause=lambda: None, await_cause=lambda s: waited.append(s),
-                           me=lambda kind, text, hint="": (kind, text))
+                           me=lambda kind, text, hint="": (kind, text), first_clean_end=lambda: first_end,
+                           stopped=lambda cause, seen="": ("stopped", cause, seen), ack_failure=lambda: None)
 
 
 @pytest.fixture
@@ -80,3 +81,20 @@ def test_what_counts_as_raised_in_torch():
     assert not bootstrap.raised_in_torch(raised(through_a_module))
     loader = RuntimeError("Caught ConnectionRefusedError in DataLoader worker process 0.\nConnection refused")
     assert not bootstrap.raised_in_torch(loader)
+
+
+def test_a_peers_death_after_that_peer_ended_its_script_names_it_as_having_finished_first(recorded, capsys):
+    """Uneven data: the peer's script ended (exit 0) while this rank waited for it in a collective."""
+    from ddprun.protocol import failure as fr
+
+    scope: dict = {}
+    exec(compile(TORCH_FRAME, "/site-packages/torch/distributed/fake.py", "exec"), scope)
+    end = fr.CleanEnd(rank=1, node_rank=1, host="b", local_rank=0, steps=5, t=100.0)
+    bootstrap._on_error(raised(scope["collective"]), channel([], first_end=end))
+    [(kind, cause, seen)] = recorded
+    assert kind == "stopped" and cause == fr.finished_first(end) and seen.startswith("RuntimeError: [gloo] Connection")
+    assert cause.headline() == ("rank 1 (node 1, b) finished first: its script ended (exit 0) after 5 optimizer steps "
+                                "while another rank still waited for it in a collective")
+    assert not cause.is_echo and cause.hint.startswith("every rank must call the same collectives")
+    err = capsys.readouterr().err
+    assert err.startswith("ddprun: stopped because rank 1 (node 1, b) finished first: its script ended"), err

@@ -315,7 +315,7 @@ class AgentFailures:
             except Exception:  # noqa: BLE001 - the store is gone: what was read is all there is
                 self._store = None
                 return
-            ranks = {r.rank for r in self.records()} | set(self._local)
+            ranks = {r.rank for r in fr.with_causes(self.records())} | set(self._local)
             if len(ranks & set(range(self._world))) >= self._world or self._store is None:
                 return
             time.sleep(0.1)
@@ -766,5 +766,11 @@ class AgentFailures:
         return port_open(self._addr, self._port)
 
     def exit_barrier_done(self) -> bool:
-        """Leave the agents' exit barrier early: a node is lost, it will never arrive."""
-        return self.lost is not None
+        """Leave the agents' exit barrier early: a node is lost, or the job failed (a first-hand cause
+        is known): that node will never arrive."""
+        return self.lost is not None or self.job_failed() is not None
+
+    def job_failed(self) -> fr.FailureRecord | None:
+        """The job's first-hand cause read so far (its workers' failure ended the job; never an echo)."""
+        cause = self.root_cause()
+        return cause if cause is not None and not cause.is_echo else None

@@ -529,7 +529,17 @@ class _AgentRun:
             if code == pp.EXIT_CODE:
                 self.requeue(err)
             return Outcome(code, self.run_.rundir.path, 0.0)
-        return Outcome(0, self.run_.rundir.path, 0.0)
+        return self._finished(err)
+
+    def _finished(self, err: TextIO) -> Outcome:
+        """Every worker of this node ended 0. The job failed all the same when another rank's failure
+        is known (one that this node's ranks ended before it, say: every node names the cause)."""
+        cause = self.failures.job_failed()
+        if cause is None:
+            return Outcome(0, self.run_.rundir.path, 0.0)
+        print("ddprun: this node's ranks ended their script (exit 0), but the job failed:", file=err)
+        print(agent_console.summary({}, [cause], self.run_.rundir, self.run_.host), file=err, flush=True)
+        return Outcome(1, self.run_.rundir.path, 0.0, {}, cause)
 
     def _spot_watch(self, err: TextIO) -> Any:
         """``--spot-notice``: the metadata poller, started (agent/spot.py); None when off."""

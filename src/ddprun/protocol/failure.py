@@ -32,7 +32,10 @@ LOST = "lost"
 """A node stopped answering: its agent vanished (kill -9, the machine died) or its store did."""
 STOPPED = "stopped"
 """Ended because of another rank's failure (``cause_rank``): an echo, never a cause."""
-KINDS = (ERROR, SIGNAL, EXIT, STALL, PREFLIGHT, MISMATCH, TIMEOUT, LOST, STOPPED)
+FINISHED_FIRST = "finished-first"
+"""A rank whose script ended (exit 0) while another still waited for it in a collective: what that
+rank's echo points at (recorded by the rank that saw the echo, :func:`finished_first`)."""
+KINDS = (ERROR, SIGNAL, EXIT, STALL, PREFLIGHT, MISMATCH, TIMEOUT, LOST, STOPPED, FINISHED_FIRST)
 
 ECHOES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "ECONNRESET",
           "connection refused", "Connection refused", "remote process exited", "NCCL communicator was aborted",
@@ -162,6 +165,8 @@ class FailureRecord:
             return "found the job stalled"
         if self.kind == STOPPED:
             return "was stopped"
+        if self.kind == FINISHED_FIRST:
+            return "finished first"
         return "failed"
 
     def where(self) -> str:
@@ -205,6 +210,49 @@ def from_exit(rank: int, exit_code: int, *, node_rank: int, host: str, local_ran
         return FailureRecord(SIGNAL, rank, "", node_rank, host, local_rank, exit_code, name, hint, by="agent", t=t)
     return FailureRecord(EXIT, rank, "the process ended without a Python error", node_rank, host, local_rank,
                          exit_code, by="agent", t=t)
+
+
+FINISHED_FIRST_HINT = ("every rank must call the same collectives: a rank with fewer batches (uneven data per rank), "
+                       "or one that skips a step, an evaluation or a barrier, leaves the others waiting for it (with "
+                       "NCCL until its timeout). Give every rank the same number of batches (DistributedSampler with "
+                       "drop_last=True), or let ddprun.fit shard the data")
+
+
+def finished_first(end: CleanEnd) -> FailureRecord:
+    """The cause a rank whose peer went away names when that peer's script had ended cleanly: the
+    same record from every rank that names it (from the same :class:`CleanEnd`)."""
+    return FailureRecord(FINISHED_FIRST, end.rank, f"its script ended (exit 0) after {end.steps} optimizer steps "
+                         "while another rank still waited for it in a collective", end.node_rank, end.host,
+                         end.local_rank, 0, hint=FINISHED_FIRST_HINT, by="observer", t=end.t)
+
+
+@dataclass(frozen=True)
+class CleanEnd:
+    """The first rank of an attempt whose script ended by itself with exit 0 (``first-end`` in the job
+    store, the first writer's): how many optimizer steps it made, and when (s since the epoch)."""
+
+    rank: int
+    node_rank: int
+    host: str
+    local_rank: int
+    steps: int
+    t: float
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def parse(cls, raw: str | bytes | None) -> CleanEnd | None:
+        """The end in ``raw``; None when it is empty or not one (a bad value is never trusted)."""
+        try:
+            d = json.loads(raw) if raw else None
+            if not isinstance(d, dict):
+                return None
+            end = cls(int(d["rank"]), int(d["node_rank"]), str(d["host"]), int(d["local_rank"]), int(d["steps"]),
+                      float(d["t"]))
+        except (ValueError, TypeError, KeyError):
+            return None
+        return end if end.rank >= 0 else None
 
 
 def parse_many(raw: Iterable[str | bytes]) -> list[FailureRecord]:

@@ -246,6 +246,11 @@ class Keys:
         return self._k("acks")
 
     @property
+    def first_end(self) -> str:
+        """The first rank whose script ended cleanly (protocol/failure.py ``CleanEnd``; first writer wins)."""
+        return self._k("first-end")
+
+    @property
     def pg(self) -> str:
         return self._k("pg")
 

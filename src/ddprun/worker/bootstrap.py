@@ -153,6 +153,8 @@ def _on_error(e: BaseException, channel: JobChannel | None, oom0: int | None = N
     cause = channel.cause()
     if (cause is None or cause.is_echo) and echo:
         cause = channel.await_cause(defaults.ECHO_WAIT_S)
+        if (cause is None or cause.is_echo) and (end := channel.first_clean_end()) is not None:
+            cause = fr.finished_first(end)  # a peer that ended its script while this rank still needed it
     if cause is not None and not cause.is_echo:
         # A peer failed first and this rank's error is its echo: one line naming the cause.
         first_line = (str(e).splitlines() or [""])[0][:200]
@@ -252,6 +254,10 @@ def main(argv: list[str] | None = None) -> None:
             if channel is not None:
                 channel.record_failure(channel.me(fr.ERROR, text))
             os.write(2, f"ddprun: {text} (and then {type(again).__name__}: {again})\n".encode(errors="replace"))
+    if by_itself and channel is not None and PREEMPT.stop_step is None:
+        from ddprun.telemetry import PROGRESS
+
+        channel.mark_clean_end(PROGRESS.steps)
     if by_itself and channel is not None and channel.rank == 0:
         # Where it stopped (a script that caught Preempted), else: it ended by itself, and a stop step
         # asked for meanwhile is moot, whether or not this rank heard of the request (its monitor

@@ -247,6 +247,28 @@ class JobChannel:
         """The root cause among ``records`` of other ranks than this one (None: none)."""
         return fr.root_cause(r for r in records if r.rank != self.rank)
 
+    def mark_clean_end(self, steps: int) -> None:
+        """This rank's script ended by itself with exit 0 after ``steps`` optimizer steps: the job's
+        first such end, if it is (one compare_set, bounded; first writer wins), for a rank whose peer
+        then goes away to name (:meth:`first_clean_end`)."""
+        end = fr.CleanEnd(self.rank, self.node_rank, self.host, self.local_rank, steps, time.time())
+        try:
+            self._failure_store().compare_set(self.keys.first_end, "", end.to_json())
+        except Exception:  # noqa: BLE001 - the store may be gone: there is nothing to name then
+            pass
+
+    def first_clean_end(self) -> fr.CleanEnd | None:
+        """The first rank whose script ended cleanly, when it is another (None: none did, or the store
+        cannot say)."""
+        try:  # bounded: this is a failing rank's path, and the store's host may be gone
+            store = self._failure_store()
+            if not store.check([self.keys.first_end]):
+                return None
+            end = fr.CleanEnd.parse(store.get(self.keys.first_end))
+        except Exception:  # noqa: BLE001
+            return None
+        return end if end is not None and end.rank != self.rank else None
+
     def await_cause(self, timeout_s: float) -> fr.FailureRecord | None:
         """Wait (bounded) for another rank's first-hand failure (not an echo); None if none came."""
         deadline = time.monotonic() + timeout_s

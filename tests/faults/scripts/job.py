@@ -37,6 +37,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--hold-gil-rank", type=int, default=None,
                    help="after step 3 this rank calls into C with the GIL held (ctypes.PyDLL: libc sleep)")
     p.add_argument("--hold-gil-s", type=int, default=60)
+    p.add_argument("--short-rank", type=int, default=None,
+                   help="this rank ends its script after --short-steps steps (uneven data: the others go on)")
+    p.add_argument("--short-steps", type=int, default=5)
     return p.parse_args()
 
 
@@ -83,6 +86,7 @@ def main() -> None:
     model = nn.parallel.DistributedDataParallel(nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     steps = args.steps if dist.get_world_size() >= args.min_world else 10**9  # ended by a restart or the test
+    steps = args.short_steps if rank == args.short_rank else steps
     step, hog = 0, []
     while not done(step, steps, args.until):
         step += 1
