@@ -45,3 +45,11 @@ def test_a_bad_value_at_the_key_names_nothing(server):
         server.set(ch.keys.first_end, bad)
         assert ch.first_clean_end() is None, bad
     assert fr.CleanEnd.parse(None) is None and fr.CleanEnd.parse(b"") is None
+
+
+def test_the_monitor_reads_it_on_its_own_client(server):
+    ended, reader = channel(server, 1, 1), channel(server, 0, 0)
+    ended.mark_clean_end(3)
+    own = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=5))
+    first = reader.first_clean_end(own)
+    assert first is not None and (first.rank, first.steps) == (1, 3)

@@ -26,6 +26,22 @@ def test_silent_ranks_are_named():
     assert "rank 2 did not answer" in summary
 
 
+def test_a_rank_that_did_not_answer_because_its_script_had_ended_is_said_so():
+    """NCCL: a peer that ended (uneven data) leaves the others in their collective until its timeout;
+    the stall report names it for what it did, not as frozen."""
+    from ddprun.protocol.failure import CleanEnd
+
+    places = {0: place("in torch.distributed.all_reduce"), 2: place("in torch.distributed.all_reduce")}
+    end = CleanEnd(rank=1, node_rank=0, host="node-a", local_rank=1, steps=5, t=0.0)
+    summary, report = hang_report(places, 4, 10.0, {}, ended=end)
+    assert summary == ("no rank advanced for 10 s: rank 1 (node-a) ended its script (exit 0) after 5 optimizer steps; "
+                       "rank 3 did not answer (frozen, or holding the GIL) while ranks 0, 2 are in "
+                       "torch.distributed.all_reduce"), summary
+    assert "rank 1: its script ended (exit 0) after 5 optimizer steps. every rank must call the same collectives" in report
+    other = CleanEnd(rank=0, node_rank=0, host="node-a", local_rank=0, steps=5, t=0.0)  # it answered: not this stall's
+    assert hang_report(places, 4, 10.0, {}, ended=other)[0] == hang_report(places, 4, 10.0, {})[0]
+
+
 def test_main_thread_place_sees_a_sleep_in_user_code():
     result = {}
     def look():

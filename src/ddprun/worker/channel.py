@@ -257,14 +257,15 @@ class JobChannel:
         except Exception:  # noqa: BLE001 - the store may be gone: there is nothing to name then
             pass
 
-    def first_clean_end(self) -> fr.CleanEnd | None:
+    def first_clean_end(self, store: Any = None) -> fr.CleanEnd | None:
         """The first rank whose script ended cleanly, when it is another (None: none did, or the store
-        cannot say)."""
-        try:  # bounded: this is a failing rank's path, and the store's host may be gone
-            store = self._failure_store()
-            if not store.check([self.keys.first_end]):
-                return None
-            end = fr.CleanEnd.parse(store.get(self.keys.first_end))
+        cannot say). ``store``: another client than the main thread's (the monitor's), bounded here."""
+        def read(client: Any) -> bytes | None:
+            return client.get(self.keys.first_end) if client.check([self.keys.first_end]) else None
+
+        try:  # bounded: a failing rank's path, or a stall's, and the store's host may be gone
+            raw = read(self._failure_store()) if store is None else within(defaults.STORE_CALL_S, read, store)
+            end = fr.CleanEnd.parse(raw)
         except Exception:  # noqa: BLE001
             return None
         return end if end is not None and end.rank != self.rank else None

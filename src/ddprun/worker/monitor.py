@@ -579,7 +579,8 @@ class Monitor:
         places = {r: got[k] for r, k in enumerate(places_keys) if isinstance(got.get(k), dict)
                   and isinstance(got[k].get("where"), str)}
         steps = {r: int(p.get("steps", 0)) for r, p in places.items() if isinstance(p.get("steps", 0), int)}
-        summary, report = stacks.hang_report(places, ch.world_size, stalled_s, steps, collectives.attribution(places))
+        summary, report = stacks.hang_report(places, ch.world_size, stalled_s, steps, collectives.attribution(places),
+                                             ch.first_clean_end(store) if len(places) < ch.world_size else None)
         self._detail = summary.split(": ", 1)[1] if ": " in summary else ""
         self._summary = summary
         end_s = ch.wenv.stall_end

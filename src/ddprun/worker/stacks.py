@@ -14,6 +14,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
 from ddprun._util import ranks_text
+from ddprun.protocol.failure import FINISHED_FIRST_HINT, CleanEnd
 
 
 def _frame_kind(filename: str, func: str) -> str:
@@ -66,21 +67,27 @@ def _where_at(place: dict) -> str:
 
 
 def hang_report(places: Mapping[int, dict], world_size: int, stalled_s: float, steps: Mapping[int, int],
-                collectives: Sequence[str] = ()) -> tuple[str, str]:
+                collectives: Sequence[str] = (), ended: CleanEnd | None = None) -> tuple[str, str]:
     """(one-line summary, full report) from each rank's place; the odd ranks are the minority.
-    ``collectives``: worker/collectives.py attribution lines, a section of the report."""
+    ``collectives``: worker/collectives.py attribution lines, a section of the report. ``ended``: the
+    job's first clean end: a rank that did not answer because its script had ended is said so."""
     groups: dict[str, list[int]] = defaultdict(list)
     for rank, place in places.items():
         groups[place["where"]].append(rank)
     silent = sorted(set(range(world_size)) - set(places))
+    gone = ended.rank if ended is not None and ended.rank in silent else None
+    if gone is not None:
+        silent.remove(gone)
     ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1]))
     parts = []
-    if len(ordered) > 1 or silent:
+    if len(ordered) > 1 or silent or gone is not None:
         odd = ordered[:-1] if len(ordered) > 1 else []
         majority_where, majority_ranks = ordered[-1]
         for _, ranks in odd:
             r0 = places[ranks[0]]
             parts.append(f"rank {ranks_text(ranks)} ({r0.get('host', '?')}) {_where_at(r0)}")
+        if ended is not None and gone is not None:
+            parts.append(f"rank {gone} ({ended.host}) ended its script (exit 0) after {ended.steps} optimizer steps")
         if silent:
             parts.append(f"rank {ranks_text(silent)} did not answer (frozen, or holding the GIL)")
         many = len(majority_ranks) > 1
@@ -99,5 +106,7 @@ def hang_report(places: Mapping[int, dict], world_size: int, stalled_s: float, s
         lines.extend(f"    {fr}" for fr in p["frames"][-6:])
     for rank in silent:
         lines.append(f"rank {rank}: no answer")
+    if ended is not None and gone is not None:
+        lines.append(f"rank {gone}: its script ended (exit 0) after {ended.steps} optimizer steps. {FINISHED_FIRST_HINT}.")
     lines.append("Full stacks of every thread: stacks/rank-N.txt in the run directory of each node.")
     return summary, "\n".join(lines)
