@@ -771,6 +771,7 @@ class AgentFailures:
         return self.lost is not None or self.job_failed() is not None
 
     def job_failed(self) -> fr.FailureRecord | None:
-        """The job's first-hand cause read so far (its workers' failure ended the job; never an echo)."""
+        """The job's first-hand cause read so far when a rank's (a worker's failure, or its end that left
+        the others waiting); never an echo, nor a node lost after its ranks may all have finished."""
         cause = self.root_cause()
-        return cause if cause is not None and not cause.is_echo else None
+        return cause if cause is not None and not cause.is_echo and cause.rank >= 0 else None
