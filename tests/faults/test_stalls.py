@@ -20,7 +20,7 @@ STALL = ["--stall-timeout", "4", "--stall-end-after", "4"]
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("phase", [["--eval-s", "10"], ["--beat-s", "10"], ["--manual-sgd", "--steps", "200"]],
+@pytest.mark.parametrize("phase", [["--eval-s", "7"], ["--beat-s", "7"], ["--manual-sgd", "--steps", "140"]],
                          ids=["all-reduce-only", "heartbeats", "manual-sgd"])
 def test_a_healthy_phase_without_optimizer_steps_is_never_a_stall(nodes, tmp_path, phase):
     job = nodes(2, 1, ["--step-s", "0.05", "--steps", "20", *phase], extra=STALL)
