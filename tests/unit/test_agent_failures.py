@@ -526,3 +526,23 @@ def test_the_exit_barrier_is_left_once_the_job_has_a_first_hand_cause_and_not_fo
     while not a.exit_barrier_done() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert a.exit_barrier_done() and a.job_failed() == first
+
+
+def test_node_0_whose_ranks_finished_lingers_only_until_the_others_have_their_records(agent, store):
+    """Its ranks (0, 1) ended 0 and need no record; rank 3 finished first (the cause rank 2's record
+    carries): every rank is accounted for at once, where it used to wait out the bound."""
+    from ddprun.protocol.store import publish_failure
+
+    a, _ = agent
+    first = fr.finished_first(fr.CleanEnd(3, 1, "host-1", 1, 5, time.time()))
+    publish_failure(store, Keys("ddprun/job/r1/"),
+                    fr.stopped_by(first, rank=2, node_rank=1, host="host-1", local_rank=0, t=time.time()))
+    deadline = time.monotonic() + 3
+    while a.root_cause() != first and time.monotonic() < deadline:  # a beat reads it (as before _finished)
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    a.linger(timeout_s=2, finished=True)
+    assert time.monotonic() - t0 < 1.0 and a.root_cause() == first
+    t0 = time.monotonic()
+    a.linger(timeout_s=2)  # ranks 0 and 1 counted as failed ones would be: their records never come
+    assert time.monotonic() - t0 >= 1.9

@@ -114,3 +114,13 @@ def test_a_rank_stopped_by_another_says_so_in_one_line():
     assert msg.startswith(f"{STOPPED_MARK} rank 3 (node 1, b) failed: RuntimeError: injected failure on rank 3")
     lost = fr.FailureRecord(fr.LOST, -1, "its agent stopped answering for 10 s", 1, "b", by="observer")
     assert stopped_message(lost) == f"{STOPPED_MARK} node 1 (b) was lost: its agent stopped answering for 10 s"
+
+
+def test_a_rank_inferred_to_have_finished_first_is_outranked_by_any_record_seen_first_hand():
+    """`finished first` is read from an echo; in a job whose ranks may end at different times, a node
+    lost later (its observer's record) is the cause, whenever that record arrives."""
+    first = fr.finished_first(fr.CleanEnd(1, 0, "a", 1, 5, t=100.0))
+    lost = fr.FailureRecord(fr.LOST, -1, "its agent stopped answering", 2, "c", by="observer", t=130.0)
+    echo = fr.FailureRecord(fr.ERROR, 0, "RuntimeError: Connection reset by peer", 0, "a", 0, t=90.0)
+    assert fr.root_cause([echo, first]) == first
+    assert fr.root_cause([first, lost, echo]) == lost

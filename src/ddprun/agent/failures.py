@@ -288,11 +288,12 @@ class AgentFailures:
     def root_cause(self) -> fr.FailureRecord | None:
         return fr.root_cause(self.records())
 
-    def linger(self, timeout_s: float = 5.0) -> None:
+    def linger(self, timeout_s: float = 5.0, finished: bool = False) -> None:
         """Keep this agent (and the store, if it hosts it) up until every rank of the job has a record
         (its own failure, or that it was stopped: it read the cause), at most ``timeout_s``: an agent
         that hosts the store and exits at once would take the cause's record with it (also this node's
-        own: a signal that stopped its workers, :meth:`on_signal`)."""
+        own: a signal that stopped its workers, :meth:`on_signal`). ``finished``: this node's workers
+        all ended 0, and need none."""
         keys = self._keys
         if keys is not None:
             try:  # this node's stopped ranks, before anyone counts the records; no connect to a store that is gone
@@ -316,6 +317,7 @@ class AgentFailures:
                 self._store = None
                 return
             ranks = {r.rank for r in fr.with_causes(self.records())} | set(self._local)
+            ranks |= set(self._workers) if finished else set()
             if len(ranks & set(range(self._world))) >= self._world or self._store is None:
                 return
             time.sleep(0.1)

@@ -537,6 +537,7 @@ class _AgentRun:
         cause = self.failures.job_failed()
         if cause is None:
             return Outcome(0, self.run_.rundir.path, 0.0)
+        self.failures.linger(finished=True)  # the store's host stays until every rank has a record, as on a failure
         print("ddprun: this node's ranks ended their script (exit 0), but the job failed:", file=err)
         print(agent_console.summary({}, [cause], self.run_.rundir, self.run_.host), file=err, flush=True)
         return Outcome(1, self.run_.rundir.path, 0.0, {}, cause)

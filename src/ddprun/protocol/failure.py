@@ -266,8 +266,10 @@ def parse_many(raw: Iterable[str | bytes]) -> list[FailureRecord]:
     return out
 
 
-def _order(r: FailureRecord) -> tuple[bool, bool, float, int]:
-    return (r.is_echo, r.kind == LOST and r.by == "observer", r.t, r.rank)
+def _order(r: FailureRecord) -> tuple[bool, bool, bool, float, int]:
+    # a rank that finished first is an inference from an echo: any record seen first-hand outranks it
+    # (a node lost in a job whose ranks may end at different times, say), whenever it arrives
+    return (r.is_echo, r.kind == FINISHED_FIRST, r.kind == LOST and r.by == "observer", r.t, r.rank)
 
 
 def with_causes(records: Iterable[FailureRecord]) -> list[FailureRecord]:
@@ -284,8 +286,8 @@ def with_causes(records: Iterable[FailureRecord]) -> list[FailureRecord]:
 
 
 def root_cause(records: Iterable[FailureRecord]) -> FailureRecord | None:
-    """The failure that ended the job: first-hand before echoes, then the earliest (then lowest rank).
-    Causes carried by stopped records count too."""
+    """The failure that ended the job: first-hand before echoes (and before a rank inferred to have
+    finished first), then the earliest (then lowest rank). Causes carried by stopped records count too."""
     records = with_causes(records)
     return min(records, key=_order) if records else None
 
