@@ -77,3 +77,19 @@ def test_closing_a_console_that_is_there_says_nothing():
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_a_character_the_console_cannot_encode_is_replaced_not_taken_for_a_console_gone():
+    raw = io.BytesIO()
+    latin = io.TextIOWrapper(raw, encoding="latin-1")
+    out = ConsoleStream(latin, owns=False)
+    print("loss ↓ 0.5 ✓", file=out, flush=True)
+    assert out.gone is None and raw.getvalue() == b"loss ? 0.5 ?\n"
+
+
+def test_a_wrapper_of_the_interpreters_stream_never_closes_it():
+    inner = io.StringIO()
+    out = ConsoleStream(inner, owns=False)
+    out.close()
+    del out
+    assert not inner.closed

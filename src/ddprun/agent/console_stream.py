@@ -18,12 +18,15 @@ from typing import TextIO
 
 class ConsoleStream(io.TextIOBase):
     """``stream`` until a write or flush fails with OSError (EPIPE, EIO) or ValueError (closed);
-    then file descriptor ``fallback_fd``, best effort."""
+    then file descriptor ``fallback_fd``, best effort. A character the console cannot encode is
+    replaced, and a write a non-blocking console refused (EAGAIN) goes to the fallback: neither is a
+    console gone. ``owns``: closing this closes ``stream`` (never the interpreter's own streams)."""
 
-    def __init__(self, stream: TextIO, fallback_fd: int = 2):
+    def __init__(self, stream: TextIO, fallback_fd: int = 2, owns: bool = True):
         super().__init__()
         self._stream = stream
         self._fd = fallback_fd
+        self._owns = owns
         self._lock = threading.Lock()
         self.gone: str | None = None
         """Why the console went away (``BrokenPipeError: [Errno 32] Broken pipe``); None while it is there."""
@@ -31,7 +34,12 @@ class ConsoleStream(io.TextIOBase):
     def write(self, text: str) -> int:
         if self.gone is None:
             try:
-                return self._stream.write(text)
+                try:
+                    return self._stream.write(text)
+                except UnicodeEncodeError:  # a console whose encoding lacks a character (latin-1, ascii)
+                    return self._stream.write(text.encode(self.encoding, "replace").decode(self.encoding))
+            except BlockingIOError:
+                pass  # a non-blocking console that is full now: this text goes to the fallback
             except (OSError, ValueError) as e:
                 self._lose(e)
         self._spill(text)
@@ -41,6 +49,8 @@ class ConsoleStream(io.TextIOBase):
         if self.gone is None:
             try:
                 self._stream.flush()
+            except BlockingIOError:
+                pass
             except (OSError, ValueError) as e:
                 self._lose(e)
 
@@ -80,7 +90,8 @@ class ConsoleStream(io.TextIOBase):
             return
         super().close()  # flushes first, through flush() above
         try:
-            self._stream.close()
+            if self._owns:
+                self._stream.close()
         except (OSError, ValueError):  # its buffer could not be written: the console is gone
             pass
 
@@ -89,6 +100,6 @@ def guard_standard_streams() -> None:
     """sys.stdout and sys.stderr of this process (the agent) as :class:`ConsoleStream`: the I/O edge,
     called once by the CLI before a launch."""
     if not isinstance(sys.stdout, ConsoleStream):
-        sys.stdout = ConsoleStream(sys.stdout)
+        sys.stdout = ConsoleStream(sys.stdout, owns=False)
     if not isinstance(sys.stderr, ConsoleStream):
-        sys.stderr = ConsoleStream(sys.stderr)
+        sys.stderr = ConsoleStream(sys.stderr, owns=False)
