@@ -88,7 +88,7 @@ def places(proc_cgroup: str, mountinfo: str, controller: str) -> list[Place]:
 def read_text(path: str) -> str | None:
     """The file's text, or None when it cannot be read (a :data:`Reader`)."""
     try:
-        with open(path) as f:
+        with open(path, errors="replace") as f:  # a path with bytes that are not UTF-8 must not raise
             return f.read()
     except OSError:
         return None

@@ -100,10 +100,12 @@ SHM_ERRORS = ("unable to allocate shared memory", "unable to write to file </tor
 
 
 LOADER_END = re.compile(r"DataLoader worker \(pid(?:\(s\))? [\d, ]+\) (?:exited unexpectedly(?! with exit code)"
-                        r"|is killed by signal: Killed)|DataLoader worker ended while handing")
+                        r"|is killed by signal: Killed)|DataLoader worker ended while handing"
+                        r"|Pin memory thread exited unexpectedly")
 """Words for a DataLoader worker that ended without a Python error: torch's, when its rank found it
-gone (a forkserver's or spawn's worker) or its SIGCHLD said SIGKILL (a forked one); ddprun's, when it
-went in the middle of a hand-over (:func:`error_text`)."""
+gone (a forkserver's or spawn's worker) or its SIGCHLD said SIGKILL (a forked one), or when the pin
+memory thread, which takes the batches from the workers with pin_memory=True, died of it; ddprun's,
+when it went in the middle of a hand-over (:func:`error_text`)."""
 HANDOVER_ERRORS = (ConnectionError, EOFError, FileNotFoundError)
 
 
