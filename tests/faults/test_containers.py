@@ -163,7 +163,7 @@ def test_a_limit_above_the_cores_changes_nothing(tmp_path):
 
 @pytest.mark.timeout(90)
 def test_a_worker_the_containers_oom_killer_ends_is_named_with_the_evidence(nodes):
-    """Rank 1 of a 1 x 2 job grows by 64 MiB a step in a container limited to 1.5 GB (the other
+    """Rank 1 of a 1 x 2 job grows by 64 MiB at a time in a container limited to 1.5 GB (the other
     processes hold ~0.9 GB): the kernel's OOM killer ends it. Before (cgroup v1): only the guess
     `the out-of-memory killer? see dmesg ...`, while the cgroup counted the kill."""
     with memory_limited(1_500_000_000) as prefix:

@@ -30,7 +30,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--beat-s", type=float, default=0.0, help="after step 3: ddprun.heartbeat() only for this long")
     p.add_argument("--manual-sgd", action="store_true", help="update parameters by hand (no torch.optim)")
     p.add_argument("--write-mb", type=float, default=0.0, help="each step, print this many MB (a full disk)")
-    p.add_argument("--hog-rank", type=int, default=None, help="from step 3, this rank keeps 64 MiB more each step")
+    p.add_argument("--hog-rank", type=int, default=None,
+                   help="at step 3, this rank keeps 64 MiB more at a time, up to 16 GiB, in one tight loop")
     p.add_argument("--until", default=None, help="after --steps, go on until this file exists (on any rank)")
     p.add_argument("--min-world", type=int, default=0,
                    help="count steps only while WORLD_SIZE is at least this (a job that waits for a late node)")
@@ -113,8 +114,13 @@ def main() -> None:
             ctypes.PyDLL(None).sleep(args.hold_gil_s)  # PyDLL keeps the GIL: no other thread of it runs
         if step == 3 and (args.eval_s or args.beat_s):
             phase(args, rank)
-        if step >= 3 and args.hog_rank == rank:
-            hog.append(bytearray(64 << 20))  # zeroed, so resident: the out-of-memory killer's pick
+        if step == 3 and args.hog_rank == rank:
+            # zeroed, so resident: the out-of-memory killer's pick. One tight loop, not a step each: a
+            # cgroup whose limit also holds the page cache its processes read (torch's libraries, on a
+            # cold cache) reclaims that first, and a rank that runs its steps out of evicted code
+            # pages would reach the limit only after a minute of refaults
+            for _ in range(256):
+                hog.append(bytearray(64 << 20))
         if args.write_mb:  # log lines that fill the disk under the run directory
             for _ in range(int(args.write_mb * 2**20) // 100):
                 print("x" * 99)
