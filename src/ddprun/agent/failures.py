@@ -317,7 +317,8 @@ class AgentFailures:
                 self._store = None
                 return
             ranks = {r.rank for r in fr.with_causes(self.records())} | set(self._local)
-            ranks |= set(self._workers) if finished else set()
+            if finished:
+                ranks |= set(self._workers)
             if len(ranks & set(range(self._world))) >= self._world or self._store is None:
                 return
             time.sleep(0.1)

@@ -29,13 +29,14 @@ Everything else (rendezvous, worker processes, restarts, supervision) is torch's
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -478,19 +479,32 @@ def run_agent(config: Any, entrypoint: str, args: list[str], hooks: AgentHooks) 
     for sig in EARLY_SIGNALS if main else ():
         if not (nohup and sig == signal.SIGHUP):
             signal.signal(sig, _signal_exception)
-    before = os.environ.get(SIGNALS_VAR)
-    if nohup:
-        print("ddprun: SIGHUP is ignored (nohup): a closed terminal does not stop this node", file=sys.stderr,
-              flush=True)
-        os.environ[SIGNALS_VAR] = without_hangup(before)  # an explicit export: torch reads it from os.environ
     try:
-        return _run(config, entrypoint, args, hooks, params)
+        with _hangup_kept_ignored(nohup):
+            return _run(config, entrypoint, args, hooks, params)
     finally:
         for num, handler in saved.items():
             if handler is not None:  # None: a handler set from C, which Python cannot put back
                 signal.signal(num, handler)
-        if nohup:
-            os.environ.pop(SIGNALS_VAR, None) if before is None else os.environ.__setitem__(SIGNALS_VAR, before)
+
+
+@contextlib.contextmanager
+def _hangup_kept_ignored(nohup: bool) -> Iterator[None]:
+    """With ``nohup`` (SIGHUP ignored when the agent started), torch's agent is told the signals it
+    handles without SIGHUP while the block runs (:func:`without_hangup`); otherwise nothing."""
+    if not nohup:
+        yield
+        return
+    print("ddprun: SIGHUP is ignored (nohup): a closed terminal does not stop this node", file=sys.stderr, flush=True)
+    before = os.environ.get(SIGNALS_VAR)
+    os.environ[SIGNALS_VAR] = without_hangup(before)  # an explicit export: torch reads it from os.environ
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(SIGNALS_VAR, None)
+        else:
+            os.environ[SIGNALS_VAR] = before
 
 
 SIGNALS_VAR = "TORCHELASTIC_SIGNALS_TO_HANDLE"

@@ -75,9 +75,9 @@ def hang_report(places: Mapping[int, dict], world_size: int, stalled_s: float, s
     for rank, place in places.items():
         groups[place["where"]].append(rank)
     silent = sorted(set(range(world_size)) - set(places))
-    gone = ended.rank if ended is not None and ended.rank in silent else None
+    gone = ended if ended is not None and ended.rank in silent else None
     if gone is not None:
-        silent.remove(gone)
+        silent.remove(gone.rank)
     ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1]))
     parts = []
     if len(ordered) > 1 or silent or gone is not None:
@@ -86,8 +86,8 @@ def hang_report(places: Mapping[int, dict], world_size: int, stalled_s: float, s
         for _, ranks in odd:
             r0 = places[ranks[0]]
             parts.append(f"rank {ranks_text(ranks)} ({r0.get('host', '?')}) {_where_at(r0)}")
-        if ended is not None and gone is not None:
-            parts.append(f"rank {gone} ({ended.host}) ended its script (exit 0) after {ended.steps} optimizer steps")
+        if gone is not None:
+            parts.append(f"rank {gone.rank} ({gone.host}) ended its script (exit 0) after {gone.steps} optimizer steps")
         if silent:
             parts.append(f"rank {ranks_text(silent)} did not answer (frozen, or holding the GIL)")
         many = len(majority_ranks) > 1
@@ -106,7 +106,7 @@ def hang_report(places: Mapping[int, dict], world_size: int, stalled_s: float, s
         lines.extend(f"    {fr}" for fr in p["frames"][-6:])
     for rank in silent:
         lines.append(f"rank {rank}: no answer")
-    if ended is not None and gone is not None:
-        lines.append(f"rank {gone}: its script ended (exit 0) after {ended.steps} optimizer steps. {FINISHED_FIRST_HINT}.")
+    if gone is not None:
+        lines.append(f"rank {gone.rank}: its script ended (exit 0) after {gone.steps} optimizer steps. {FINISHED_FIRST_HINT}.")
     lines.append("Full stacks of every thread: stacks/rank-N.txt in the run directory of each node.")
     return summary, "\n".join(lines)
