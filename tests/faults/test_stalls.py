@@ -205,3 +205,42 @@ def test_the_hang_report_names_the_collective_a_rank_is_missing_or_calls_instead
         trace = json.loads((stacks / f"fr-rank-{rank}.json").read_text())
         assert trace["entries"] and all(e["profiling_name"].startswith("gloo:") for e in trace["entries"])
     assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("loop", ["own", "fit"])
+def test_a_dataloader_worker_blocked_in_its_dataset_is_named_at_its_line_and_ends_with_its_rank(nodes, tmp_path, loop):
+    """Rank 1's DataLoader worker blocks in ``__getitem__`` opening a FIFO nobody writes, as a read from
+    a hung network file system does: its worker started by fork (a loop of the script's own) or by
+    fit's forkserver. Before: the hang report said rank 1 was `in data loading (DataLoader)
+    (selectors.py:415 in select)`, a standard-library frame, and nothing of the worker it waited for;
+    and that worker outlived the job's end, forever (torch's worker checks its parent between batches)."""
+    fifo = tmp_path / "never-written"
+    os.mkfifo(fifo)
+    script = str(Path(__file__).parent / "scripts" / "loader_hang.py")
+    job = nodes(2, 1, [str(fifo), *(["fit"] if loop == "fit" else [])], script=script,
+                extra=["--stall-timeout", "3", "--stall-end-after", "0"])
+    ended = job.finish(timeout=70)
+    assert [e.returncode for e in ended] == [1, 1], describe(ended)
+    # fit's worker says its id (its worker_init_fn is ddprun's); a forked one cannot
+    name, line = ("DataLoader worker 0", "44 in <module>") if loop == "fit" else ("DataLoader worker", "36 in own_loop")
+    worker = rf"rank 1's {name} \(pid (\d+)\) is at loader_hang.py:27 in __getitem__"
+    pids = set()
+    for e in ended:
+        said = re.search(r"^ddprun: the job failed: rank \d \(node \d, \S+\) found the job stalled: stall: no rank "
+                         r"advanced for \d+ s: (.*)$", e.output, re.M)
+        assert said, describe(ended)
+        assert "rank 1 is in data loading (DataLoader); " in said[1] or re.search(
+            rf"rank 1 \(\S+\) in data loading \(DataLoader\) \(loader_hang.py:{line}\)", said[1]), said[1]
+        pids.add(re.search(worker, said[1])[1])
+    [pid] = pids
+    stacks = tmp_path / "runs" / "fault" / "stacks"
+    report = (stacks / "hang-report.txt").read_text()
+    assert re.search(rf"^rank 1 \(\S+\), step \d+: in data loading \(DataLoader\) \(loader_hang.py:{line}\)$",
+                     report, re.M), report
+    assert re.search(rf"^  its {name} \(pid {pid}\) is at loader_hang.py:27 in __getitem__\n"
+                     rf"(      .*\n)*      \S+/loader_hang.py:27 in __getitem__$", report, re.M), report
+    dump = (stacks / f"rank-1-loader-{pid}.txt").read_text()
+    assert re.search(r'File "\S+/loader_hang.py", line 27 in __getitem__', dump), dump
+    assert not list(stacks.glob("rank-0-loader-*")), "rank 0 waits in a collective: its workers are not asked"
+    assert_nothing_left(tmp_path)

@@ -9,6 +9,7 @@ report write there. Pure paths; nothing here creates or reads a file.
     logs/agent-HOST.log  torch's agent chatter and C++ warnings of the node HOST
     failures/rank-N.json the failure record of rank N (protocol/failure.py), by the worker or its agent
     stacks/rank-N.txt    every thread's stack of rank N at a stall; stacks/hang-report.txt the report
+    stacks/rank-N-loader-PID.txt  every thread's stack of a DataLoader worker of rank N that waits in data loading
     stacks/fr-rank-N.json rank N's Flight Recorder trace at a stall (its collectives, worker/collectives.py)
     logs/nccl-trace-rank-N NCCL's own Flight Recorder dump when a collective times out
     metrics.csv · timings.csv · events.jsonl · checkpoints/ · report.html
@@ -68,6 +69,11 @@ class RunDir:
 
     def stack_file(self, rank: int | str) -> str:
         return self.join("stacks", f"rank-{rank}.txt")
+
+    def loader_stack_prefix(self, rank: int | str) -> str:
+        """``stacks/rank-N-loader``: a DataLoader worker of rank N answers a hang report in
+        ``<prefix>-<pid>.txt`` (every thread's stack) and ``.json`` (its place, read by its rank)."""
+        return self.join("stacks", f"rank-{rank}-loader")
 
     def flight_recorder_file(self, rank: int | str) -> str:
         return self.join("stacks", f"fr-rank-{rank}.json")

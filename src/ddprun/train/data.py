@@ -32,6 +32,8 @@ from torch.utils.data import (
     TensorDataset,
 )
 
+from ddprun import loaderstacks
+from ddprun._util import die_with_parent
 from ddprun.cpus import cpu_count
 from ddprun.errors import ConfigError
 from ddprun.preempt import PREEMPT
@@ -171,36 +173,46 @@ def loader_options(num_workers: int, device_type: str) -> dict[str, Any]:
     return opts
 
 
-class PreemptionSafeInit:
-    """``worker_init_fn`` of fit's DataLoader workers: they ignore the job's preemption signals, then
-    the user's own runs. A scheduler signals every process of a node (SLURM every process of a step:
+class LoaderWorkerInit:
+    """``worker_init_fn`` of fit's DataLoader workers under ``ddprun run``: they ignore the job's
+    preemption signals, answer a hang report with where they are (ddprun/loaderstacks.py: a worker
+    started by a forkserver does not inherit its rank's answer), then the user's own runs.
+    A scheduler signals every process of a node (SLURM every process of a step:
     ``scancel --signal``, the SIGTERM before a preemption or the time limit; a terminal's Ctrl-C its
     process group): a worker would die of it (SIGUSR1's default, torch's SIGTERM handler) and fail its
     rank, which instead stops at the agreed step and ends its workers itself (:func:`close_workers`).
     Picklable (forkserver/spawn) when the user's function is."""
 
-    def __init__(self, signals: tuple[int, ...], user: Callable[[int], Any] | None = None):
-        self.signals, self.user = tuple(signals), user
+    def __init__(self, signals: tuple[int, ...], user: Callable[[int], Any] | None = None, answer: bool = False):
+        self.signals, self.user, self.answer = tuple(signals), user, answer
 
     def __call__(self, worker_id: int) -> None:
         for sig in self.signals:
             signal.signal(sig, signal.SIG_IGN)
+        if self.answer:
+            loaderstacks.answer_requests(worker_id)
+            # its parent, the rank's forkserver, ends with the rank: so does a worker blocked in its
+            # dataset, which torch's check of its parent (between batches) would never end
+            die_with_parent()
         if self.user is not None:
             self.user(worker_id)
 
 
 def safe_worker_init(user: Callable[[int], Any] | None = None) -> Callable[[int], Any] | None:
     """``worker_init_fn`` for a DataLoader of your own, outside fit: its workers ignore ``ddprun run``'s
-    preemption signals (:class:`PreemptionSafeInit`), then ``user`` runs. Outside ``ddprun run`` (no
-    preemption signals): ``user`` itself. For start method ``fork`` (Linux's default up to Python 3.13;
-    else pass ``multiprocessing_context="fork"``): a forkserver would die of the signal, and its workers
-    with it. Call it in the worker process of ``ddprun run``, whose bootstrap has set the signals."""
-    return PreemptionSafeInit(PREEMPT.signals, user) if PREEMPT.signals else user
+    preemption signals and answer its hang report (:class:`LoaderWorkerInit`), then ``user`` runs.
+    Outside ``ddprun run`` (no preemption signals): ``user`` itself. For start method ``fork``
+    (Linux's default up to Python 3.13; else pass ``multiprocessing_context="fork"``): a forkserver
+    would die of the signal, and its workers with it. Call it in the worker process of ``ddprun run``,
+    whose bootstrap has set the signals."""
+    if not PREEMPT.signals and not loaderstacks.SERVING:
+        return user
+    return LoaderWorkerInit(PREEMPT.signals, user, loaderstacks.SERVING)
 
 
 def worker_init(num_workers: int, user: Callable[[int], Any] | None) -> Callable[[int], Any] | None:
-    """The ``worker_init_fn`` for a loader of fit: :class:`PreemptionSafeInit` under ``ddprun run``'s
-    preemption signals (the forkserver started as :func:`start_forkserver` says), else the user's."""
+    """The ``worker_init_fn`` for a loader of fit: :class:`LoaderWorkerInit` under ``ddprun run``
+    (the forkserver started as :func:`start_forkserver` says), else the user's."""
     if num_workers == 0:
         return user
     if PREEMPT.signals and start_method() == "forkserver":

@@ -5,7 +5,7 @@ The job's preemption signals reach every process of a node (SLURM signals every 
 The forkserver would die of SIGUSR1's default action, and torch's DataLoader workers take their
 parent's end for their rank's and exit. Here the forkserver outlives those signals; a process it
 forks (a DataLoader worker, a pool of the user's) has their default action back from its fork on,
-unless it sets its own (fit's DataLoader workers ignore them: ``PreemptionSafeInit``). The signals
+unless it sets its own (fit's DataLoader workers ignore them: ``LoaderWorkerInit``). The signals
 were blocked while the forkserver started (no window in which one kills it); they are unblocked
 here, so no process it forks inherits them blocked.
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ddprun import cgroups
+from ddprun import cgroups, loaderstacks
 from ddprun._util import die_with_parent, within
 from ddprun.errors import ConfigError
 from ddprun.preempt import PREEMPT, Preempted
@@ -225,6 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     wenv = _worker_env()
     channel = _open_channel(argv, wenv)
     monitor = Monitor(channel).start(_preemption_signals(wenv)) if channel is not None else None
+    if channel is not None:  # the DataLoader workers it forks say where they are at a hang report
+        loaderstacks.serve()
     _publish_saved_early(channel)
     # Each attempt's process group in its own part of the agent's store, which outlives attempts:
     # without it a restarted group reads the dead group's gloo/NCCL keys (agent/attempt.py).

@@ -13,8 +13,11 @@ import threading
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
+from ddprun import loaderstacks
 from ddprun._util import ranks_text
 from ddprun.protocol.failure import FINISHED_FIRST_HINT, CleanEnd
+
+DATA_LOADING = "in data loading (DataLoader)"
 
 
 def _frame_kind(filename: str, func: str) -> str:
@@ -24,33 +27,43 @@ def _frame_kind(filename: str, func: str) -> str:
     if "/torch/distributed/" in f:
         return f"in torch.distributed.{func}"
     if "/torch/utils/data/" in f:
-        return "in data loading (DataLoader)"
+        return DATA_LOADING
     return ""
 
 
 def main_thread_place() -> dict:
     """Where the main thread is: a one-line summary for grouping, and its innermost frames."""
     ident = threading.main_thread().ident  # None only before a thread starts; the main thread has one
-    frame = sys._current_frames().get(ident) if ident is not None else None
-    frames = []
-    while frame is not None:
-        frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
-        frame = frame.f_back
-    frames.reverse()  # outermost first
-    inner = frames[-12:]
+    frames = loaderstacks.frames_of(sys._current_frames().get(ident) if ident is not None else None)
     where = ""
     for filename, _, func in reversed(frames):
         where = _frame_kind(filename, func)
         if where:
             break
-    user = next(((fn, ln, func) for fn, ln, func in reversed(frames)
-                 if "site-packages" not in fn and "/ddprun/" not in fn and not fn.startswith("<")), None)
-    at = f"{os.path.basename(user[0])}:{user[1]} in {user[2]}" if user else "?"
+    user = loaderstacks.user_frame(frames)
+    at = loaderstacks.frame_text(user) if user else "?"
     if not where:
-        innermost = frames[-1] if frames else ("?", 0, "?")
-        where = f"at {os.path.basename(innermost[0])}:{innermost[1]} in {innermost[2]}"
+        where = f"at {loaderstacks.frame_text(frames[-1] if frames else ('?', 0, '?'))}"
     return {"where": where, "user_frame": at,
-            "frames": [f"{fn}:{ln} in {func}" for fn, ln, func in inner]}
+            "frames": [f"{fn}:{ln} in {func}" for fn, ln, func in frames[-12:]]}
+
+
+def loader_places(place: dict, prefix: str | None) -> list[dict]:
+    """Where this rank's DataLoader workers are (ddprun/loaderstacks.py) when ``place``
+    (:func:`main_thread_place`) waits for one of them; each answer's stacks go to ``<prefix>-<pid>.txt``
+    (RunDir.loader_stack_prefix). None asked outside ``ddprun run`` (``prefix`` None)."""
+    if prefix is None or place.get("where") != DATA_LOADING:
+        return []
+    places = loaderstacks.ask(loaderstacks.children())
+    for p in places:
+        stack = p.pop("stack", "")
+        if stack:
+            try:
+                with open(f"{prefix}-{p['pid']}.txt", "w") as fp:
+                    fp.write(stack)
+            except OSError:
+                pass
+    return places
 
 
 def dump_stacks(path: str) -> None:
@@ -97,16 +110,58 @@ def hang_report(places: Mapping[int, dict], world_size: int, stalled_s: float, s
     else:
         where, ranks = ordered[0]
         summary = f"no rank advanced for {stalled_s:.0f} s: every rank is {_where_at(places[ranks[0]])}"
+    summary += _loaders_summary(places)
     lines = [f"ddprun hang report: {summary}", ""]
     if collectives:
         lines += ["Collectives (torch's Flight Recorder):", *(f"  {line}" for line in collectives), ""]
     for rank in sorted(places):
         p = places[rank]
         lines.append(f"rank {rank} ({p.get('host', '?')}), step {steps.get(rank, 0)}: {_where_at(p)}")
-        lines.extend(f"    {fr}" for fr in p["frames"][-6:])
+        lines.extend(f"    {fr}" for fr in _strings(p.get("frames"))[-6:])
+        for w in _loaders(p):
+            lines.append(f"  its {_loader_name(w)} {_loader_state(w)}")
+            lines.extend(f"      {fr}" for fr in _strings(w.get("frames"))[-6:])
     for rank in silent:
         lines.append(f"rank {rank}: no answer")
     if gone is not None:
         lines.append(f"rank {gone.rank}: its script ended (exit 0) after {gone.steps} optimizer steps. {FINISHED_FIRST_HINT}.")
-    lines.append("Full stacks of every thread: stacks/rank-N.txt in the run directory of each node.")
+    lines.append("Full stacks of every thread: stacks/rank-N.txt (of a DataLoader worker: stacks/rank-N-loader-PID.txt)"
+                 " in the run directory of each node.")
     return summary, "\n".join(lines)
+
+
+def _strings(value: object) -> list[str]:
+    return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
+
+
+def _loaders(place: Mapping) -> list[dict]:
+    """The DataLoader workers' places a rank gave (:func:`loader_places`); malformed entries dropped."""
+    got = place.get("loaders")
+    return [w for w in got if isinstance(w, dict) and isinstance(w.get("at"), str)
+            and isinstance(w.get("pid"), int)] if isinstance(got, list) else []
+
+
+def _loader_name(w: Mapping) -> str:
+    worker = w.get("worker")
+    if isinstance(worker, int) and not isinstance(worker, bool):
+        return f"DataLoader worker {worker} (pid {w['pid']})"
+    return f"{'DataLoader worker' if w.get('loader') is True else 'child process'} (pid {w['pid']})"
+
+
+def _loader_state(w: Mapping) -> str:
+    silent = w.get("silent")
+    return silent if isinstance(silent, str) and silent else f"is {w['at']}"
+
+
+def _loaders_summary(places: Mapping[int, dict], most: int = 3) -> str:
+    """``; rank 1's DataLoader worker 0 (pid 4242) is at data.py:15 in __getitem__``: the workers
+    that are not waiting for work, which is what their rank waits for."""
+    parts = []
+    for rank in sorted(places):
+        workers = _loaders(places[rank])
+        busy = [w for w in workers if not w["at"].startswith("waiting for work")]
+        parts += [f"rank {rank}'s {_loader_name(w)} {_loader_state(w)}" for w in busy]
+        if workers and not busy:
+            parts.append(f"rank {rank}'s DataLoader workers are all waiting for work")
+    more = f"; and {len(parts) - most} more DataLoader workers" if len(parts) > most else ""
+    return "".join(f"; {p}" for p in parts[:most]) + more

@@ -1,0 +1,259 @@
+"""Where a rank's DataLoader workers are when the rank waits for a batch, for the hang report.
+
+A rank stuck "in data loading" waits for a worker process, and only the worker's own stack says why:
+a dataset reading a hung network file system, a lock, a server that never answers, a C library
+deadlocked after a fork. Under ``ddprun run`` every DataLoader worker has faulthandler dump every
+thread's stack on SIGURG into an anonymous in-memory file (memfd ``ddprun-loader-stacks``); its rank,
+at a hang report, signals those of its children that catch it (``SigCgt`` in /proc/PID/status), reads
+the dump through /proc/PID/fd, and keeps it as ``stacks/rank-N-loader-PID.txt``.
+
+Why so: SIGURG's default action is to ignore it, so a process that never installed the answer is
+unharmed. faulthandler answers from its C signal handler with SA_RESTART: a worker blocked in a system
+call goes on with it (no EINTR for a C library that does not retry), and one in C code that holds
+the GIL answers too. Nothing is written until a rank asks. A worker in uninterruptible I/O (a hard
+NFS mount) answers only when the call ends: its kernel state and wait channel are said instead.
+
+Who installs it: the worker bootstrap (:func:`serve`), for the DataLoader workers a rank forks (``fork``
+is DataLoader's start method on Linux up to Python 3.13), and ddprun.fit's ``worker_init_fn``
+(train/data.py), for its forkserver workers, with the worker's id (the rank cannot tell a forked
+worker's: multiprocessing drops a started process's arguments). Both also tie the worker's life to
+its parent's (PR_SET_PDEATHSIG): torch's worker checks its parent only between batches, so one blocked
+in its dataset outlived a killed rank, forever.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import re
+import signal
+import sys
+import sysconfig
+import threading
+import time
+from collections.abc import Iterable
+from types import FrameType
+from typing import Any
+
+from ddprun._util import die_with_parent
+
+SIGNAL = signal.SIGURG
+MEMFD_NAME = "ddprun-loader-stacks"
+ANSWER_WAIT_S = 1.0
+"""How long (s) a rank waits for its workers' answers: a signal handler runs within ms, or not at all."""
+
+SERVING = False
+"""True in a ``ddprun run`` rank (after :func:`serve`): its DataLoader workers should answer."""
+
+_FD: int | None = None
+_WORKER_LOOP = "torch/utils/data/_utils/worker.py"
+_DATALOADER = "torch/utils/data/dataloader.py"
+_STDLIB = tuple({os.path.join(sysconfig.get_paths()[k], "") for k in ("stdlib", "platstdlib")})
+
+
+def user_frame(frames: Iterable[tuple[str, int, str]]) -> tuple[str, int, str] | None:
+    """The innermost frame of the user's code in ``frames`` (outermost first): not torch or another
+    installed package, not ddprun, not the standard library (a ``select`` the DataLoader waits in)."""
+    for fn, ln, func in reversed(list(frames)):
+        if not ("site-packages" in fn or "/ddprun/" in fn or fn.startswith("<") or fn.startswith(_STDLIB)):
+            return fn, ln, func
+    return None
+
+
+def frames_of(frame: FrameType | None) -> list[tuple[str, int, str]]:
+    """(file, line, function) from the outermost frame to ``frame``."""
+    out = []
+    while frame is not None:
+        out.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    out.reverse()
+    return out
+
+
+def frame_text(f: tuple[str, int, str]) -> str:
+    return f"{os.path.basename(f[0])}:{f[1]} in {f[2]}"
+
+
+# -- in a DataLoader worker -----------------------------------------------------------------------
+def answer_requests(worker_id: int | None = None) -> None:
+    """Dump every thread's stack into this process's memfd on SIGURG (a DataLoader worker, whose
+    rank reads it; ``worker_id`` goes in the memfd's name). Any thread; a second call replaces the first."""
+    global _FD
+    fd = os.memfd_create(MEMFD_NAME if worker_id is None else f"{MEMFD_NAME}-{worker_id}", os.MFD_CLOEXEC)
+    faulthandler.register(SIGNAL, file=fd, all_threads=True)
+    if _FD is not None:
+        os.close(_FD)
+    _FD = fd
+
+
+_FORKED_BY_MAIN = False
+"""In a forked child: whether the rank's main thread forked it (set in the parent just before)."""
+
+
+def _note_forking_thread() -> None:
+    global _FORKED_BY_MAIN
+    _FORKED_BY_MAIN = threading.current_thread() is threading.main_thread()
+
+
+def _forked_by_dataloader() -> bool:
+    frame = sys._getframe(1)  # the code that forked: multiprocessing, under torch's DataLoader iterator
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_DATALOADER):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _inherit() -> None:
+    """In a process the rank forked: a DataLoader worker (of the script's own loop) answers, and ends
+    with its rank: torch's worker checks its parent only between batches, so one blocked in its
+    dataset would outlive a killed rank. Tied only when the rank's main thread forked it (the signal
+    comes at the forking thread's end) and torch's DataLoader did: another fork of the script is left
+    as it is (a daemon meant to outlive it)."""
+    try:
+        if not _forked_by_dataloader():
+            return
+        answer_requests()
+        if _FORKED_BY_MAIN:
+            die_with_parent()
+    except (OSError, AttributeError, RuntimeError, ValueError):  # no memfd here: the rank gets no answer, and says so
+        pass
+
+
+def serve() -> None:
+    """In a ``ddprun run`` rank: the DataLoader workers it forks from now on answer; fit's workers too."""
+    global SERVING
+    if not SERVING:
+        os.register_at_fork(before=_note_forking_thread, after_in_child=_inherit)
+    SERVING = True
+
+
+# -- in the rank ------------------------------------------------------------------------------------
+def children() -> list[int]:
+    """pids of this process's multiprocessing children that have not ended (DataLoader workers,
+    whatever their start method). Not ``multiprocessing.active_children()``: it reaps, racing torch's
+    own check of its workers (two ``waitpid`` of one pid: one of them takes a dead worker for alive)."""
+    from multiprocessing import process
+
+    out = []
+    for p in list(getattr(process, "_children", ())):
+        popen = getattr(p, "_popen", None)
+        if popen is not None and getattr(popen, "returncode", 0) is None and isinstance(popen.pid, int):
+            out.append(popen.pid)
+    return sorted(out)
+
+
+def catches(pid: int, sig: int = SIGNAL) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (``SigCgt`` in /proc/PID/status)."""
+    try:
+        with open(f"/proc/{pid}/status") as fp:
+            for line in fp:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def kernel_state(pid: int) -> str:
+    """``uninterruptible I/O (D, wait channel nfs_wait_on_request)`` and the like, from /proc."""
+    names = {"D": "uninterruptible I/O", "R": "running", "S": "sleeping", "T": "stopped", "t": "stopped by a tracer",
+             "Z": "ended (a zombie)"}
+    try:
+        with open(f"/proc/{pid}/stat") as fp:
+            state = fp.read().rsplit(")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/wchan") as fp:
+            wchan = fp.read().strip()
+    except (OSError, IndexError):
+        return "gone"
+    channel = f", wait channel {wchan}" if wchan and wchan != "0" else ""
+    return f"{names.get(state, 'state')} ({state}{channel})"
+
+
+def _stack_file(pid: int) -> tuple[str, int | None] | None:
+    """``(/proc/PID/fd/N, DataLoader worker id or None)``: ``pid``'s memfd of stacks
+    (:func:`answer_requests`); None without one."""
+    try:
+        for n in os.listdir(f"/proc/{pid}/fd"):
+            named = re.match(rf"/memfd:{MEMFD_NAME}(?:-(\d+))? \(deleted\)$", os.readlink(f"/proc/{pid}/fd/{n}"))
+            if named:
+                return f"/proc/{pid}/fd/{n}", int(named[1]) if named[1] else None
+    except OSError:
+        pass
+    return None
+
+
+def _read_from(path: str, offset: int) -> str:
+    try:
+        with open(path, "rb") as fp:
+            fp.seek(offset)
+            return fp.read(1 << 20).decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def ask(pids: Iterable[int], wait_s: float = ANSWER_WAIT_S) -> list[dict[str, Any]]:
+    """Each of ``pids`` that answers SIGURG: ``pid``, ``worker`` (its DataLoader worker id, where
+    known), ``loader`` (a DataLoader worker), ``stack`` (every thread's, faulthandler's text),
+    ``frames`` (its main thread's, outermost first) and ``at``; without an answer within ``wait_s``,
+    ``silent`` says so with its kernel state."""
+    asked: dict[int, tuple[str, int | None, int]] = {}
+    for pid in pids:
+        found = _stack_file(pid) if catches(pid) else None
+        if found is None:
+            continue
+        try:
+            offset = os.stat(found[0]).st_size  # an earlier report's answer stays before it
+            os.kill(pid, SIGNAL)
+        except OSError:
+            continue
+        asked[pid] = (found[0], found[1], offset)
+    texts: dict[int, str] = {}
+    deadline = time.monotonic() + wait_s
+    while asked and time.monotonic() < deadline:
+        now = {pid: _read_from(path, offset) for pid, (path, _, offset) in asked.items()}
+        if all(now[pid] and now[pid] == texts.get(pid) for pid in asked):
+            break  # every dump has stopped growing: faulthandler writes one in well under 20 ms
+        texts = now
+        time.sleep(0.02)
+    return [_place(pid, worker, texts.get(pid, ""), wait_s) for pid, (_, worker, _) in asked.items()]
+
+
+def _place(pid: int, worker: int | None, stack: str, wait_s: float) -> dict[str, Any]:
+    frames = main_thread_frames(stack)
+    place: dict[str, Any] = {"pid": pid, "worker": worker, "stack": stack,
+                             "loader": worker is not None or any(fn.endswith(_WORKER_LOOP) for fn, _, _ in frames),
+                             "frames": [f"{fn}:{ln} in {func}" for fn, ln, func in frames[-8:]]}
+    if frames:
+        place["at"] = _worker_at(frames)
+    else:
+        place.update(at="", silent=f"did not answer within {wait_s:g} s ({kernel_state(pid)})")
+    return place
+
+
+def _worker_at(frames: list[tuple[str, int, str]]) -> str:
+    """``at data.py:15 in __getitem__`` (the user's innermost frame), or ``waiting for work`` when
+    torch's worker loop is the innermost code outside the standard library (its index queue's get)."""
+    user = user_frame(frames)
+    if user is not None:
+        return f"at {frame_text(user)}"
+    inner = next((f for f in reversed(frames) if not f[0].startswith(_STDLIB)), frames[-1])
+    if inner[0].endswith(_WORKER_LOOP):
+        return "waiting for work (in torch's worker loop)"
+    return f"at {frame_text(inner)}"
+
+
+_FRAME = re.compile(r'^  File "(.*)", line (\d+|\?+) in (.*)$')
+
+
+def main_thread_frames(stack: str) -> list[tuple[str, int, str]]:
+    """The main thread's frames (outermost first) in faulthandler's dump of every thread: the last
+    thread it lists (CPython keeps its threads newest first)."""
+    blocks = re.split(r"^(?:Current thread|Thread) 0x[0-9a-f]+ .*:$", stack, flags=re.M)
+    frames = []
+    for line in blocks[-1].splitlines() if len(blocks) > 1 else []:
+        m = _FRAME.match(line)
+        if m:
+            frames.append((m[1], int(m[2]) if m[2].isdigit() else 0, m[3]))
+    frames.reverse()
+    return frames

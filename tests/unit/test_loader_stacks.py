@@ -1,0 +1,220 @@
+"""Where a rank's DataLoader workers are at a hang report (ddprun/loaderstacks.py): they answer
+SIGURG with faulthandler's dump, a process without the answer is never signalled, one that cannot
+answer is said with its kernel state, and the report names the worker's own line."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from ddprun import loaderstacks
+from ddprun.train.data import LoaderWorkerInit
+from ddprun.worker.stacks import DATA_LOADING, hang_report
+
+DUMP = """\
+Thread 0x00007f71f50136c0 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 327 in wait
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+
+Current thread 0x00007f721548db80 (most recent call first):
+  File "/data/jobs/mydata.py", line 15 in __getitem__
+  File "/venv/lib/python3.11/site-packages/torch/utils/data/_utils/fetch.py", line 54 in fetch
+  File "/venv/lib/python3.11/site-packages/torch/utils/data/_utils/worker.py", line 374 in _worker_loop
+  File "<string>", line 1 in <module>
+"""
+
+
+def test_the_main_thread_is_the_last_thread_faulthandler_lists_read_outermost_first():
+    frames = loaderstacks.main_thread_frames(DUMP)
+    assert frames[0] == ("<string>", 1, "<module>")
+    assert frames[-1] == ("/data/jobs/mydata.py", 15, "__getitem__")
+    assert loaderstacks.main_thread_frames("") == []
+    assert loaderstacks.main_thread_frames("Fatal Python error: garbage\n  File nonsense") == []
+
+
+def test_the_users_frame_is_never_the_standard_library():
+    """A rank waiting for its DataLoader sits in multiprocessing and selectors: the user's frame is the
+    script's loop, not `selectors.py:415 in select`."""
+    import selectors
+
+    frames = [("/job/train.py", 40, "main"), (torch.utils.data.__file__, 1291, "_try_get_data"),
+              (selectors.__file__, 415, "select")]
+    assert loaderstacks.user_frame(frames) == ("/job/train.py", 40, "main")
+    assert loaderstacks.user_frame(frames[1:]) is None
+
+
+class Blocks(Dataset):
+    """Blocks at its third sample in ``threading.Event().wait()``: never set."""
+
+    def __len__(self):
+        return 100
+
+    def __getitem__(self, i):
+        if i == 2:
+            threading.Event().wait()  # line the test names
+        return torch.zeros(1)
+
+
+@pytest.mark.timeout(60)
+def test_a_forkserver_worker_of_fit_answers_with_its_id_and_its_line_and_a_stopped_one_with_its_state():
+    loader = DataLoader(Blocks(), batch_size=1, num_workers=1, multiprocessing_context="forkserver",
+                        worker_init_fn=LoaderWorkerInit((), answer=True), timeout=0, prefetch_factor=4)
+    it = iter(loader)
+    next(it)
+    next(it)
+    time.sleep(0.5)  # the worker is in its third sample by now
+    [pid] = loaderstacks.children()
+    [place] = loaderstacks.ask([pid, os.getpid()])  # this process catches no SIGURG: not asked
+    assert place["worker"] == 0 and place["loader"] is True and place["pid"] == pid, place
+    assert place["at"] == f"at test_loader_stacks.py:{Blocks.__getitem__.__code__.co_firstlineno + 2} in __getitem__"
+    assert "Current thread" in place["stack"] or "Thread 0x" in place["stack"]
+    again = loaderstacks.ask([pid])  # a second report reads only its own answer
+    assert again[0]["stack"].count("most recent call first") == place["stack"].count("most recent call first")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        [stopped] = loaderstacks.ask([pid], wait_s=0.3)
+        assert time.monotonic() - t0 < 1.5
+        assert re.fullmatch(r"did not answer within 0.3 s \(stopped \(T(, wait channel \w+)?\)\)", stopped["silent"]), stopped
+        assert stopped["worker"] == 0  # its memfd's name says it
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        os.kill(pid, signal.SIGKILL)
+        del it
+
+
+def test_a_process_that_installed_no_answer_is_not_signalled():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.2)
+        assert not loaderstacks.catches(child.pid)
+        assert loaderstacks.ask([child.pid]) == []
+        assert child.poll() is None
+    finally:
+        child.kill()
+        child.wait()
+
+
+FORKS = textwrap.dedent("""
+    import os, signal, sys, threading, time
+    import torch
+    from torch.utils.data import DataLoader
+    from ddprun import loaderstacks
+
+    def sample(i):
+        if i == 2:
+            threading.Event().wait()  # blocked: torch's check of its parent never comes
+        return i
+
+    class Blocks(torch.utils.data.Dataset):
+        __len__ = lambda self: 100
+        __getitem__ = lambda self, i: sample(i)
+
+    loaderstacks.serve()
+    pid = os.fork()  # a fork of the script's own: left as it is
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    it = iter(DataLoader(Blocks(), num_workers=1))  # fork: torch's default here
+    next(it), next(it)
+    time.sleep(0.5)
+    [worker] = loaderstacks.children()
+    print(loaderstacks.catches(pid), loaderstacks.catches(worker), flush=True)
+    [place] = loaderstacks.ask([worker])
+    print(place["loader"], place["worker"], place["at"], flush=True)
+    os.kill(pid, signal.SIGKILL)
+    os._exit(0)  # the rank ends at once: its worker must end with it
+    """)
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_dataloader_worker_answers_and_ends_with_its_rank_and_another_fork_is_left_alone(tmp_path):
+    out = subprocess.run([sys.executable, "-c", FORKS], capture_output=True, text=True, timeout=50,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "False True", out.stdout
+    assert lines[1] == "True None at <string>:9 in sample", out.stdout
+    deadline = time.monotonic() + 3  # torch's worker would never notice: it is blocked
+    while time.monotonic() < deadline and _workers_of(tmp_path):
+        time.sleep(0.1)
+    assert not _workers_of(tmp_path), "the DataLoader worker outlived its rank"
+
+
+def _workers_of(directory) -> list[int]:
+    left = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{entry}/cwd") == str(directory):
+                left.append(int(entry))
+        except OSError:
+            pass
+    return left
+
+
+def place(where, user="train.py:40 in main", loaders=None):
+    p = {"where": where, "user_frame": user, "host": "h", "frames": ["train.py:40 in main"]}
+    if loaders is not None:
+        p["loaders"] = loaders
+    return p
+
+
+def test_the_report_names_the_worker_its_rank_waits_for_and_skips_malformed_answers():
+    busy = {"pid": 4242, "worker": 0, "loader": True, "at": "at data.py:15 in __getitem__",
+            "frames": ["/job/data.py:15 in __getitem__"]}
+    idle = {"pid": 4243, "worker": 1, "loader": True, "at": "waiting for work (in torch's worker loop)", "frames": []}
+    silent = {"pid": 4244, "worker": None, "loader": False, "at": "", "frames": [],
+              "silent": "did not answer within 1 s (uninterruptible I/O (D, wait channel nfs_wait_on_request))"}
+    places = {0: place("in backward (DDP's gradient all-reduce)"),
+              1: place(DATA_LOADING, loaders=[busy, idle, silent, {"pid": "x"}, 7, {"at": 3}])}
+    summary, report = hang_report(places, 2, 31.0, {})
+    assert summary.endswith("; rank 1's DataLoader worker 0 (pid 4242) is at data.py:15 in __getitem__; rank 1's "
+                            "child process (pid 4244) did not answer within 1 s (uninterruptible I/O (D, wait channel "
+                            "nfs_wait_on_request))"), summary
+    assert "  its DataLoader worker 0 (pid 4242) is at data.py:15 in __getitem__\n      /job/data.py:15 in __getitem__" in report
+    assert "  its DataLoader worker 1 (pid 4243) is waiting for work (in torch's worker loop)" in report
+    only_idle = {**places, 1: place(DATA_LOADING, loaders=[idle])}
+    assert hang_report(only_idle, 2, 31.0, {})[0].endswith("; rank 1's DataLoader workers are all waiting for work")
+    for bad in (None, "x", {"a": 1}, [None]):
+        summary, _ = hang_report({0: places[0], 1: place(DATA_LOADING, loaders=bad)}, 2, 31.0, {})
+        assert "DataLoader worker" not in summary
+    no_frames = {0: {"where": DATA_LOADING, "user_frame": "?", "host": "h"}, 1: place(DATA_LOADING)}
+    assert "rank 0 (h), step 0" in hang_report(no_frames, 2, 31.0, {})[1]  # a place without frames is no crash
+
+
+IN_C = textwrap.dedent("""
+    import ctypes
+    from ddprun import loaderstacks
+    loaderstacks.answer_requests(7)
+    libc = ctypes.PyDLL(None, use_errno=True)  # PyDLL: the call holds the GIL throughout
+    buf = ctypes.create_string_buffer(1)
+    print("reading", flush=True)
+    n = libc.read(0, buf, 1)  # libc's read: no retry on EINTR, as many C libraries
+    print(n, ctypes.get_errno(), buf.raw, flush=True)
+    """)
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_in_c_code_holding_the_gil_answers_and_its_blocked_call_goes_on_without_eintr():
+    """The README's claims: faulthandler's C handler answers while Python cannot run, and SA_RESTART
+    restarts the interrupted read, so a C library that does not retry never sees EINTR."""
+    child = subprocess.Popen([sys.executable, "-c", IN_C], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline() == b"reading\n"
+        time.sleep(0.3)  # in the read by now
+        [place] = loaderstacks.ask([child.pid])
+        assert place["worker"] == 7 and place["at"] == "at <string>:8 in <module>", place
+        child.stdin.write(b"x")
+        child.stdin.flush()
+        assert child.stdout.readline() == b"1 0 b'x'\n"
+    finally:
+        child.kill()
+        child.wait()
