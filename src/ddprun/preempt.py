@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddprun.loaderworkers import forked_by_dataloader
+
 
 class Preempted(SystemExit):
     """The job stopped for a preemption signal at the agreed step: raised on every rank right after
@@ -58,6 +60,8 @@ class PreemptState:
     publish: Callable[[tuple[int, int, str, float, str]], Any] | None = None
     """Rank 0's way to tell the agents where it saved (set by worker/bootstrap.py; None elsewhere)."""
     _previous: dict[int, Any] = field(default_factory=dict)
+    _wakeup: int | None = None
+    """The write end of this process's wakeup pipe (:func:`install`); a forked child's is the rank's."""
     handled: threading.Event = field(default_factory=threading.Event)
     """Set once the Python-level handler returned (the script's own, chained, included)."""
 
@@ -140,11 +144,49 @@ def install(signals: tuple[int, ...]) -> int | None:
         os.close(r)
         os.close(w)
         return None
-    PREEMPT.signals = signals
+    PREEMPT.signals, PREEMPT._wakeup = signals, w
     for sig in signals:
         PREEMPT._previous[sig] = _signal_signal(sig, _handler)
     signal.signal = _chaining_signal  # type: ignore[assignment]
+    global _FORK_HOOK
+    if not _FORK_HOOK:
+        os.register_at_fork(after_in_child=_in_forked_child)
+        _FORK_HOOK = True
     return r
+
+
+_FORK_HOOK = False
+
+
+def _in_forked_child() -> None:
+    """A process the rank forked: its signals are its own. The wakeup pipe it inherits is the rank's,
+    where a byte is a signal to the rank: a scheduler's one signal to every process of the node
+    (``scancel --signal``, SLURM's SIGTERM before a preemption) reached the rank twice, through a
+    DataLoader worker too, and the second stopped it at once instead of at the agreed step. A
+    DataLoader worker torch forks also ignores the preemption signals once torch has set its own
+    handlers (its SIGTERM handler ends the worker, and its rank with it), as fit's workers do."""
+    try:
+        inherited = signal.set_wakeup_fd(-1)
+        if inherited < 0 or inherited != PREEMPT._wakeup:  # not ddprun's (installed, then put back)
+            signal.set_wakeup_fd(inherited)
+            return
+    except ValueError:  # not the main thread of the main interpreter
+        return
+    if PREEMPT.signals and forked_by_dataloader():
+        handling = sys.modules.get("torch.utils.data._utils.signal_handling")
+        torchs = getattr(handling, "_set_worker_signal_handlers", None)
+        if callable(torchs):
+            handling._set_worker_signal_handlers = _then_ignoring(torchs, PREEMPT.signals)  # type: ignore[union-attr]
+
+
+def _then_ignoring(torchs: Callable[..., Any], signals: tuple[int, ...]) -> Callable[..., Any]:
+    def set_worker_signal_handlers(*args: Any, **kwargs: Any) -> Any:
+        out = torchs(*args, **kwargs)
+        for sig in signals:
+            _signal_signal(sig, signal.SIG_IGN)
+        return out
+
+    return set_worker_signal_handlers
 
 
 def die_by(signum: int) -> None:

@@ -1,6 +1,6 @@
 """Ends that used to hang or say nothing: an atexit handler that never returns, a full disk under
 the run directory, an elastic job that loses the node hosting its store, torch's shared-store switch,
-a console that goes away."""
+a console that goes away, DataLoader workers alive at the script's end."""
 
 import json
 import os
@@ -24,6 +24,20 @@ def test_an_atexit_handler_that_never_returns_is_bounded_and_named(nodes, tmp_pa
     assert ended.returncode == 1, describe([ended])
     assert "an atexit handler did not return within 2 s; exiting anyway" in ended.output, describe([ended])
     assert "job.py" in ended.output  # where it hangs
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_a_dataloader_iterator_alive_at_the_scripts_end_lets_its_ranks_exit_at_once(nodes, tmp_path):
+    """At the end multiprocessing terminates a rank's workers and joins them without a bound: under
+    ddprun run a DataLoader worker torch forks ignores the preemption signals, SIGTERM included, so
+    the rank ends them itself, and torch's SIGCHLD handler must not take that for a worker's failure."""
+    script = str(Path(__file__).parent / "scripts" / "loader_outlives.py")
+    [ended] = nodes(1, 2, [], script=script).finish(timeout=40)
+    logs = "".join((tmp_path / "runs" / "fault" / "logs" / f"rank-{r}.log").read_text() for r in (0, 1))
+    assert ended.returncode == 0 and "finished on this node" in ended.output, describe([ended])
+    assert "rank 0 done" in logs and "rank 1 done" in logs, logs
+    assert "Traceback" not in logs and "killed by signal" not in logs and "atexit" not in logs, logs
     assert_nothing_left(tmp_path)
 
 

@@ -239,6 +239,31 @@ def test_an_unmodified_loop_gets_its_on_preempt_callback_at_one_step_on_every_ra
     assert_nothing_left(tmp_path)
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("name", ["TERM", "USR1"])
+def test_a_signal_to_every_process_of_a_node_stops_a_loop_with_its_own_dataloader_at_one_step(tmp_path, name):
+    """SLURM signals every process of a step, DataLoader workers too; a loop of the script's own whose
+    DataLoader torch forks, with no worker_init_fn. Before: SIGUSR1 reached the rank twice (its worker
+    inherited the rank's wakeup pipe), and the second stopped it at once (`stopped by a second SIGUSR1`);
+    SIGTERM ended the worker (torch's handler), and its rank with it."""
+    out = tmp_path / "out"
+    job = Nodes(tmp_path, 2, 1, ["--out", str(out), "--signal-rank", "1", "--signal-step", "5", "--loader-workers", "1",
+                                 "--send-signal", name, "--signal-to", "tree"], script=LOOP,
+                extra=["--log-dir", str(tmp_path / "runs")])
+    ended = job.finish(timeout=60)
+    assert [e.returncode for e in ended] == [75, 75], describe(ended)
+    called = {r: (out / f"callback-{r}.txt").read_text() for r in (0, 1)}
+    assert called[0] == called[1] and int(called[0]) > 5, called
+    for e in ended:
+        assert re.search(rf"^ddprun: preempted by SIG{name} to [^:]+: every rank stopped after optimizer step "
+                         rf"{called[0]} of this launch; the script's on_preempt callbacks ran there", e.output, re.M), \
+            describe(ended)
+        assert "DataLoader worker" not in e.output and "second SIG" not in e.output, describe(ended)
+    assert "Traceback" not in "".join((tmp_path / "runs" / "fault" / "logs" / f"rank-{r}.log").read_text()
+                                      for r in (0, 1))
+    assert_nothing_left(tmp_path)
+
+
 LIGHTNING_FIT = str(Path(__file__).parents[1] / "integrations" / "scripts" / "lightning_fit.py")
 
 

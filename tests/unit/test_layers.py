@@ -12,7 +12,7 @@ PKG = SRC / "ddprun"
 LAYERS = [
     ("base", ["ddprun.errors", "ddprun._util", "ddprun._version", "ddprun.cpus", "ddprun.cgroups"]),
     ("protocol", ["ddprun.protocol"]),
-    ("model", ["ddprun.config", "ddprun.cluster", "ddprun.telemetry", "ddprun.preempt", "ddprun.loaderstacks",
+    ("model", ["ddprun.config", "ddprun.cluster", "ddprun.telemetry", "ddprun.preempt", "ddprun.loaderworkers",
                "ddprun.ranktable", "ddprun.report",
                "ddprun.mismatch", "ddprun.plan_json", "ddprun.cli_help"]),
     ("runtime", ["ddprun.runtime", "ddprun.firstcollective", "ddprun.pgkeep", "ddprun.openfiles"]),

@@ -501,3 +501,22 @@ def test_a_rank_that_got_no_signal_learns_of_no_step_and_ends_as_a_peer_of_the_s
     state.fit_active = True
     mon._watch_preemption(store)
     assert state.requested and state.signame == "SIGTERM" and state.stop_step is None and died == []
+
+
+def test_a_forked_child_sends_its_signals_to_itself_not_to_the_ranks_wakeup_pipe(installed):
+    """A byte in the wakeup pipe is a signal to the rank, and a second one ends it at once: a child's
+    signal (a DataLoader worker's, from a scheduler's signal to every process) must not write there."""
+    fd, _ = installed
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its wakeup fd, then a signal to itself
+        try:
+            os.write(w, str(signal.set_wakeup_fd(-1)).encode())
+            os.kill(os.getpid(), signal.SIGUSR1)
+        finally:
+            os._exit(0)
+    os.close(w)
+    assert os.read(r, 16) == b"-1"
+    os.waitpid(pid, 0)
+    assert select.select([fd], [], [], 0.3)[0] == [], "the child's signal reached the rank's pipe"
+    os.close(r)

@@ -32,7 +32,7 @@ from torch.utils.data import (
     TensorDataset,
 )
 
-from ddprun import loaderstacks
+from ddprun import loaderworkers
 from ddprun._util import die_with_parent
 from ddprun.cpus import cpu_count
 from ddprun.errors import ConfigError
@@ -175,7 +175,7 @@ def loader_options(num_workers: int, device_type: str) -> dict[str, Any]:
 
 class LoaderWorkerInit:
     """``worker_init_fn`` of fit's DataLoader workers under ``ddprun run``: they ignore the job's
-    preemption signals, answer a hang report with where they are (ddprun/loaderstacks.py: a worker
+    preemption signals, answer a hang report with where they are (ddprun/loaderworkers.py: a worker
     started by a forkserver does not inherit its rank's answer), then the user's own runs.
     A scheduler signals every process of a node (SLURM every process of a step:
     ``scancel --signal``, the SIGTERM before a preemption or the time limit; a terminal's Ctrl-C its
@@ -190,7 +190,7 @@ class LoaderWorkerInit:
         for sig in self.signals:
             signal.signal(sig, signal.SIG_IGN)
         if self.answer:
-            loaderstacks.answer_requests(worker_id)
+            loaderworkers.answer_requests(worker_id)
             # its parent, the rank's forkserver, ends with the rank: so does a worker blocked in its
             # dataset, which torch's check of its parent (between batches) would never end
             die_with_parent()
@@ -205,9 +205,9 @@ def safe_worker_init(user: Callable[[int], Any] | None = None) -> Callable[[int]
     (Linux's default up to Python 3.13; else pass ``multiprocessing_context="fork"``): a forkserver
     would die of the signal, and its workers with it. Call it in the worker process of ``ddprun run``,
     whose bootstrap has set the signals."""
-    if not PREEMPT.signals and not loaderstacks.SERVING:
+    if not PREEMPT.signals and not loaderworkers.SERVING:
         return user
-    return LoaderWorkerInit(PREEMPT.signals, user, loaderstacks.SERVING)
+    return LoaderWorkerInit(PREEMPT.signals, user, loaderworkers.SERVING)
 
 
 def worker_init(num_workers: int, user: Callable[[int], Any] | None) -> Callable[[int], Any] | None:

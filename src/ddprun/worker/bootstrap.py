@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ddprun import cgroups, loaderstacks
+from ddprun import cgroups, loaderworkers
 from ddprun._util import die_with_parent, within
 from ddprun.errors import ConfigError
 from ddprun.preempt import PREEMPT, Preempted
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     channel = _open_channel(argv, wenv)
     monitor = Monitor(channel).start(_preemption_signals(wenv)) if channel is not None else None
     if channel is not None:  # the DataLoader workers it forks say where they are at a hang report
-        loaderstacks.serve()
+        loaderworkers.serve()
     _publish_saved_early(channel)
     # Each attempt's process group in its own part of the agent's store, which outlives attempts:
     # without it a restarted group reads the dead group's gloo/NCCL keys (agent/attempt.py).
@@ -267,4 +267,5 @@ def main(argv: list[str] | None = None) -> None:
         _publish_saved(channel, *(PREEMPT.saved or (-1, -1, "", 0.0, "fit")))
     if monitor is not None:
         monitor.flush_timing() if code == 0 else monitor.stop()
+    loaderworkers.end_workers()
     ddp_exit.hard_exit(code, wenv.exit_timeout if wenv is not None else defaults.EXIT_TIMEOUT_S)

@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any
 
-from ddprun import loaderstacks, preempt
+from ddprun import loaderworkers, preempt
 from ddprun._util import Bounded, within
 from ddprun.preempt import PREEMPT
 from ddprun.protocol import defaults
@@ -526,7 +526,7 @@ class Monitor:
         place = stacks.main_thread_place()
         place.update(host=self.ch.host, phase=PROGRESS.phase, steps=PROGRESS.steps,
                      loaders=stacks.loader_places(place, self.rundir.loader_stack_prefix(self.ch.rank)
-                                                  if loaderstacks.SERVING else None),
+                                                  if loaderworkers.SERVING else None),
                      collectives=collectives.last_collectives(self.rundir.flight_recorder_file(self.ch.rank)))
         store.set(keys.place(self.ch.rank), json.dumps(place))
 

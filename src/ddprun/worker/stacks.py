@@ -13,7 +13,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
-from ddprun import loaderstacks
+from ddprun import loaderworkers
 from ddprun._util import ranks_text
 from ddprun.protocol.failure import FINISHED_FIRST_HINT, CleanEnd
 
@@ -34,27 +34,27 @@ def _frame_kind(filename: str, func: str) -> str:
 def main_thread_place() -> dict:
     """Where the main thread is: a one-line summary for grouping, and its innermost frames."""
     ident = threading.main_thread().ident  # None only before a thread starts; the main thread has one
-    frames = loaderstacks.frames_of(sys._current_frames().get(ident) if ident is not None else None)
+    frames = loaderworkers.frames_of(sys._current_frames().get(ident) if ident is not None else None)
     where = ""
     for filename, _, func in reversed(frames):
         where = _frame_kind(filename, func)
         if where:
             break
-    user = loaderstacks.user_frame(frames)
-    at = loaderstacks.frame_text(user) if user else "?"
+    user = loaderworkers.user_frame(frames)
+    at = loaderworkers.frame_text(user) if user else "?"
     if not where:
-        where = f"at {loaderstacks.frame_text(frames[-1] if frames else ('?', 0, '?'))}"
+        where = f"at {loaderworkers.frame_text(frames[-1] if frames else ('?', 0, '?'))}"
     return {"where": where, "user_frame": at,
             "frames": [f"{fn}:{ln} in {func}" for fn, ln, func in frames[-12:]]}
 
 
 def loader_places(place: dict, prefix: str | None) -> list[dict]:
-    """Where this rank's DataLoader workers are (ddprun/loaderstacks.py) when ``place``
+    """Where this rank's DataLoader workers are (ddprun/loaderworkers.py) when ``place``
     (:func:`main_thread_place`) waits for one of them; each answer's stacks go to ``<prefix>-<pid>.txt``
     (RunDir.loader_stack_prefix). None asked outside ``ddprun run`` (``prefix`` None)."""
     if prefix is None or place.get("where") != DATA_LOADING:
         return []
-    places = loaderstacks.ask(loaderstacks.children())
+    places = loaderworkers.ask(loaderworkers.children())
     for p in places:
         stack = p.pop("stack", "")
         if stack:

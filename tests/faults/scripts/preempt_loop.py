@@ -2,6 +2,12 @@
 the step it was called at to OUT/callback-<rank>.txt. Rank R sends itself SIGTERM during step S+1.
 
     python preempt_loop.py --out DIR [--signal-rank R --signal-step S] [--steps N] [--catch]
+                           [--loader-workers W --send-signal NAME --signal-to self|tree]
+
+--loader-workers: the inputs come from a DataLoader of the script's own with W workers, started by
+fork (torch's default on Linux up to Python 3.13), with no worker_init_fn. --signal-to tree: the
+signal goes to the agent and every process below it, DataLoader workers included, as SLURM signals
+every process of a step (scancel --signal, the SIGTERM before a preemption).
 
 OUT/after-loop-<rank>.txt is written only if the loop runs to its end (it must not after a stop).
 --catch: the script catches ddprun.Preempted, writes OUT/caught-<rank>.txt and returns normally.
@@ -15,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
 import ddprun
 
@@ -26,6 +33,9 @@ def main() -> None:
     p.add_argument("--signal-rank", type=int)
     p.add_argument("--signal-step", type=int)
     p.add_argument("--catch", action="store_true")
+    p.add_argument("--loader-workers", type=int, default=0)
+    p.add_argument("--send-signal", default="TERM")
+    p.add_argument("--signal-to", choices=["self", "tree"], default="self")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -39,11 +49,12 @@ def main() -> None:
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    inputs = iter(DataLoader(Randn(), batch_size=4, num_workers=args.loader_workers)) if args.loader_workers else None
     try:
         for step in range(args.steps):
             if rank == args.signal_rank and step == args.signal_step:
-                os.kill(os.getpid(), signal.SIGTERM)
-            loss = model(torch.randn(4, 8)).pow(2).mean()
+                send(getattr(signal, f"SIG{args.send_signal}"), args.signal_to)
+            loss = model(next(inputs) if inputs else torch.randn(4, 8)).pow(2).mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -56,6 +67,37 @@ def main() -> None:
         return
     with open(os.path.join(args.out, f"after-loop-{rank}.txt"), "w") as f:
         f.write("done")
+
+
+class Randn(Dataset):
+    def __len__(self) -> int:
+        return 100_000
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.randn(8)
+
+
+def send(sig: int, to: str) -> None:
+    if to == "self":
+        os.kill(os.getpid(), sig)
+        return
+    tree = [os.getppid()]
+    todo = list(tree)
+    while todo:  # the agent and every process below it
+        parent = todo.pop()
+        below = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == parent]
+        tree += below
+        todo += below
+    for pid in tree:
+        os.kill(pid, sig)
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Where a rank's DataLoader workers are when the rank waits for a batch, for the hang report.
+"""A rank's DataLoader workers under ``ddprun run``: where they are at a hang report, and their end.
 
 A rank stuck "in data loading" waits for a worker process, and only the worker's own stack says why:
 a dataset reading a hung network file system, a lock, a server that never answers, a C library
@@ -95,8 +95,9 @@ def _note_forking_thread() -> None:
     _FORKED_BY_MAIN = threading.current_thread() is threading.main_thread()
 
 
-def _forked_by_dataloader() -> bool:
-    frame = sys._getframe(1)  # the code that forked: multiprocessing, under torch's DataLoader iterator
+def forked_by_dataloader() -> bool:
+    """In an at-fork hook of a forked child: whether torch's DataLoader forked it (a worker)."""
+    frame: FrameType | None = sys._getframe(1)  # the code that forked: multiprocessing, under torch's iterator
     while frame is not None:
         if frame.f_code.co_filename.endswith(_DATALOADER):
             return True
@@ -111,7 +112,7 @@ def _inherit() -> None:
     comes at the forking thread's end) and torch's DataLoader did: another fork of the script is left
     as it is (a daemon meant to outlive it)."""
     try:
-        if not _forked_by_dataloader():
+        if not forked_by_dataloader():
             return
         answer_requests()
         if _FORKED_BY_MAIN:
@@ -153,6 +154,27 @@ def catches(pid: int, sig: int = SIGNAL) -> bool:
     except (OSError, ValueError, IndexError):
         pass
     return False
+
+
+def end_workers() -> list[int]:
+    """SIGKILL this rank's DataLoader workers that are still running (those that answer: fit's and
+    those torch forked), as the rank ends: they ignore the preemption signals, SIGTERM included, so
+    multiprocessing's exit (``terminate()``, then a ``join()`` without a bound) would wait for them
+    forever where an iterator outlived the script's loop. torch's own answer to its parent's SIGTERM
+    is as abrupt (``_exit``). torch's SIGCHLD handler, which would take their end for a failure and
+    raise it in the exiting main thread, is put back to the default first. Main thread; returns the
+    pids signalled."""
+    workers = [pid for pid in children() if _stack_file(pid) is not None]
+    if workers and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    ended = []
+    for pid in workers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            ended.append(pid)
+        except OSError:
+            pass
+    return ended
 
 
 def kernel_state(pid: int) -> str:

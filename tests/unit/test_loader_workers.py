@@ -1,4 +1,4 @@
-"""Where a rank's DataLoader workers are at a hang report (ddprun/loaderstacks.py): they answer
+"""Where a rank's DataLoader workers are at a hang report (ddprun/loaderworkers.py): they answer
 SIGURG with faulthandler's dump, a process without the answer is never signalled, one that cannot
 answer is said with its kernel state, and the report names the worker's own line."""
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ddprun import loaderstacks
+from ddprun import loaderworkers
 from ddprun.train.data import LoaderWorkerInit
 from ddprun.worker.stacks import DATA_LOADING, hang_report
 
@@ -33,11 +33,11 @@ Current thread 0x00007f721548db80 (most recent call first):
 
 
 def test_the_main_thread_is_the_last_thread_faulthandler_lists_read_outermost_first():
-    frames = loaderstacks.main_thread_frames(DUMP)
+    frames = loaderworkers.main_thread_frames(DUMP)
     assert frames[0] == ("<string>", 1, "<module>")
     assert frames[-1] == ("/data/jobs/mydata.py", 15, "__getitem__")
-    assert loaderstacks.main_thread_frames("") == []
-    assert loaderstacks.main_thread_frames("Fatal Python error: garbage\n  File nonsense") == []
+    assert loaderworkers.main_thread_frames("") == []
+    assert loaderworkers.main_thread_frames("Fatal Python error: garbage\n  File nonsense") == []
 
 
 def test_the_users_frame_is_never_the_standard_library():
@@ -47,8 +47,8 @@ def test_the_users_frame_is_never_the_standard_library():
 
     frames = [("/job/train.py", 40, "main"), (torch.utils.data.__file__, 1291, "_try_get_data"),
               (selectors.__file__, 415, "select")]
-    assert loaderstacks.user_frame(frames) == ("/job/train.py", 40, "main")
-    assert loaderstacks.user_frame(frames[1:]) is None
+    assert loaderworkers.user_frame(frames) == ("/job/train.py", 40, "main")
+    assert loaderworkers.user_frame(frames[1:]) is None
 
 
 class Blocks(Dataset):
@@ -71,17 +71,17 @@ def test_a_forkserver_worker_of_fit_answers_with_its_id_and_its_line_and_a_stopp
     next(it)
     next(it)
     time.sleep(0.5)  # the worker is in its third sample by now
-    [pid] = loaderstacks.children()
-    [place] = loaderstacks.ask([pid, os.getpid()])  # this process catches no SIGURG: not asked
+    [pid] = loaderworkers.children()
+    [place] = loaderworkers.ask([pid, os.getpid()])  # this process catches no SIGURG: not asked
     assert place["worker"] == 0 and place["loader"] is True and place["pid"] == pid, place
-    assert place["at"] == f"at test_loader_stacks.py:{Blocks.__getitem__.__code__.co_firstlineno + 2} in __getitem__"
+    assert place["at"] == f"at test_loader_workers.py:{Blocks.__getitem__.__code__.co_firstlineno + 2} in __getitem__"
     assert "Current thread" in place["stack"] or "Thread 0x" in place["stack"]
-    again = loaderstacks.ask([pid])  # a second report reads only its own answer
+    again = loaderworkers.ask([pid])  # a second report reads only its own answer
     assert again[0]["stack"].count("most recent call first") == place["stack"].count("most recent call first")
     os.kill(pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
-        [stopped] = loaderstacks.ask([pid], wait_s=0.3)
+        [stopped] = loaderworkers.ask([pid], wait_s=0.3)
         assert time.monotonic() - t0 < 1.5
         assert re.fullmatch(r"did not answer within 0.3 s \(stopped \(T(, wait channel \w+)?\)\)", stopped["silent"]), stopped
         assert stopped["worker"] == 0  # its memfd's name says it
@@ -95,8 +95,8 @@ def test_a_process_that_installed_no_answer_is_not_signalled():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         time.sleep(0.2)
-        assert not loaderstacks.catches(child.pid)
-        assert loaderstacks.ask([child.pid]) == []
+        assert not loaderworkers.catches(child.pid)
+        assert loaderworkers.ask([child.pid]) == []
         assert child.poll() is None
     finally:
         child.kill()
@@ -107,7 +107,7 @@ FORKS = textwrap.dedent("""
     import os, signal, sys, threading, time
     import torch
     from torch.utils.data import DataLoader
-    from ddprun import loaderstacks
+    from ddprun import loaderworkers
 
     def sample(i):
         if i == 2:
@@ -118,7 +118,7 @@ FORKS = textwrap.dedent("""
         __len__ = lambda self: 100
         __getitem__ = lambda self, i: sample(i)
 
-    loaderstacks.serve()
+    loaderworkers.serve()
     pid = os.fork()  # a fork of the script's own: left as it is
     if pid == 0:
         time.sleep(30)
@@ -126,9 +126,9 @@ FORKS = textwrap.dedent("""
     it = iter(DataLoader(Blocks(), num_workers=1))  # fork: torch's default here
     next(it), next(it)
     time.sleep(0.5)
-    [worker] = loaderstacks.children()
-    print(loaderstacks.catches(pid), loaderstacks.catches(worker), flush=True)
-    [place] = loaderstacks.ask([worker])
+    [worker] = loaderworkers.children()
+    print(loaderworkers.catches(pid), loaderworkers.catches(worker), flush=True)
+    [place] = loaderworkers.ask([worker])
     print(place["loader"], place["worker"], place["at"], flush=True)
     os.kill(pid, signal.SIGKILL)
     os._exit(0)  # the rank ends at once: its worker must end with it
@@ -192,8 +192,8 @@ def test_the_report_names_the_worker_its_rank_waits_for_and_skips_malformed_answ
 
 IN_C = textwrap.dedent("""
     import ctypes
-    from ddprun import loaderstacks
-    loaderstacks.answer_requests(7)
+    from ddprun import loaderworkers
+    loaderworkers.answer_requests(7)
     libc = ctypes.PyDLL(None, use_errno=True)  # PyDLL: the call holds the GIL throughout
     buf = ctypes.create_string_buffer(1)
     print("reading", flush=True)
@@ -210,7 +210,7 @@ def test_a_worker_in_c_code_holding_the_gil_answers_and_its_blocked_call_goes_on
     try:
         assert child.stdout.readline() == b"reading\n"
         time.sleep(0.3)  # in the read by now
-        [place] = loaderstacks.ask([child.pid])
+        [place] = loaderworkers.ask([child.pid])
         assert place["worker"] == 7 and place["at"] == "at <string>:8 in <module>", place
         child.stdin.write(b"x")
         child.stdin.flush()
