@@ -49,13 +49,15 @@ _FD: int | None = None
 _WORKER_LOOP = "torch/utils/data/_utils/worker.py"
 _DATALOADER = "torch/utils/data/dataloader.py"
 _STDLIB = tuple({os.path.join(sysconfig.get_paths()[k], "") for k in ("stdlib", "platstdlib")})
+_INSTALLED = ("site-packages", "dist-packages", "/ddprun/")  # torch and the like (Debian: dist-packages), ddprun
 
 
 def user_frame(frames: Iterable[tuple[str, int, str]]) -> tuple[str, int, str] | None:
     """The innermost frame of the user's code in ``frames`` (outermost first): not torch or another
-    installed package, not ddprun, not the standard library (a ``select`` the DataLoader waits in)."""
+    installed package (site- or dist-packages), not ddprun, not the standard library (a ``select``
+    the DataLoader waits in)."""
     for fn, ln, func in reversed(list(frames)):
-        if not ("site-packages" in fn or "/ddprun/" in fn or fn.startswith("<") or fn.startswith(_STDLIB)):
+        if not (any(part in fn for part in _INSTALLED) or fn.startswith("<") or fn.startswith(_STDLIB)):
             return fn, ln, func
     return None
 
@@ -75,58 +77,64 @@ def frame_text(f: tuple[str, int, str]) -> str:
 
 
 # -- in a DataLoader worker -----------------------------------------------------------------------
-def answer_requests(worker_id: int | None = None) -> None:
+def answer_requests(worker_id: int | None = None) -> bool:
     """Dump every thread's stack into this process's memfd on SIGURG (a DataLoader worker, whose
-    rank reads it; ``worker_id`` goes in the memfd's name). Any thread; a second call replaces the first."""
+    rank reads it; the memfd's name carries ``worker_id`` and the main thread's id). Any thread; a
+    second call replaces the first. Never raises: False where it cannot answer (no memfd: a Python
+    built against glibc < 2.27, as conda's are; SIGURG already caught here, e.g. by a Go library)."""
     global _FD
-    fd = os.memfd_create(MEMFD_NAME if worker_id is None else f"{MEMFD_NAME}-{worker_id}", os.MFD_CLOEXEC)
-    faulthandler.register(SIGNAL, file=fd, all_threads=True)
+    try:
+        if _FD is None and catches(os.getpid()):
+            return False
+        main = threading.main_thread().ident or 0
+        fd = os.memfd_create(f"{MEMFD_NAME}-{'' if worker_id is None else worker_id}-{main:x}", os.MFD_CLOEXEC)
+        faulthandler.register(SIGNAL, file=fd, all_threads=True)
+    except (OSError, AttributeError, ValueError, RuntimeError):
+        return False
     if _FD is not None:
         os.close(_FD)
     _FD = fd
+    return True
 
 
-_FORKED_BY_MAIN = False
-"""In a forked child: whether the rank's main thread forked it (set in the parent just before)."""
+_RANK_MAIN: int | None = None
+"""The rank's main thread's id (:func:`serve`): a child forked by that thread is tied to its life."""
 
-
-def _note_forking_thread() -> None:
-    global _FORKED_BY_MAIN
-    _FORKED_BY_MAIN = threading.current_thread() is threading.main_thread()
+_MULTIPROCESSING = os.path.join("", "multiprocessing", "")
 
 
 def forked_by_dataloader() -> bool:
-    """In an at-fork hook of a forked child: whether torch's DataLoader forked it (a worker)."""
-    frame: FrameType | None = sys._getframe(1)  # the code that forked: multiprocessing, under torch's iterator
-    while frame is not None:
-        if frame.f_code.co_filename.endswith(_DATALOADER):
-            return True
+    """In an at-fork hook of a forked child: whether torch's DataLoader forked it, as a worker: the
+    first frame under the fork that is not multiprocessing's is torch's iterator (not a fork in a
+    worker, nor a Process a dataset starts in a rank that loads without workers)."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename.endswith("ddprun/loaderworkers.py")
+                                 or frame.f_code.co_filename.endswith("ddprun/preempt.py")
+                                 or _MULTIPROCESSING in frame.f_code.co_filename):
         frame = frame.f_back
-    return False
+    return frame is not None and frame.f_code.co_filename.endswith(_DATALOADER)
 
 
 def _inherit() -> None:
     """In a process the rank forked: a DataLoader worker (of the script's own loop) answers, and ends
     with its rank: torch's worker checks its parent only between batches, so one blocked in its
     dataset would outlive a killed rank. Tied only when the rank's main thread forked it (the signal
-    comes at the forking thread's end) and torch's DataLoader did: another fork of the script is left
-    as it is (a daemon meant to outlive it)."""
+    comes at the forking thread's end; a thread keeps its id across fork) and torch's DataLoader did:
+    another fork of the script is left as it is (a daemon meant to outlive it)."""
     try:
-        if not forked_by_dataloader():
-            return
-        answer_requests()
-        if _FORKED_BY_MAIN:
+        if forked_by_dataloader() and answer_requests() and threading.get_ident() == _RANK_MAIN:
             die_with_parent()
-    except (OSError, AttributeError, RuntimeError, ValueError):  # no memfd here: the rank gets no answer, and says so
+    except (OSError, AttributeError, RuntimeError, ValueError):  # no answer: the rank says nothing of it
         pass
 
 
 def serve() -> None:
-    """In a ``ddprun run`` rank: the DataLoader workers it forks from now on answer; fit's workers too."""
-    global SERVING
+    """In a ``ddprun run`` rank (main thread): the DataLoader workers it forks from now on answer;
+    fit's workers too."""
+    global SERVING, _RANK_MAIN
     if not SERVING:
-        os.register_at_fork(before=_note_forking_thread, after_in_child=_inherit)
-    SERVING = True
+        os.register_at_fork(after_in_child=_inherit)
+    SERVING, _RANK_MAIN = True, threading.get_ident()
 
 
 # -- in the rank ------------------------------------------------------------------------------------
@@ -192,14 +200,14 @@ def kernel_state(pid: int) -> str:
     return f"{names.get(state, 'state')} ({state}{channel})"
 
 
-def _stack_file(pid: int) -> tuple[str, int | None] | None:
-    """``(/proc/PID/fd/N, DataLoader worker id or None)``: ``pid``'s memfd of stacks
-    (:func:`answer_requests`); None without one."""
+def _stack_file(pid: int) -> tuple[str, int | None, int | None] | None:
+    """``(/proc/PID/fd/N, DataLoader worker id, main thread id)``, each id None where unknown:
+    ``pid``'s memfd of stacks (:func:`answer_requests`); None without one."""
     try:
         for n in os.listdir(f"/proc/{pid}/fd"):
-            named = re.match(rf"/memfd:{MEMFD_NAME}(?:-(\d+))? \(deleted\)$", os.readlink(f"/proc/{pid}/fd/{n}"))
+            named = re.match(rf"/memfd:{MEMFD_NAME}-(\d*)-([0-9a-f]+) \(deleted\)$", os.readlink(f"/proc/{pid}/fd/{n}"))
             if named:
-                return f"/proc/{pid}/fd/{n}", int(named[1]) if named[1] else None
+                return (f"/proc/{pid}/fd/{n}", int(named[1]) if named[1] else None, int(named[2], 16) or None)
     except OSError:
         pass
     return None
@@ -214,12 +222,17 @@ def _read_from(path: str, offset: int) -> str:
         return ""
 
 
+STABLE_S = 0.1
+"""A dump that has not grown for this long (s) is whole: faulthandler writes one in well under 1 ms,
+unless the scheduler pauses the worker in the middle of it."""
+
+
 def ask(pids: Iterable[int], wait_s: float = ANSWER_WAIT_S) -> list[dict[str, Any]]:
     """Each of ``pids`` that answers SIGURG: ``pid``, ``worker`` (its DataLoader worker id, where
     known), ``loader`` (a DataLoader worker), ``stack`` (every thread's, faulthandler's text),
     ``frames`` (its main thread's, outermost first) and ``at``; without an answer within ``wait_s``,
     ``silent`` says so with its kernel state."""
-    asked: dict[int, tuple[str, int | None, int]] = {}
+    asked: dict[int, tuple[str, int | None, int | None, int]] = {}
     for pid in pids:
         found = _stack_file(pid) if catches(pid) else None
         if found is None:
@@ -229,25 +242,28 @@ def ask(pids: Iterable[int], wait_s: float = ANSWER_WAIT_S) -> list[dict[str, An
             os.kill(pid, SIGNAL)
         except OSError:
             continue
-        asked[pid] = (found[0], found[1], offset)
+        asked[pid] = (*found, offset)
     texts: dict[int, str] = {}
-    deadline = time.monotonic() + wait_s
-    while asked and time.monotonic() < deadline:
-        now = {pid: _read_from(path, offset) for pid, (path, _, offset) in asked.items()}
-        if all(now[pid] and now[pid] == texts.get(pid) for pid in asked):
-            break  # every dump has stopped growing: faulthandler writes one in well under 20 ms
-        texts = now
+    start = changed = time.monotonic()
+    while asked and time.monotonic() < start + wait_s:
         time.sleep(0.02)
-    return [_place(pid, worker, texts.get(pid, ""), wait_s) for pid, (_, worker, _) in asked.items()]
+        now = {pid: _read_from(path, offset) for pid, (path, _, _, offset) in asked.items()}
+        if now != texts:
+            texts, changed = now, time.monotonic()
+        elif all(texts.values()) and time.monotonic() - changed >= STABLE_S:
+            break
+    return [_place(pid, worker, main, texts.get(pid, ""), wait_s) for pid, (_, worker, main, _) in asked.items()]
 
 
-def _place(pid: int, worker: int | None, stack: str, wait_s: float) -> dict[str, Any]:
-    frames = main_thread_frames(stack)
+def _place(pid: int, worker: int | None, main: int | None, stack: str, wait_s: float) -> dict[str, Any]:
+    frames = main_thread_frames(stack, main)
     place: dict[str, Any] = {"pid": pid, "worker": worker, "stack": stack,
                              "loader": worker is not None or any(fn.endswith(_WORKER_LOOP) for fn, _, _ in frames),
                              "frames": [f"{fn}:{ln} in {func}" for fn, ln, func in frames[-8:]]}
     if frames:
         place["at"] = _worker_at(frames)
+    elif stack:
+        place["at"] = "at ? (its main thread is not in the dump: faulthandler lists 100 threads at most)"
     else:
         place.update(at="", silent=f"did not answer within {wait_s:g} s ({kernel_state(pid)})")
     return place
@@ -268,12 +284,16 @@ def _worker_at(frames: list[tuple[str, int, str]]) -> str:
 _FRAME = re.compile(r'^  File "(.*)", line (\d+|\?+) in (.*)$')
 
 
-def main_thread_frames(stack: str) -> list[tuple[str, int, str]]:
-    """The main thread's frames (outermost first) in faulthandler's dump of every thread: the last
-    thread it lists (CPython keeps its threads newest first)."""
-    blocks = re.split(r"^(?:Current thread|Thread) 0x[0-9a-f]+ .*:$", stack, flags=re.M)
+def main_thread_frames(stack: str, main: int | None = None) -> list[tuple[str, int, str]]:
+    """The main thread's frames (outermost first) in faulthandler's dump of every thread: the thread
+    whose id is ``main``, else the last one listed (CPython keeps its threads newest first)."""
+    parts = re.split(r"^(?:Current thread|Thread) (0x[0-9a-f]+) .*:$", stack, flags=re.M)
+    blocks = dict(zip((int(h, 16) for h in parts[1::2]), parts[2::2]))
+    if not blocks:
+        return []
+    block = blocks.get(main, "") if main is not None else parts[-1]
     frames = []
-    for line in blocks[-1].splitlines() if len(blocks) > 1 else []:
+    for line in block.splitlines():
         m = _FRAME.match(line)
         if m:
             frames.append((m[1], int(m[2]) if m[2].isdigit() else 0, m[3]))

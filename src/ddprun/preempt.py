@@ -159,12 +159,14 @@ _FORK_HOOK = False
 
 
 def _in_forked_child() -> None:
-    """A process the rank forked: its signals are its own. The wakeup pipe it inherits is the rank's,
-    where a byte is a signal to the rank: a scheduler's one signal to every process of the node
-    (``scancel --signal``, SLURM's SIGTERM before a preemption) reached the rank twice, through a
-    DataLoader worker too, and the second stopped it at once instead of at the agreed step. A
-    DataLoader worker torch forks also ignores the preemption signals once torch has set its own
-    handlers (its SIGTERM handler ends the worker, and its rank with it), as fit's workers do."""
+    """A process the rank forked has its own signals, as without ddprun. The wakeup pipe it inherits
+    is the rank's, where a byte is a signal to the rank: a scheduler's one signal to every process of
+    the node (``scancel --signal``, SLURM's SIGTERM before a preemption) reached the rank twice,
+    through a DataLoader worker too, and the second stopped it at once instead of at the agreed step.
+    The rank's handlers go too (they only set a flag there): a Pool's ``terminate()`` ended nothing,
+    and its ``join()`` waited forever. A DataLoader worker torch forks ignores the preemption signals
+    instead, also once torch has set its own handlers (its SIGTERM handler ends the worker, and its
+    rank with it), as fit's workers do."""
     try:
         inherited = signal.set_wakeup_fd(-1)
         if inherited < 0 or inherited != PREEMPT._wakeup:  # not ddprun's (installed, then put back)
@@ -172,11 +174,17 @@ def _in_forked_child() -> None:
             return
     except ValueError:  # not the main thread of the main interpreter
         return
-    if PREEMPT.signals and forked_by_dataloader():
-        handling = sys.modules.get("torch.utils.data._utils.signal_handling")
-        torchs = getattr(handling, "_set_worker_signal_handlers", None)
-        if callable(torchs):
-            handling._set_worker_signal_handlers = _then_ignoring(torchs, PREEMPT.signals)  # type: ignore[union-attr]
+    signals, PREEMPT.signals = PREEMPT.signals, ()
+    signal.signal = _signal_signal  # type: ignore[assignment]
+    worker = forked_by_dataloader()
+    for sig in signals:
+        before = PREEMPT._previous.get(sig, signal.SIG_DFL)
+        _signal_signal(sig, signal.SIG_IGN if worker else before if callable(before) or before in (
+            signal.SIG_DFL, signal.SIG_IGN) else signal.SIG_DFL)
+    handling = sys.modules.get("torch.utils.data._utils.signal_handling")
+    torchs = getattr(handling, "_set_worker_signal_handlers", None)
+    if worker and signals and callable(torchs):
+        handling._set_worker_signal_handlers = _then_ignoring(torchs, signals)  # type: ignore[union-attr]
 
 
 def _then_ignoring(torchs: Callable[..., Any], signals: tuple[int, ...]) -> Callable[..., Any]:

@@ -1,6 +1,6 @@
 """Ends that used to hang or say nothing: an atexit handler that never returns, a full disk under
 the run directory, an elastic job that loses the node hosting its store, torch's shared-store switch,
-a console that goes away, DataLoader workers alive at the script's end."""
+a console that goes away, DataLoader workers alive at the script's end, a Pool the script terminates."""
 
 import json
 import os
@@ -38,6 +38,17 @@ def test_a_dataloader_iterator_alive_at_the_scripts_end_lets_its_ranks_exit_at_o
     assert ended.returncode == 0 and "finished on this node" in ended.output, describe([ended])
     assert "rank 0 done" in logs and "rank 1 done" in logs, logs
     assert "Traceback" not in logs and "killed by signal" not in logs and "atexit" not in logs, logs
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_a_pool_the_rank_terminates_ends_at_once(nodes, tmp_path):
+    """Processes a rank forks had its handlers, which only set a flag: the SIGTERM of a Pool's
+    terminate() ended nothing, and its join() waited forever (before: the rank never finished)."""
+    script = str(Path(__file__).parent / "scripts" / "pool_terminate.py")
+    [ended] = nodes(1, 1, [], script=script).finish(timeout=30)
+    assert ended.returncode == 0 and "finished on this node" in ended.output, describe([ended])
+    assert "rank 0 done" in (tmp_path / "runs" / "fault" / "logs" / "rank-0.log").read_text()
     assert_nothing_left(tmp_path)
 
 

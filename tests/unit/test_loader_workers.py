@@ -40,6 +40,14 @@ def test_the_main_thread_is_the_last_thread_faulthandler_lists_read_outermost_fi
     assert loaderworkers.main_thread_frames("Fatal Python error: garbage\n  File nonsense") == []
 
 
+def test_the_main_thread_is_found_by_its_id_wherever_the_dump_lists_it():
+    main_first = DUMP.replace("Current thread 0x00007f721548db80", "Thread 0x00007f72154800aa")
+    main_first = "Thread 0x00007f721548db80 (most recent call first):\n  File \"/job/d.py\", line 3 in get\n\n" + main_first
+    assert loaderworkers.main_thread_frames(main_first, 0x7F721548DB80) == [("/job/d.py", 3, "get")]
+    assert loaderworkers.main_thread_frames(DUMP, 0x1234) == []  # not listed (over 100 threads): no guess
+    assert loaderworkers._place(1, 0, 0x1234, DUMP, 1.0)["at"].startswith("at ? (its main thread is not in the dump")
+
+
 def test_the_users_frame_is_never_the_standard_library():
     """A rank waiting for its DataLoader sits in multiprocessing and selectors: the user's frame is the
     script's loop, not `selectors.py:415 in select`."""
@@ -49,10 +57,21 @@ def test_the_users_frame_is_never_the_standard_library():
               (selectors.__file__, 415, "select")]
     assert loaderworkers.user_frame(frames) == ("/job/train.py", 40, "main")
     assert loaderworkers.user_frame(frames[1:]) is None
+    debian = [("/job/train.py", 40, "main"), ("/usr/local/lib/python3.11/dist-packages/torch/utils/data/x.py", 9, "f")]
+    assert loaderworkers.user_frame(debian) == ("/job/train.py", 40, "main")
+
+
+def test_without_memfd_a_worker_does_not_answer_and_nothing_fails(monkeypatch):
+    """A Python built against glibc < 2.27 (conda's, uv's) has no os.memfd_create."""
+    monkeypatch.delattr(os, "memfd_create")
+    assert loaderworkers.answer_requests(0) is False
+    assert LoaderWorkerInit((), answer=True)(0) is None
+    assert not loaderworkers.catches(os.getpid())
 
 
 class Blocks(Dataset):
-    """Blocks at its third sample in ``threading.Event().wait()``: never set."""
+    """Blocks at its third sample in ``threading.Event().wait()``: never set; each sample is the
+    worker's parent-death signal (PR_GET_PDEATHSIG)."""
 
     def __len__(self):
         return 100
@@ -60,7 +79,31 @@ class Blocks(Dataset):
     def __getitem__(self, i):
         if i == 2:
             threading.Event().wait()  # line the test names
-        return torch.zeros(1)
+        return torch.tensor([pdeathsig()])
+
+
+def pdeathsig() -> int:
+    import ctypes
+
+    got = ctypes.c_int(-1)
+    ctypes.CDLL(None).prctl(2, ctypes.byref(got), 0, 0, 0)  # PR_GET_PDEATHSIG
+    return got.value
+
+
+def test_a_forked_worker_of_safe_worker_init_is_not_tied_to_the_thread_that_started_it():
+    """PR_SET_PDEATHSIG fires when the parent *thread* ends: an iterator made in a prefetch thread
+    would lose its workers with that thread. Only a forkserver's workers (its one thread) are tied."""
+    loader = DataLoader(Pdeathsig(), batch_size=1, num_workers=1, multiprocessing_context="fork",
+                        worker_init_fn=LoaderWorkerInit((), answer=True))
+    assert [int(b) for b in loader] == [0, 0]
+
+
+class Pdeathsig(Dataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return torch.tensor([pdeathsig()])
 
 
 @pytest.mark.timeout(60)
@@ -68,7 +111,7 @@ def test_a_forkserver_worker_of_fit_answers_with_its_id_and_its_line_and_a_stopp
     loader = DataLoader(Blocks(), batch_size=1, num_workers=1, multiprocessing_context="forkserver",
                         worker_init_fn=LoaderWorkerInit((), answer=True), timeout=0, prefetch_factor=4)
     it = iter(loader)
-    next(it)
+    assert int(next(it)) == signal.SIGKILL  # ends with its parent, the forkserver, which ends with the rank
     next(it)
     time.sleep(0.5)  # the worker is in its third sample by now
     [pid] = loaderworkers.children()
@@ -104,7 +147,7 @@ def test_a_process_that_installed_no_answer_is_not_signalled():
 
 
 FORKS = textwrap.dedent("""
-    import os, signal, sys, threading, time
+    import multiprocessing, os, signal, sys, threading, time
     import torch
     from torch.utils.data import DataLoader
     from ddprun import loaderworkers
@@ -118,11 +161,25 @@ FORKS = textwrap.dedent("""
         __len__ = lambda self: 100
         __getitem__ = lambda self, i: sample(i)
 
+    class Starts(torch.utils.data.Dataset):  # loaded in the rank (no workers): starts a process
+        __len__ = lambda self: 1
+        def __getitem__(self, i):
+            import multiprocessing
+            p = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,), daemon=True)
+            p.start()
+            return p.pid
+
     loaderworkers.serve()
     pid = os.fork()  # a fork of the script's own: left as it is
     if pid == 0:
         time.sleep(30)
         os._exit(0)
+    [started] = list(DataLoader(Starts(), num_workers=0))  # a dataset's own process: not a worker
+    time.sleep(0.2)
+    print("dataset's process answers:", loaderworkers.catches(int(started)), flush=True)
+    os.kill(int(started), signal.SIGKILL)
+    os.waitpid(int(started), 0)
+    multiprocessing.process._children.clear()  # reaped here, not by multiprocessing
     it = iter(DataLoader(Blocks(), num_workers=1))  # fork: torch's default here
     next(it), next(it)
     time.sleep(0.5)
@@ -141,6 +198,7 @@ def test_a_forked_dataloader_worker_answers_and_ends_with_its_rank_and_another_f
                          env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
+    assert lines.pop(0) == "dataset's process answers: False", out.stdout
     assert lines[0] == "False True", out.stdout
     assert lines[1] == "True None at <string>:9 in sample", out.stdout
     deadline = time.monotonic() + 3  # torch's worker would never notice: it is blocked

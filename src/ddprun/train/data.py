@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import os
 import signal
 import warnings
 from collections.abc import Callable, Iterator, Sized
@@ -191,11 +192,19 @@ class LoaderWorkerInit:
             signal.signal(sig, signal.SIG_IGN)
         if self.answer:
             loaderworkers.answer_requests(worker_id)
-            # its parent, the rank's forkserver, ends with the rank: so does a worker blocked in its
-            # dataset, which torch's check of its parent (between batches) would never end
-            die_with_parent()
+            if _forkserver_started():
+                # its parent, the rank's forkserver, ends with the rank: so does a worker blocked in its
+                # dataset, which torch's check of its parent (between batches) would never end. Not a
+                # worker the rank started itself: the tie is to the starting thread, which may end first
+                die_with_parent()
         if self.user is not None:
             self.user(worker_id)
+
+
+def _forkserver_started() -> bool:
+    """In a worker: whether a forkserver forked it (its parent is not the rank that started it)."""
+    parent = multiprocessing.parent_process()
+    return parent is not None and parent.pid != os.getppid()
 
 
 def safe_worker_init(user: Callable[[int], Any] | None = None) -> Callable[[int], Any] | None:
