@@ -76,6 +76,11 @@ def frame_text(f: tuple[str, int, str]) -> str:
     return f"{os.path.basename(f[0])}:{f[1]} in {f[2]}"
 
 
+def frame_lines(frames: Iterable[tuple[str, int, str]]) -> list[str]:
+    """``/path/file.py:15 in f`` per frame, as a place carries them (the store, the report)."""
+    return [f"{fn}:{ln} in {func}" for fn, ln, func in frames]
+
+
 # -- in a DataLoader worker -----------------------------------------------------------------------
 def answer_requests(worker_id: int | None = None) -> bool:
     """Dump every thread's stack into this process's memfd on SIGURG (a DataLoader worker, whose
@@ -259,7 +264,7 @@ def _place(pid: int, worker: int | None, main: int | None, stack: str, wait_s: f
     frames = main_thread_frames(stack, main)
     place: dict[str, Any] = {"pid": pid, "worker": worker, "stack": stack,
                              "loader": worker is not None or any(fn.endswith(_WORKER_LOOP) for fn, _, _ in frames),
-                             "frames": [f"{fn}:{ln} in {func}" for fn, ln, func in frames[-8:]]}
+                             "frames": frame_lines(frames[-8:])}
     if frames:
         place["at"] = _worker_at(frames)
     elif stack:

@@ -178,13 +178,18 @@ def _in_forked_child() -> None:
     signal.signal = _signal_signal  # type: ignore[assignment]
     worker = forked_by_dataloader()
     for sig in signals:
-        before = PREEMPT._previous.get(sig, signal.SIG_DFL)
-        _signal_signal(sig, signal.SIG_IGN if worker else before if callable(before) or before in (
-            signal.SIG_DFL, signal.SIG_IGN) else signal.SIG_DFL)
+        _signal_signal(sig, signal.SIG_IGN if worker else _scripts_own(sig))
     handling = sys.modules.get("torch.utils.data._utils.signal_handling")
     torchs = getattr(handling, "_set_worker_signal_handlers", None)
     if worker and signals and callable(torchs):
         handling._set_worker_signal_handlers = _then_ignoring(torchs, signals)  # type: ignore[union-attr]
+
+
+def _scripts_own(sig: int) -> Any:
+    """What the script had for ``sig`` before ddprun's handler: its own, SIG_IGN, else SIG_DFL (also
+    for a handler set from C, which Python cannot put back)."""
+    before = PREEMPT._previous.get(sig, signal.SIG_DFL)
+    return before if callable(before) or before in (signal.SIG_DFL, signal.SIG_IGN) else signal.SIG_DFL
 
 
 def _then_ignoring(torchs: Callable[..., Any], signals: tuple[int, ...]) -> Callable[..., Any]:

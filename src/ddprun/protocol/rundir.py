@@ -71,8 +71,8 @@ class RunDir:
         return self.join("stacks", f"rank-{rank}.txt")
 
     def loader_stack_prefix(self, rank: int | str) -> str:
-        """``stacks/rank-N-loader``: a DataLoader worker of rank N answers a hang report in
-        ``<prefix>-<pid>.txt`` (every thread's stack) and ``.json`` (its place, read by its rank)."""
+        """``stacks/rank-N-loader``: rank N keeps what its DataLoader worker answered a hang report
+        (every thread's stack) in ``<prefix>-<pid>.txt``."""
         return self.join("stacks", f"rank-{rank}-loader")
 
     def flight_recorder_file(self, rank: int | str) -> str:

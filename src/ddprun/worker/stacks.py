@@ -45,7 +45,7 @@ def main_thread_place() -> dict:
     if not where:
         where = f"at {loaderworkers.frame_text(frames[-1] if frames else ('?', 0, '?'))}"
     return {"where": where, "user_frame": at,
-            "frames": [f"{fn}:{ln} in {func}" for fn, ln, func in frames[-12:]]}
+            "frames": loaderworkers.frame_lines(frames[-12:])}
 
 
 def loader_places(place: dict, prefix: str | None) -> list[dict]:
