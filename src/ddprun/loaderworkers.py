@@ -18,7 +18,9 @@ is DataLoader's start method on Linux up to Python 3.13), and ddprun.fit's ``wor
 (train/data.py), for its forkserver workers, with the worker's id (the rank cannot tell a forked
 worker's: multiprocessing drops a started process's arguments). Both also tie the worker's life to
 its parent's (PR_SET_PDEATHSIG): torch's worker checks its parent only between batches, so one blocked
-in its dataset outlived a killed rank, forever.
+in its dataset outlived a killed rank, forever. Such workers ignore the job's preemption signals
+(ddprun/preempt.py, train/data.py), so the rank kills those it would terminate: torch's shutdown of a
+dropped iterator, multiprocessing's exit (:func:`end_workers`).
 """
 
 from __future__ import annotations
@@ -135,34 +137,86 @@ def _inherit() -> None:
 
 def serve() -> None:
     """In a ``ddprun run`` rank (main thread): the DataLoader workers it forks from now on answer;
-    fit's workers too."""
+    fit's workers too. multiprocessing's ``terminate()`` of a DataLoader worker that ignores SIGTERM
+    kills it (:func:`_mark_loader_workers`)."""
     global SERVING, _RANK_MAIN
     if not SERVING:
         os.register_at_fork(after_in_child=_inherit)
+        _mark_loader_workers()
     SERVING, _RANK_MAIN = True, threading.get_ident()
 
 
+_LOADER_WORKER = "_ddprun_loader_worker"
+"""The attribute that marks a multiprocessing Process object as a DataLoader worker (at its start)."""
+
+
+def _mark_loader_workers() -> None:
+    """In this process, a Process started to run torch's DataLoader worker loop (any start method)
+    is marked as such (``start()`` drops its target), and its ``terminate()`` is a SIGKILL while it
+    ignores SIGTERM, as the job's preemption signals make it (a scheduler sends them to every process
+    of a node). torch's shutdown of an iterator terminates a worker still running after a 5 s join:
+    ignored, a worker blocked in its dataset outlived its loop's ``break`` until its rank's exit.
+    torch's worker ends as abruptly at its parent's SIGTERM (``_exit``), and its pid is no longer
+    watched by then (no failure). Any other process's ``terminate()`` is multiprocessing's own."""
+    from multiprocessing import process
+
+    cls = process.BaseProcess
+    start, terminate = cls.start, cls.terminate
+
+    def start_marked(self: Any) -> None:
+        target = getattr(self, "_target", None)
+        if getattr(target, "__name__", "") == "_worker_loop" and \
+                getattr(target, "__module__", "") == "torch.utils.data._utils.worker":
+            setattr(self, _LOADER_WORKER, True)  # a plain flag: a forkserver's Process is pickled
+        start(self)
+
+    def terminate_or_kill(self: Any) -> None:
+        pid = self.pid
+        if is_loader_worker(self) and isinstance(pid, int) and ignores(pid, signal.SIGTERM):
+            self.kill()
+        else:
+            terminate(self)
+
+    cls.start, cls.terminate = start_marked, terminate_or_kill  # type: ignore[method-assign]
+
+
+def is_loader_worker(proc: Any) -> bool:
+    """Whether a multiprocessing Process was started (after :func:`serve`) as a DataLoader worker."""
+    return getattr(proc, _LOADER_WORKER, False) is True
+
+
 # -- in the rank ------------------------------------------------------------------------------------
-def children() -> list[int]:
+def children(only_loader_workers: bool = False) -> list[int]:
     """pids of this process's multiprocessing children that have not ended (DataLoader workers,
-    whatever their start method). Not ``multiprocessing.active_children()``: it reaps, racing torch's
-    own check of its workers (two ``waitpid`` of one pid: one of them takes a dead worker for alive)."""
+    whatever their start method; ``only_loader_workers``: only those). Not
+    ``multiprocessing.active_children()``: it reaps, racing torch's own check of its workers (two
+    ``waitpid`` of one pid: one of them takes a dead worker for alive)."""
     from multiprocessing import process
 
     out = []
     for p in list(getattr(process, "_children", ())):
         popen = getattr(p, "_popen", None)
-        if popen is not None and getattr(popen, "returncode", 0) is None and isinstance(popen.pid, int):
+        if popen is not None and getattr(popen, "returncode", 0) is None and isinstance(popen.pid, int) \
+                and (is_loader_worker(p) or not only_loader_workers):
             out.append(popen.pid)
     return sorted(out)
 
 
 def catches(pid: int, sig: int = SIGNAL) -> bool:
     """Whether process ``pid`` has a handler for ``sig`` (``SigCgt`` in /proc/PID/status)."""
+    return _in_mask(pid, "SigCgt:", sig)
+
+
+def ignores(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` ignores ``sig`` (``SigIgn`` in /proc/PID/status)."""
+    return _in_mask(pid, "SigIgn:", sig)
+
+
+def _in_mask(pid: int, field: str, sig: int) -> bool:
     try:
         with open(f"/proc/{pid}/status") as fp:
             for line in fp:
-                if line.startswith("SigCgt:"):
+                if line.startswith(field):
                     return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
     except (OSError, ValueError, IndexError):
         pass
@@ -170,14 +224,14 @@ def catches(pid: int, sig: int = SIGNAL) -> bool:
 
 
 def end_workers() -> list[int]:
-    """SIGKILL this rank's DataLoader workers that are still running (those that answer: fit's and
-    those torch forked), as the rank ends: they ignore the preemption signals, SIGTERM included, so
+    """SIGKILL this rank's DataLoader workers that are still running (whatever their start method, and
+    also where they cannot answer), as the rank ends: they ignore the preemption signals, SIGTERM included, so
     multiprocessing's exit (``terminate()``, then a ``join()`` without a bound) would wait for them
     forever where an iterator outlived the script's loop. torch's own answer to its parent's SIGTERM
     is as abrupt (``_exit``). torch's SIGCHLD handler, which would take their end for a failure and
     raise it in the exiting main thread, is put back to the default first. Main thread; returns the
     pids signalled."""
-    workers = [pid for pid in children() if _stack_file(pid) is not None]
+    workers = children(only_loader_workers=True)
     if workers and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     ended = []

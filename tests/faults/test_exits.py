@@ -28,12 +28,15 @@ def test_an_atexit_handler_that_never_returns_is_bounded_and_named(nodes, tmp_pa
 
 
 @pytest.mark.timeout(60)
-def test_a_dataloader_iterator_alive_at_the_scripts_end_lets_its_ranks_exit_at_once(nodes, tmp_path):
+@pytest.mark.parametrize("memfd", ["memfd", "no-memfd"])
+def test_a_dataloader_iterator_alive_at_the_scripts_end_lets_its_ranks_exit_at_once(nodes, tmp_path, memfd):
     """At the end multiprocessing terminates a rank's workers and joins them without a bound: under
     ddprun run a DataLoader worker torch forks ignores the preemption signals, SIGTERM included, so
-    the rank ends them itself, and torch's SIGCHLD handler must not take that for a worker's failure."""
+    the rank ends them itself, and torch's SIGCHLD handler must not take that for a worker's failure.
+    ``no-memfd``: a Python without ``os.memfd_create`` (conda's), whose workers cannot answer a hang
+    report (before: the rank did not find them, and its exit waited for them until --exit-timeout)."""
     script = str(Path(__file__).parent / "scripts" / "loader_outlives.py")
-    [ended] = nodes(1, 2, [], script=script).finish(timeout=40)
+    [ended] = nodes(1, 2, ["no-memfd"] if memfd == "no-memfd" else [], script=script).finish(timeout=40)
     logs = "".join((tmp_path / "runs" / "fault" / "logs" / f"rank-{r}.log").read_text() for r in (0, 1))
     assert ended.returncode == 0 and "finished on this node" in ended.output, describe([ended])
     assert "rank 0 done" in logs and "rank 1 done" in logs, logs
@@ -49,6 +52,27 @@ def test_a_pool_the_rank_terminates_ends_at_once(nodes, tmp_path):
     [ended] = nodes(1, 1, [], script=script).finish(timeout=30)
     assert ended.returncode == 0 and "finished on this node" in ended.output, describe([ended])
     assert "rank 0 done" in (tmp_path / "runs" / "fault" / "logs" / "rank-0.log").read_text()
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("init", ["none", "safe"])
+def test_a_dataloader_worker_blocked_in_its_dataset_ends_when_its_loop_leaves_the_dataloader(nodes, tmp_path, init):
+    """A loop that leaves its DataLoader early (``break``) while the worker is blocked in its dataset:
+    torch's shutdown joins the worker for 5 s, then sends it SIGTERM. The worker ignores the job's
+    preemption signals (a scheduler sends them to every process of the node), but not this one.
+    Before: it ignored it too and outlived the loop, blocked, until its rank's exit."""
+    fifo = tmp_path / "never-written"
+    os.mkfifo(fifo)
+    script = str(Path(__file__).parent / "scripts" / "loader_dropped.py")
+    args = [str(fifo), str(tmp_path / "worker.pid"), *(["safe"] if init == "safe" else [])]
+    [ended] = nodes(1, 1, args, script=script).finish(timeout=45)
+    assert ended.returncode == 0, describe([ended])
+    log = (tmp_path / "runs" / "fault" / "logs" / "rank-0.log").read_text()
+    m = re.search(r"rank 0: the blocked worker (ended|is still alive) ([\d.]+) s after the loop left its DataLoader",
+                  log)
+    assert m and m.group(1) == "ended", log
+    assert float(m.group(2)) < 5 + 3, log  # torch's join, its SIGTERM, the next look
     assert_nothing_left(tmp_path)
 
 

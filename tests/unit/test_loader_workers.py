@@ -276,3 +276,64 @@ def test_a_worker_in_c_code_holding_the_gil_answers_and_its_blocked_call_goes_on
     finally:
         child.kill()
         child.wait()
+
+
+
+
+TERMINATE = textwrap.dedent("""
+    import multiprocessing, os, signal, sys, time
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+    from ddprun import loaderworkers
+
+    class Slow(Dataset):
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, i):
+            time.sleep(30)  # as a dataset blocked in a read
+            return torch.ones(1)
+
+    def ignoring(*args):  # as the job's preemption signals make a DataLoader worker (or any process)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if not args:
+            time.sleep(30)
+
+    def terminated(p, what):
+        deadline = time.monotonic() + 20
+        while not loaderworkers.ignores(p.pid, signal.SIGTERM) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        p.terminate()
+        p.join(0.5)
+        print(f"{what}: loader worker={loaderworkers.is_loader_worker(p)} exitcode={p.exitcode}", flush=True)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+    if __name__ == "__main__":
+        loaderworkers.serve()
+        ctx = multiprocessing.get_context(sys.argv[1])
+        if sys.argv[1] == "fork":
+            other = ctx.Process(target=ignoring, daemon=True)
+            other.start()
+            terminated(other, "other")
+        it = iter(DataLoader(Slow(), num_workers=1, worker_init_fn=ignoring, multiprocessing_context=ctx))
+        torch.utils.data._utils.signal_handling._remove_worker_pids(id(it))  # as torch's shutdown does first
+        it._worker_pids_set = False
+        terminated(it._workers[0], "worker")
+        os._exit(0)  # nothing of the exit is asked
+""")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_terminate_kills_a_dataloader_worker_that_ignores_sigterm_and_no_other_process(tmp_path, method):
+    """torch's shutdown of an iterator terminates a worker that did not stop within 5 s; the job's
+    preemption signals make it ignore SIGTERM, so in a rank that is a SIGKILL. Another process that
+    ignores SIGTERM keeps multiprocessing's own terminate(), as without ddprun."""
+    script = tmp_path / "terminate.py"
+    script.write_text(TERMINATE)
+    out = subprocess.run([sys.executable, str(script), method], capture_output=True, text=True, timeout=50,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+    other = ["other: loader worker=False exitcode=None"] if method == "fork" else []
+    assert out.stdout.splitlines() == [*other, f"worker: loader worker=True exitcode={-signal.SIGKILL}"], out.stderr
