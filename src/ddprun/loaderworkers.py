@@ -129,8 +129,10 @@ def _inherit() -> None:
     comes at the forking thread's end; a thread keeps its id across fork) and torch's DataLoader did:
     another fork of the script is left as it is (a daemon meant to outlive it)."""
     try:
-        if forked_by_dataloader() and answer_requests() and threading.get_ident() == _RANK_MAIN:
-            die_with_parent()
+        if forked_by_dataloader():
+            answer_requests()  # a Python without memfd: no answer, and still tied to its rank
+            if threading.get_ident() == _RANK_MAIN:
+                die_with_parent()
     except (OSError, AttributeError, RuntimeError, ValueError):  # no answer: the rank says nothing of it
         pass
 

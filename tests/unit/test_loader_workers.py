@@ -207,6 +207,49 @@ def test_a_forked_dataloader_worker_answers_and_ends_with_its_rank_and_another_f
     assert not _workers_of(tmp_path), "the DataLoader worker outlived its rank"
 
 
+NO_MEMFD = textwrap.dedent("""
+    import os, threading
+    import torch
+    from torch.utils.data import DataLoader
+    from ddprun import loaderworkers
+
+    def sample(i):
+        if i == 1:
+            threading.Event().wait()  # blocked: torch's check of its parent never comes
+        return i
+
+    class Blocks(torch.utils.data.Dataset):
+        __len__ = lambda self: 100
+        __getitem__ = lambda self, i: sample(i)
+
+    loaderworkers.serve()
+    del os.memfd_create  # as a Python built against glibc < 2.27 (conda's)
+    it = iter(DataLoader(Blocks(), num_workers=1))  # fork: torch's default here
+    next(it)
+    [worker] = loaderworkers.children()
+    print("answers:", loaderworkers.catches(worker), flush=True)
+    os._exit(0)  # the rank ends at once: its worker must end with it
+    """)
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_dataloader_worker_that_cannot_answer_still_ends_with_its_rank(tmp_path):
+    """Without memfd the worker does not answer a hang report, and is tied to its rank all the same
+    (before: not tied, it outlived a killed rank, blocked, for ever)."""
+    with open(tmp_path / "out", "w") as fp:  # not a pipe: a worker left behind would hold it open
+        rc = subprocess.run([sys.executable, "-c", NO_MEMFD], stdout=fp, stderr=subprocess.STDOUT, timeout=50,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path).returncode
+    out = (tmp_path / "out").read_text()
+    assert rc == 0 and out == "answers: False\n", out
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and _workers_of(tmp_path):
+        time.sleep(0.1)
+    left = _workers_of(tmp_path)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "the DataLoader worker outlived its rank"
+
+
 def _workers_of(directory) -> list[int]:
     left = []
     for entry in filter(str.isdigit, os.listdir("/proc")):
