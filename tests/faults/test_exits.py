@@ -56,16 +56,16 @@ def test_a_pool_the_rank_terminates_ends_at_once(nodes, tmp_path):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("init", ["none", "safe"])
-def test_a_dataloader_worker_blocked_in_its_dataset_ends_when_its_loop_leaves_the_dataloader(nodes, tmp_path, init):
+def test_a_dataloader_worker_blocked_in_its_dataset_ends_when_its_loop_leaves_the_dataloader(nodes, tmp_path):
     """A loop that leaves its DataLoader early (``break``) while the worker is blocked in its dataset:
-    torch's shutdown joins the worker for 5 s, then sends it SIGTERM. The worker ignores the job's
-    preemption signals (a scheduler sends them to every process of the node), but not this one.
-    Before: it ignored it too and outlived the loop, blocked, until its rank's exit."""
+    torch's shutdown joins the worker for 5 s, then terminates it. The worker ignores the job's
+    preemption signals (a scheduler sends them to every process of the node), SIGTERM included, so
+    in the rank that terminate() kills it. Before: it outlived the loop, blocked, until its rank's
+    exit. (The same for every start method and worker_init_fn: tests/unit/test_loader_workers.py.)"""
     fifo = tmp_path / "never-written"
     os.mkfifo(fifo)
     script = str(Path(__file__).parent / "scripts" / "loader_dropped.py")
-    args = [str(fifo), str(tmp_path / "worker.pid"), *(["safe"] if init == "safe" else [])]
+    args = [str(fifo), str(tmp_path / "worker.pid"), "safe"]
     [ended] = nodes(1, 1, args, script=script).finish(timeout=45)
     assert ended.returncode == 0, describe([ended])
     log = (tmp_path / "runs" / "fault" / "logs" / "rank-0.log").read_text()
