@@ -199,9 +199,20 @@ def children(only_loader_workers: bool = False) -> list[int]:
     for p in list(getattr(process, "_children", ())):
         popen = getattr(p, "_popen", None)
         if popen is not None and getattr(popen, "returncode", 0) is None and isinstance(popen.pid, int) \
-                and (is_loader_worker(p) or not only_loader_workers):
+                and (is_loader_worker(p) or not only_loader_workers) and not _ended(popen):
             out.append(popen.pid)
     return sorted(out)
+
+
+def _ended(popen: Any) -> bool:
+    """Whether a child ended unreaped (its sentinel is ready; not reaped here): a forkserver's child
+    is reaped by the forkserver, and its pid may already be another process's."""
+    from multiprocessing.connection import wait
+
+    try:
+        return bool(wait([popen.sentinel], 0))
+    except (AttributeError, OSError, ValueError):
+        return False
 
 
 def catches(pid: int, sig: int = SIGNAL) -> bool:
@@ -233,7 +244,8 @@ def end_workers() -> list[int]:
     is as abrupt (``_exit``). torch's SIGCHLD handler, which would take their end for a failure and
     raise it in the exiting main thread, is put back to the default first. Main thread; returns the
     pids signalled."""
-    workers = children(only_loader_workers=True)
+    # by the mark made at start(), or by the answer's memfd (should torch rename its worker loop)
+    workers = sorted(set(children(only_loader_workers=True)) | {p for p in children() if _stack_file(p) is not None})
     if workers and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     ended = []

@@ -342,41 +342,56 @@ TERMINATE = textwrap.dedent("""
         if not args:
             time.sleep(30)
 
-    def terminated(p, what):
+    def ignoring_now(p):
         deadline = time.monotonic() + 20
         while not loaderworkers.ignores(p.pid, signal.SIGTERM) and time.monotonic() < deadline:
             time.sleep(0.02)
-        p.terminate()
-        p.join(0.5)
-        print(f"{what}: loader worker={loaderworkers.is_loader_worker(p)} exitcode={p.exitcode}", flush=True)
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+        return p
+
+    def started(ctx):
+        it = iter(DataLoader(Slow(), num_workers=1, worker_init_fn=ignoring, multiprocessing_context=ctx))
+        return it, ignoring_now(it._workers[0])
 
     if __name__ == "__main__":
         loaderworkers.serve()
         ctx = multiprocessing.get_context(sys.argv[1])
-        if sys.argv[1] == "fork":
+        if sys.argv[1] == "fork":  # terminate() is the rank's: the same for any start method
             other = ctx.Process(target=ignoring, daemon=True)
             other.start()
-            terminated(other, "other")
-        it = iter(DataLoader(Slow(), num_workers=1, worker_init_fn=ignoring, multiprocessing_context=ctx))
+            ignoring_now(other).terminate()
+            other.join(0.5)
+            print(f"other: loader worker={loaderworkers.is_loader_worker(other)} alive={other.is_alive()}",
+                  flush=True)
+        it, worker = started(ctx)
         torch.utils.data._utils.signal_handling._remove_worker_pids(id(it))  # as torch's shutdown does first
         it._worker_pids_set = False
-        terminated(it._workers[0], "worker")
-        os._exit(0)  # nothing of the exit is asked
+        worker.terminate()
+        worker.join(2)
+        print(f"worker: loader worker={loaderworkers.is_loader_worker(worker)} exitcode={worker.exitcode}",
+              flush=True)
+        it2, worker2 = started(ctx)  # its pid still in torch's SIGCHLD watch, as at an exit
+        ended = loaderworkers.end_workers()
+        print(f"at the exit: {'the worker' if ended == [worker2.pid] else ended} killed", flush=True)
+        if sys.argv[1] == "fork":
+            print(f"other: alive={other.is_alive()}", flush=True)
+            other.kill()
+        os._exit(0)  # nothing more of the exit is asked
 """)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("method", ["fork", "forkserver"])
+@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
 def test_terminate_kills_a_dataloader_worker_that_ignores_sigterm_and_no_other_process(tmp_path, method):
     """torch's shutdown of an iterator terminates a worker that did not stop within 5 s; the job's
     preemption signals make it ignore SIGTERM, so in a rank that is a SIGKILL. Another process that
-    ignores SIGTERM keeps multiprocessing's own terminate(), as without ddprun."""
+    ignores SIGTERM keeps multiprocessing's own terminate(), as without ddprun. At the rank's exit
+    the workers left are killed (torch's SIGCHLD watch of them put aside), the other is not."""
     script = tmp_path / "terminate.py"
     script.write_text(TERMINATE)
     out = subprocess.run([sys.executable, str(script), method], capture_output=True, text=True, timeout=50,
                          env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
-    other = ["other: loader worker=False exitcode=None"] if method == "fork" else []
-    assert out.stdout.splitlines() == [*other, f"worker: loader worker=True exitcode={-signal.SIGKILL}"], out.stderr
+    fork = method == "fork"
+    assert out.stdout.splitlines() == [*(["other: loader worker=False alive=True"] if fork else []),
+                                       f"worker: loader worker=True exitcode={-signal.SIGKILL}",
+                                       "at the exit: the worker killed",
+                                       *(["other: alive=True"] if fork else [])], out.stderr
