@@ -211,3 +211,33 @@ def test_at_the_stop_step_the_checkpoint_is_published_before_on_checkpoint_runs(
     (steps, fit_step, path, seconds, by), = published
     assert (steps, fit_step, path, by) == (state.stop_step, 3, e.value.saved, "fit") and seconds >= 0
     assert seen_by_hook == [published]  # already said when the hook ran
+
+
+def test_the_stop_steps_checkpoint_is_published_before_the_barrier_a_stopped_peer_fails(tmp_path, monkeypatch):
+    """Every rank waits in a barrier after rank 0 wrote the stop step's checkpoint. A peer stopped
+    meanwhile (its node's grace ended) fails that barrier; the file exists, and the next start resumes
+    from it, so the agents must have been told (before: they said "the last checkpoint is the one
+    before", seen on the SLURM test bed)."""
+    from ddprun import preempt, runtime
+    from ddprun.telemetry import PROGRESS
+    from ddprun.train import loop, resume
+    from ddprun.worker import progress
+
+    class PeerGone:
+        def __getattr__(self, name):
+            return getattr(runtime, name)
+
+        def barrier(self):
+            raise RuntimeError("[gloo] Connection closed by peer")
+
+    progress.install()
+    published = []
+    state = preempt.PreemptState(stop_step=PROGRESS.steps + 3, signame="SIGUSR1", requested=True,
+                                 publish=published.append)
+    monkeypatch.setattr(loop, "PREEMPT", state)
+    monkeypatch.setattr(resume, "runtime", PeerGone())
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        fit(tmp_path, batch_size=8, epochs=5)
+    (steps, fit_step, path, _, by), = published
+    assert (steps, fit_step, by) == (state.stop_step, 3, "fit") and path.endswith("step-00000003.pt")
+    assert os.path.exists(path)

@@ -728,9 +728,13 @@ class _Loop:
         t0 = time.monotonic()
         if self.window.steps:
             self._flush_window()
-        path, _ = self._checkpoint_here()
+
+        def written(path: str) -> None:  # said before the save's barrier: a peer whose grace ended fails it
+            PREEMPT.checkpoint_written((PROGRESS.steps, self.step, path, time.monotonic() - t0, "fit"))
+
+        path, now = self._checkpoint_here(written)
         seconds = time.monotonic() - t0
-        if path:
+        if path and not now:  # this position's file existed already: nothing was written, nothing said
             PREEMPT.checkpoint_written((PROGRESS.steps, self.step, path, seconds, "fit"))
         self._on_checkpoint(CheckpointSaved(path, self.step, self.epoch, False,
                                             dict(self.history[-1] if self.history else {})))
@@ -783,14 +787,15 @@ class _Loop:
                               batches_done=self.batches_done, samples_done=self.epoch_samples, seed=self.o.seed,
                               world_size=p.info.world_size, batch_size=p.batch_size, rng=rngs, history=self.history)
 
-    def _checkpoint_here(self) -> tuple[str | None, bool]:
+    def _checkpoint_here(self, written: Callable[[str], None] | None = None) -> tuple[str | None, bool]:
         """A checkpoint of this position, every rank together, no rank past it before it exists:
-        (its path on rank 0, whether it was written now). A position saved already (at this step, or a
-        finished run resumed) keeps that file; one saved before its epoch counted is saved again."""
+        (its path on rank 0, whether it was written now; ``written(path)`` on rank 0 as soon as it
+        is). A position saved already (at this step, or a finished run resumed) keeps that file; one
+        saved before its epoch counted is saved again."""
         p = self.p
         if p.ckpts.last_saved != (self.step, self.epoch):
             with busy("checkpoint"):
-                return p.ckpts.save(self.step, self.epoch, self._state, final=True), True
+                return p.ckpts.save(self.step, self.epoch, self._state, final=True, written=written), True
         path = ckpt.latest(p.ckpts.directory) if p.info.is_main else None
         runtime.barrier()
         return path, False

@@ -183,10 +183,12 @@ class Checkpoints:
 
     # -- save -----------------------------------------------------------------------------------
     def save(self, step: int, epoch: int, make_state: Callable[[list[dict]], dict[str, Any]], *,
-             final: bool = False) -> str | None:
+             final: bool = False, written: Callable[[str], None] | None = None) -> str | None:
         """Gather every rank's RNG states, let the writers save ``make_state(rngs)``; every rank calls
         this at the same step. Returns the path on writers, None elsewhere. Raises CheckpointError
-        on a writer whose file system refuses (the previous checkpoint stays intact)."""
+        on a writer whose file system refuses (the previous checkpoint stays intact). ``written(path)``
+        runs on the main rank once the file exists, before the final barrier, which a peer stopped
+        meanwhile fails."""
         runtime.use_init_timeout()  # the others now wait for the writers: the long timeout
         rng = ckpt.rng_state()
         if _distributed(self.info):
@@ -199,6 +201,8 @@ class Checkpoints:
         path = None
         if self.writer:
             path = ckpt.save(self.directory, make_state(rngs), keep=self.keep)
+            if written is not None and self.info.is_main:
+                written(path)
         self.last_saved = (step, epoch)
         if final:
             runtime.barrier()  # no rank returns (and maybe exits) before the checkpoint exists
