@@ -212,7 +212,24 @@ class _PreemptAtStep(Callback):
             return
         t0 = time.monotonic()
         path = os.path.join(self.ckpt_dir, "last.ckpt")
-        trainer.save_checkpoint(path)
+        strategy = trainer.strategy
+        barrier, own = strategy.barrier, vars(strategy).get("barrier")
+
+        def said_first(*args: Any, **kwargs: Any) -> Any:
+            # Lightning writes on rank 0, then every rank waits in this barrier: the file is said
+            # before it, as a peer stopped meanwhile (its node's grace ended) fails it
+            if (args[:1] or [kwargs.get("name")])[0] == "Trainer.save_checkpoint" and os.path.exists(path):
+                PREEMPT.checkpoint_written((PROGRESS.steps, trainer.global_step, path, time.monotonic() - t0, "fit"))
+            return barrier(*args, **kwargs)
+
+        strategy.barrier = said_first  # type: ignore[method-assign]
+        try:
+            trainer.save_checkpoint(path)
+        finally:
+            if own is None:
+                del strategy.barrier  # the class's own again
+            else:
+                strategy.barrier = own  # type: ignore[method-assign]
         seconds = time.monotonic() - t0
         PREEMPT.saved = (PROGRESS.steps, trainer.global_step, path, seconds, "fit")
         raise Preempted(PREEMPT.signame, trainer.global_step, path, seconds)
