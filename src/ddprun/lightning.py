@@ -218,7 +218,8 @@ class _PreemptAtStep(Callback):
         def said_first(*args: Any, **kwargs: Any) -> Any:
             # Lightning writes on rank 0, then every rank waits in this barrier: the file is said
             # before it, as a peer stopped meanwhile (its node's grace ended) fails it
-            if (args[:1] or [kwargs.get("name")])[0] == "Trainer.save_checkpoint" and os.path.exists(path):
+            name = args[0] if args else kwargs.get("name")
+            if name == "Trainer.save_checkpoint" and os.path.exists(path):
                 PREEMPT.checkpoint_written((PROGRESS.steps, trainer.global_step, path, time.monotonic() - t0, "fit"))
             return barrier(*args, **kwargs)
 

@@ -188,20 +188,24 @@ def is_loader_worker(proc: Any) -> bool:
 
 
 # -- in the rank ------------------------------------------------------------------------------------
-def children(only_loader_workers: bool = False) -> list[int]:
+def children() -> list[int]:
     """pids of this process's multiprocessing children that have not ended (DataLoader workers,
-    whatever their start method; ``only_loader_workers``: only those). Not
-    ``multiprocessing.active_children()``: it reaps, racing torch's own check of its workers (two
-    ``waitpid`` of one pid: one of them takes a dead worker for alive)."""
+    whatever their start method). Not ``multiprocessing.active_children()``: it reaps, racing torch's
+    own check of its workers (two ``waitpid`` of one pid: one of them takes a dead worker for alive)."""
+    return sorted(pid for _, pid in _live_children())
+
+
+def _live_children() -> list[tuple[Any, int]]:
+    """(Process, pid) of this process's multiprocessing children that have not ended."""
     from multiprocessing import process
 
     out = []
     for p in list(getattr(process, "_children", ())):
         popen = getattr(p, "_popen", None)
         if popen is not None and getattr(popen, "returncode", 0) is None and isinstance(popen.pid, int) \
-                and (is_loader_worker(p) or not only_loader_workers) and not _ended(popen):
-            out.append(popen.pid)
-    return sorted(out)
+                and not _ended(popen):
+            out.append((p, popen.pid))
+    return out
 
 
 def _ended(popen: Any) -> bool:
@@ -245,7 +249,7 @@ def end_workers() -> list[int]:
     raise it in the exiting main thread, is put back to the default first. Main thread; returns the
     pids signalled."""
     # by the mark made at start(), or by the answer's memfd (should torch rename its worker loop)
-    workers = sorted(set(children(only_loader_workers=True)) | {p for p in children() if _stack_file(p) is not None})
+    workers = sorted(pid for proc, pid in _live_children() if is_loader_worker(proc) or _stack_file(pid) is not None)
     if workers and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     ended = []

@@ -146,7 +146,7 @@ def test_a_process_that_installed_no_answer_is_not_signalled():
         child.wait()
 
 
-FORKS = textwrap.dedent("""
+BLOCKS = textwrap.dedent("""
     import multiprocessing, os, signal, sys, threading, time
     import torch
     from torch.utils.data import DataLoader
@@ -160,7 +160,10 @@ FORKS = textwrap.dedent("""
     class Blocks(torch.utils.data.Dataset):
         __len__ = lambda self: 100
         __getitem__ = lambda self, i: sample(i)
+""")
+"""A dataset whose sample 2 blocks a worker for ever (the scripts below start with it)."""
 
+FORKS = BLOCKS + textwrap.dedent("""
     class Starts(torch.utils.data.Dataset):  # loaded in the rank (no workers): starts a process
         __len__ = lambda self: 1
         def __getitem__(self, i):
@@ -207,21 +210,7 @@ def test_a_forked_dataloader_worker_answers_and_ends_with_its_rank_and_another_f
     assert not _workers_of(tmp_path), "the DataLoader worker outlived its rank"
 
 
-NO_MEMFD = textwrap.dedent("""
-    import os, threading
-    import torch
-    from torch.utils.data import DataLoader
-    from ddprun import loaderworkers
-
-    def sample(i):
-        if i == 1:
-            threading.Event().wait()  # blocked: torch's check of its parent never comes
-        return i
-
-    class Blocks(torch.utils.data.Dataset):
-        __len__ = lambda self: 100
-        __getitem__ = lambda self, i: sample(i)
-
+NO_MEMFD = BLOCKS + textwrap.dedent("""
     loaderworkers.serve()
     del os.memfd_create  # as a Python built against glibc < 2.27 (conda's)
     it = iter(DataLoader(Blocks(), num_workers=1))  # fork: torch's default here
