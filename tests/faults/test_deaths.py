@@ -5,6 +5,7 @@ name the right cause, exit non-zero within seconds, and leave no process behind.
 import os
 import re
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -120,6 +121,46 @@ def test_a_rank_whose_script_ends_while_another_waits_for_it_is_named_by_every_n
     assert "rank 1: done after 5 steps" in (logs / "rank-1.log").read_text()
     assert "ddprun: stopped because rank 1 (node" in (logs / "rank-0.log").read_text()
     assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_that_finished_first_on_a_slow_node_is_named_on_that_node_too(nodes, tmp_path):
+    """As above, with rank 1's agent stopped for 4 s once rank 1 ended (a loaded node). Rank 0's node
+    started first, so it hosts both stores and nothing it does waits for rank 1's agent. It used to
+    leave as soon as every rank had a record, taking the store with it, and rank 1's node, which learns
+    that the job failed only from that store, then said its run finished (exit 0): seen once beside a
+    second test tier. It now stays until that node has read the cause."""
+    args = ["--steps", "60", "--short-rank", "1", "--short-steps", "5", "--step-s", "0.2"]
+    first = nodes(1, 1, args, nnodes="2")
+    deadline = time.monotonic() + 30
+    while first.procs[0].poll() is None and time.monotonic() < deadline and not listening(first.port):
+        time.sleep(0.05)
+    late = nodes(1, 1, args, nnodes="2", port=first.port, name="late")
+    assert first.procs[0].pid < late.procs[0].pid  # torch ranks nodes by (address, pid): rank 0 is the first's
+    pids = first.worker_pids(range(2))
+    assert late.agent_of(pids[1]) == 0, "rank 1 is not the late node's"
+    deadline = time.monotonic() + 30
+    while running(pids[1]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    late.signal(0, signal.SIGSTOP)
+    try:
+        time.sleep(4)  # past rank 0's wait for an echo's cause (2 s) and its node's exit that used to follow
+    finally:
+        late.signal(0, signal.SIGCONT)
+    ended = first.finish(timeout=60) + late.finish(timeout=30)
+    assert [e.returncode for e in ended] == [1, 1], describe(ended)
+    for e in ended:
+        assert re.search(r"^ddprun: the job failed: rank 1 \(node 1, \S+\) finished first: its script ended "
+                         r"\(exit 0\) after 5 optimizer steps", e.output, re.M), describe(ended)
+        assert "finished on this node" not in e.output, describe(ended)
+    assert "ddprun: this node's ranks ended their script (exit 0), but the job failed:" in ended[1].output, \
+        describe(ended)
+    assert_nothing_left(tmp_path)
+
+
+def listening(port: int) -> bool:
+    out = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True).stdout
+    return bool(out.strip())
 
 
 @pytest.mark.timeout(120)

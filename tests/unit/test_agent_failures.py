@@ -546,3 +546,37 @@ def test_node_0_whose_ranks_finished_lingers_only_until_the_others_have_their_re
     t0 = time.monotonic()
     a.linger(timeout_s=2)  # ranks 0 and 1 counted as failed ones would be: their records never come
     assert time.monotonic() - t0 >= 1.9
+
+
+def test_the_store_host_lingers_until_the_node_of_the_rank_that_finished_first_has_read_it(tmp_path, store):
+    """Rank 1, node 1's only rank, finished first; rank 0 (node 0, the store's host) was stopped by
+    it. Node 1's agent learns the job failed only from the store: node 0 stays up until node 1 says it
+    read the cause, though every rank has a record at once. Here node 1's agent reads 1 s late (a
+    loaded node); before, node 0 left at once and node 1 said its run finished (exit 0)."""
+    from ddprun.protocol.store import publish_failure
+
+    keys = Keys("ddprun/job/r1/")
+    first = fr.finished_first(fr.CleanEnd(1, 1, "host-1", 0, 5, time.time()))
+    publish_failure(store, keys, fr.stopped_by(first, rank=0, node_rank=0, host="host-a", local_rank=0,
+                                               t=time.time()))
+    nodes = [AgentFailures(RunDir(str(tmp_path / host)), host, "127.0.0.1", store.port, "job", io.StringIO())
+             for host in ("host-a", "host-1")]
+    late = threading.Timer(1.0, nodes[1].on_workers_started, ("r1", 1, 2, {1: (0, 0, "")}),
+                           dict(world_size=2, store=("127.0.0.1", store.port), last_attempt=True))
+    try:
+        nodes[0].on_workers_started("r1", 0, 2, {0: (0, 0, "")}, world_size=2, store=("127.0.0.1", store.port),
+                                    last_attempt=True)
+        deadline = time.monotonic() + 3
+        while nodes[0].root_cause() != first and time.monotonic() < deadline:  # a beat reads it (as before linger)
+            time.sleep(0.05)
+        late.start()
+        t0 = time.monotonic()
+        nodes[0].linger(timeout_s=8)
+        took = time.monotonic() - t0
+        assert nodes[1].job_failed() == first, nodes[1].records()  # read before the store's host left
+        assert 1.0 <= took < 4.0, took  # not at once, and not the bound
+        assert store.check([keys.cause_read(1)]) and not store.check([keys.cause_read(0)])
+    finally:
+        late.cancel()
+        for a in nodes:
+            a.stop()

@@ -154,6 +154,8 @@ class AgentFailures:
         """The cgroup's oom_kill count when this attempt's workers started (on_workers_started)."""
         self.lost: fr.FailureRecord | None = None
         self._hang_said: bytes | None = None
+        self._told: Keys | None = None
+        """The attempt whose cause-read mark this node set (:meth:`_mark_cause_read`)."""
         self.stopping_for: fr.FailureRecord | None = None
         self.preempt_request: pp.Request | None = None
         """The job's preemption request, once read from the store (agent/preemption.py)."""
@@ -290,10 +292,11 @@ class AgentFailures:
 
     def linger(self, timeout_s: float = 5.0, finished: bool = False) -> None:
         """Keep this agent (and the store, if it hosts it) up until every rank of the job has a record
-        (its own failure, or that it was stopped: it read the cause), at most ``timeout_s``: an agent
-        that hosts the store and exits at once would take the cause's record with it (also this node's
-        own: a signal that stopped its workers, :meth:`on_signal`). ``finished``: this node's workers
-        all ended 0, and need none."""
+        (its own failure, or that it was stopped: it read the cause) and the node of a rank that
+        finished first has read that (:meth:`_told_all`), at most ``timeout_s``: an agent that hosts
+        the store and exits at once would take the cause's record with it (also this node's own: a
+        signal that stopped its workers, :meth:`on_signal`). ``finished``: this node's workers all
+        ended 0, and need none."""
         keys = self._keys
         if keys is not None:
             try:  # this node's stopped ranks, before anyone counts the records; no connect to a store that is gone
@@ -313,15 +316,37 @@ class AgentFailures:
                 return  # the store's host is gone: what was read is all there is
             try:
                 self._read_records(self._client(), keys, every=True)
+                ranks = {r.rank for r in fr.with_causes(self.records())} | set(self._local)
+                if finished:
+                    ranks |= set(self._workers)
+                if len(ranks & set(range(self._world))) >= self._world and self._told_all(keys):
+                    return
             except Exception:  # noqa: BLE001 - the store is gone: what was read is all there is
                 self._store = None
                 return
-            ranks = {r.rank for r in fr.with_causes(self.records())} | set(self._local)
-            if finished:
-                ranks |= set(self._workers)
-            if len(ranks & set(range(self._world))) >= self._world or self._store is None:
-                return
             time.sleep(0.1)
+
+    def _told_all(self, keys: Keys) -> bool:
+        """Every node that learns the job's cause only from the store has read it: a node whose rank
+        finished first (the cause, carried by another rank's record) and none of whose ranks has a
+        record of its own. Its ranks ended 0; its agent waits in torch's exit barrier and reads the
+        cause at its next beat, which a loaded node may take seconds to reach."""
+        recs = self.records()
+        own = {r.node_rank for r in recs if r.kind != fr.FINISHED_FIRST}
+        first = {r.node_rank for r in fr.with_causes(recs) if r.kind == fr.FINISHED_FIRST}
+        waited = [keys.cause_read(n) for n in sorted(first - own - {self._node}) if n >= 0]
+        return not waited or bool(self._client().check(waited))
+
+    def _mark_cause_read(self, store: Any, keys: Keys) -> None:
+        """The job's cause is a rank of this node that finished first: say it was read here, once an
+        attempt (the store's host lingers for it, :meth:`_told_all`)."""
+        if self._told is keys:
+            return
+        cause = self.job_failed()
+        if cause is None or cause.kind != fr.FINISHED_FIRST or cause.node_rank != self._node:
+            return
+        store.set(keys.cause_read(self._node), "1")
+        self._told = keys
 
     # -- the thread ------------------------------------------------------------------------
     def _client(self) -> Any:
@@ -390,6 +415,7 @@ class AgentFailures:
         if keys is None:
             return seen_at
         self._watch_alarm(store, keys)
+        self._mark_cause_read(store, keys)
         self._forward_left(store, keys)
         self._enforce_end()
         if self._relay is not None:

@@ -28,6 +28,8 @@ attempts: torch's c10d shares one store server for the whole job, see agent/atte
                        relay having stopped (its progress/<N> and timing/<N> are here, not in its node's)
     stopping/<node>    that node's agent stops its workers now (a restart, a failure, a forced stop):
                        a signal that reaches them is not a preemption request
+    cause-read/<node>  that node's agent read the job's cause, a rank of its that finished first: the
+                       store's host stays up for it (its ranks ended 0, nothing else tells it)
     preempt            JSON preemption request (protocol/preempt.py Request; the first one wins)
     preempt/stop       the agreed stop step (optimizer steps of this attempt; the first proposal wins)
     preempt/saved      JSON protocol/preempt.py Saved: rank 0 stopped there (and saved its checkpoint),
@@ -256,6 +258,10 @@ class Keys:
 
     def stopping(self, node: int) -> str:
         return self._k(f"stopping/{node}")
+
+    def cause_read(self, node: int) -> str:
+        """Node ``node``'s agent has read the job's cause, one of its ranks that finished first."""
+        return self._k(f"cause-read/{node}")
 
     def said(self, node: int) -> str:
         """Node ``node``'s agent has printed its last line of a preemption stop (node 0 requeues after)."""
