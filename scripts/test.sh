@@ -5,4 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup-env.sh
 export OMP_NUM_THREADS=1
 export DDPRUN_TESTS_NEED_EXTRAS=1  # setup-env.sh installed every extra: a failing import fails, never skips
-exec .venv/bin/python -m pytest "$@"
+# two tests at a time (tests/conftest.py: which ones run alone); -n 0 after it runs them one by one
+exec .venv/bin/python -m pytest -n "${DDPRUN_TEST_WORKERS:-2}" --dist loadgroup "$@"
