@@ -334,13 +334,13 @@ class AgentFailures:
         recs = self.records()
         own = {r.node_rank for r in recs if r.kind != fr.FINISHED_FIRST}
         first = {r.node_rank for r in fr.with_causes(recs) if r.kind == fr.FINISHED_FIRST}
-        waited = [keys.cause_read(n) for n in sorted(first - own - {self._node}) if n >= 0]
+        waited = [keys.cause_read(n) for n in sorted(first - own - {self._node}) if 0 <= n < self._nnodes]
         return not waited or bool(self._client().check(waited))
 
     def _mark_cause_read(self, store: Any, keys: Keys) -> None:
         """The job's cause is a rank of this node that finished first: say it was read here, once an
         attempt (the store's host lingers for it, :meth:`_told_all`)."""
-        if self._told is keys:
+        if self._told is keys or not self._cache:  # nothing read yet: the common beat costs nothing
             return
         cause = self.job_failed()
         if cause is None or cause.kind != fr.FINISHED_FIRST or cause.node_rank != self._node:
