@@ -5,12 +5,12 @@ name the right cause, exit non-zero within seconds, and leave no process behind.
 import os
 import re
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from ddprun.agent.endpoint import port_open
 from tests.faults.conftest import Nodes, assert_nothing_left, describe
 
 pytestmark = pytest.mark.faults
@@ -133,7 +133,7 @@ def test_a_rank_that_finished_first_on_a_slow_node_is_named_on_that_node_too(nod
     args = ["--steps", "60", "--short-rank", "1", "--short-steps", "5", "--step-s", "0.2"]
     first = nodes(1, 1, args, nnodes="2")
     deadline = time.monotonic() + 30
-    while first.procs[0].poll() is None and time.monotonic() < deadline and not listening(first.port):
+    while first.procs[0].poll() is None and time.monotonic() < deadline and not port_open("127.0.0.1", first.port):
         time.sleep(0.05)
     late = nodes(1, 1, args, nnodes="2", port=first.port, name="late")
     assert first.procs[0].pid < late.procs[0].pid  # torch ranks nodes by (address, pid): rank 0 is the first's
@@ -156,11 +156,6 @@ def test_a_rank_that_finished_first_on_a_slow_node_is_named_on_that_node_too(nod
     assert "ddprun: this node's ranks ended their script (exit 0), but the job failed:" in ended[1].output, \
         describe(ended)
     assert_nothing_left(tmp_path)
-
-
-def listening(port: int) -> bool:
-    out = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True).stdout
-    return bool(out.strip())
 
 
 @pytest.mark.timeout(120)

@@ -316,22 +316,22 @@ class AgentFailures:
                 return  # the store's host is gone: what was read is all there is
             try:
                 self._read_records(self._client(), keys, every=True)
-                ranks = {r.rank for r in fr.with_causes(self.records())} | set(self._local)
+                recs = self.records()
+                ranks = {r.rank for r in fr.with_causes(recs)} | set(self._local)
                 if finished:
                     ranks |= set(self._workers)
-                if len(ranks & set(range(self._world))) >= self._world and self._told_all(keys):
+                if len(ranks & set(range(self._world))) >= self._world and self._told_all(keys, recs):
                     return
             except Exception:  # noqa: BLE001 - the store is gone: what was read is all there is
                 self._store = None
                 return
             time.sleep(0.1)
 
-    def _told_all(self, keys: Keys) -> bool:
+    def _told_all(self, keys: Keys, recs: list[fr.FailureRecord]) -> bool:
         """Every node that learns the job's cause only from the store has read it: a node whose rank
         finished first (the cause, carried by another rank's record) and none of whose ranks has a
         record of its own. Its ranks ended 0; its agent waits in torch's exit barrier and reads the
-        cause at its next beat, which a loaded node may take seconds to reach."""
-        recs = self.records()
+        cause at its next beat, which a loaded node may take seconds to reach. ``recs``: :meth:`records`."""
         own = {r.node_rank for r in recs if r.kind != fr.FINISHED_FIRST}
         first = {r.node_rank for r in fr.with_causes(recs) if r.kind == fr.FINISHED_FIRST}
         waited = [keys.cause_read(n) for n in sorted(first - own - {self._node}) if 0 <= n < self._nnodes]
