@@ -15,9 +15,25 @@ from typing import Any
 PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
+_FORK_PARENT = 0
+"""In a process forked after this module's import: the pid of the process that forked it (set in the
+parent just before each fork, so the child has it from its first instruction); 0 elsewhere."""
+
+
+def _record_fork_parent() -> None:
+    global _FORK_PARENT
+    _FORK_PARENT = os.getpid()
+
+
+os.register_at_fork(before=_record_fork_parent)
+
+
+def die_with_parent(expected: int = 0) -> None:
     """SIGKILL this process when its parent dies (Linux: PR_SET_PDEATHSIG): a worker never outlives
-    its agent, a forkserver never its rank. A parent already gone (reparented to 1) ends it now."""
+    its agent, a forkserver never its rank. A parent already gone ends it now: the parent is not
+    ``expected`` (a pid), or, without one, not the process that forked this one, or (an interpreter
+    started by exec, no ``expected``) it is pid 1. Comparing pids, not only asking for pid 1, also
+    catches an orphan adopted by a subreaper (slurmstepd, tini -s, systemd, Ray's raylet)."""
     if not sys.platform.startswith("linux"):
         return  # the worker's monitor thread checks its parent on other platforms
     import ctypes
@@ -27,7 +43,10 @@ def die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
         return
-    if os.getppid() == 1:  # the parent died before the call: nothing would deliver the signal
+    if _FORK_PARENT != os.getpid():
+        expected = expected or _FORK_PARENT
+    parent = os.getppid()
+    if parent == 1 or (expected and parent != expected):  # gone before the call: no signal would come
         os._exit(1)
 
 

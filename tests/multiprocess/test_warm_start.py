@@ -49,6 +49,8 @@ def test_the_first_workers_are_the_standbys_each_with_its_workers_command_line_a
         assert f"probe stdout rank {rank}" in log and f"probe stderr rank {rank}" in log
     agent_pids = {f["ppid"] for f in facts}
     assert len(agent_pids) == 1  # children of the agent, as torch's own workers are
+    # what a worker compares its parent with when it ties its life to its agent's
+    assert {f["env"]["DDPRUN_AGENT_PID"] for f in facts} == {str(pid) for pid in agent_pids}
 
 
 @pytest.mark.timeout(90)
@@ -72,6 +74,7 @@ def test_warm_start_off_starts_fresh_workers_after_the_rendezvous(tmp_path):
     for f in facts:
         assert f["cmdline"][:3] == [sys.executable, "-m", "ddprun.worker"]
         assert f["imported_first"]["torch._dynamo"] is False  # nothing imported it before the script
+        assert f["env"]["DDPRUN_AGENT_PID"] == str(f["ppid"])
 
 
 PREIMPORT = """

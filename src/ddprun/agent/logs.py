@@ -19,7 +19,7 @@ from typing import BinaryIO, TextIO
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
-from ddprun.protocol.env import WorkerEnv
+from ddprun.protocol.env import AGENT_PID, WorkerEnv
 
 
 def rank_log_path(run_dir: str, rank: int | str) -> str:
@@ -268,6 +268,7 @@ class RankLogsSpecs(LogsSpecs):
             env.update(self._extra_env)
             env.update(exported)
             env["NODE_RANK"] = env["GROUP_RANK"]
+            env[AGENT_PID] = str(os.getpid())  # torch's agent starts the workers from this process
             env["TORCHELASTIC_ERROR_FILE"] = error_file
             stdouts[local_rank] = path
             # The worker joins stderr to stdout as its first act; this file keeps only what a

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ddprun.protocol.env import STANDBY_FD
+from ddprun.protocol.env import AGENT_PID, STANDBY_FD
 
 log = logging.getLogger("ddprun.agent.standby")
 
@@ -93,8 +93,9 @@ class StandbyPool:
             try:
                 # what the imports print before the go message (worker/standby.py copies it to the rank log)
                 with tempfile.TemporaryFile() as capture:
-                    proc = subprocess.Popen(self.args, env={**self.env, STANDBY_FD: str(go_r)}, stdout=capture,
-                                            stderr=capture, pass_fds=(go_r,), start_new_session=True)
+                    env = {**self.env, STANDBY_FD: str(go_r), AGENT_PID: str(os.getpid())}
+                    proc = subprocess.Popen(self.args, env=env, stdout=capture, stderr=capture, pass_fds=(go_r,),
+                                            start_new_session=True)
             except OSError as e:  # no temporary file (a full /tmp), no process: the workers start as usual
                 log.info("no standby worker: %s", e)
                 os.close(go_w)

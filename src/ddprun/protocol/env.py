@@ -31,12 +31,16 @@ DOCTOR = "DDPRUN_DOCTOR"
 ATTEMPT = "DDPRUN_ATTEMPT"
 MERGE_STDERR = "DDPRUN_MERGE_STDERR"
 SOFT_EXIT = "DDPRUN_SOFT_EXIT"
+"""Set by the user, not the agent: exit workers through the interpreter (see worker/exit.py)."""
 PREEMPT_SIGNALS = "DDPRUN_PREEMPT_SIGNALS"
 NODE_STORE = "DDPRUN_NODE_STORE"
 STANDBY_FD = "DDPRUN_STANDBY_FD"
 """Set in a standby interpreter's own environment only, never a worker's: the file descriptor of its
 go message (agent/standby.py, worker/standby.py)."""
-"""Set by the user, not the agent: exit workers through the interpreter (see worker/exit.py)."""
+AGENT_PID = "DDPRUN_AGENT_PID"
+"""The pid of the agent that started this worker (or standby), set per process as it starts: a
+worker whose parent is another process by the time it ties its life to its agent's was orphaned
+while its interpreter started, and exits (worker/bootstrap.py ``die_with_agent``)."""
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 
 from ddprun import cgroups, loaderworkers
 from ddprun._util import die_with_parent, within
@@ -24,14 +25,16 @@ from ddprun.errors import ConfigError
 from ddprun.preempt import PREEMPT, Preempted
 from ddprun.protocol import defaults
 from ddprun.protocol import failure as fr
-from ddprun.protocol.env import MERGE_STDERR, WorkerEnv
+from ddprun.protocol.env import AGENT_PID, MERGE_STDERR, WorkerEnv
 from ddprun.worker import exit as ddp_exit
 from ddprun.worker.channel import JobChannel, JobRefused
 
 
-def die_with_agent() -> None:
-    """SIGKILL this process when its parent (the agent) dies, so a worker never outlives its agent."""
-    die_with_parent()
+def die_with_agent(environ: Mapping[str, str]) -> None:
+    """SIGKILL this process when its parent (the agent) dies, so a worker never outlives its agent;
+    exit at once when the agent that started it (``DDPRUN_AGENT_PID``) is no longer its parent."""
+    agent = environ.get(AGENT_PID, "")
+    die_with_parent(int(agent) if agent.isdigit() else 0)
 
 
 def _merge_stderr_into_stdout() -> None:
@@ -213,7 +216,7 @@ def _publish_saved(channel: JobChannel, steps: int, fit_step: int, path: str, se
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    die_with_agent()
+    die_with_agent(os.environ)
     os.environ.setdefault("NODE_RANK", os.environ.get("GROUP_RANK", "0"))
     _merge_stderr_into_stdout()
     from ddprun.pgkeep import keep_destroyed_groups

@@ -89,7 +89,7 @@ def main(go_fd: int) -> None:
     """Import, wait for the go message, become the worker (module docstring); exit 0 without one."""
     from ddprun.worker.bootstrap import die_with_agent
 
-    die_with_agent()
+    die_with_agent(os.environ)
     preimport(go_fd)
     go = read_go(go_fd)
     if go is None:
