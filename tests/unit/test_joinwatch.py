@@ -70,3 +70,114 @@ def test_the_seconds_left_are_the_nearest_whole_second():
         w._t0 = time.monotonic() - elapsed
         assert w.line(snap).endswith(f"waiting up to 8 s ({left} s left)"), (elapsed, w.line(snap))
 
+
+
+# -- cost at scale: the endpoint's store serves torch's rendezvous too, and every node waits at once ---------------
+def _nodes_waiting(store, n: int, first_started: int = 0) -> None:
+    """``n`` nodes' entries, as their watchers write them; the first ``first_started`` have started."""
+    import json
+
+    for k in range(n):
+        key = keys.joining_key(int(store.add(keys.JOINING_COUNT_KEY, 1)))
+        store.set(key, json.dumps({"host": f"node-{k}", "pid": 100 + k, "beat": 1, "started": k < first_started}))
+
+
+def _calls_of_a_read(w: JoinWatcher, store) -> list[str]:
+    from tests.helpers import Counting
+
+    w._beat_once()  # announced: what follows is a steady read
+    counted = Counting(store)
+    w._store = counted
+    w._snapshot(w._beat_once())
+    return counted.calls
+
+
+@pytest.mark.parametrize("hosted", [True, False])
+def test_a_watchers_store_calls_do_not_grow_with_the_nodes_waiting(hosted):
+    calls = {}
+    for n in (3, 300):
+        store = store_server()
+        host = watcher(store, "node-host", 1)
+        host._hosted = True
+        w = host if hosted else watcher(store, "node-a", 2)
+        _nodes_waiting(store, n)
+        if not hosted:
+            host._snapshot(host._beat_once())  # the store's host has published its summary
+        calls[n] = _calls_of_a_read(w, store)
+    assert calls[3] == calls[300], calls
+    # beat, then: the host reads every entry in one batch (counter, one check, multi_get) and publishes;
+    # another node reads that one key
+    assert calls[300] == (["set", "add", "check", "multi_get", "set"] if hosted else ["set", "check", "get"])
+
+
+def test_a_node_reads_the_hosts_summary_and_every_entry_itself_once_the_host_started():
+    store = store_server()
+    host, a = watcher(store, "node-host", 1), watcher(store, "node-a", 2)
+    host._hosted = True
+    _nodes_waiting(store, 20)
+    host._snapshot(host._beat_once())
+    snap = a._snapshot(a._beat_once())
+    assert snap.count == 21 and len(snap.joined) == 8 and snap.joined[0] == "node-0 pid 100"
+    assert a.line(snap).startswith("ddprun: 21/2 nodes joined (node-0 pid 100, node-1 pid 101, node-2 pid 102, "
+                                   "node-3 pid 103, node-4 pid 104, node-5 pid 105, node-6 pid 106, node-7 pid 107, "
+                                   "... and 13 more); waiting up to 60 s")
+    host._mark_started()  # its workers started: the summary is no longer kept
+    snap = a._snapshot(a._beat_once())
+    assert snap.count is None and len(snap.joined) == 21  # node-a's own read: the host's entry is gone, a's is in
+    assert "node-host pid 1" not in snap.joined and "node-a pid 2" in snap.joined
+
+
+def test_a_summary_whose_number_stopped_moving_is_not_used():
+    store = store_server()
+    host, a = watcher(store, "node-host", 1), watcher(store, "node-a", 2)
+    host._hosted = True
+    host._snapshot(host._beat_once())  # one summary: node-host alone
+    a._interval = 0.1  # stale after 2 intervals and a poll
+    assert a._snapshot(a._beat_once()).count == 1
+    a._summary_seen = (a._summary_seen[0], time.monotonic() - 2 * 0.1 - 1.1)  # the host froze since
+    snap = a._snapshot(a._beat_once())
+    assert snap.count is None and snap.joined == ["node-host pid 1", "node-a pid 2"]
+
+
+def test_keys_counted_but_not_written_yet_are_read_once_written_and_started_nodes_never_again():
+    from ddprun.agent.joinwatch import Entries, joining_entries
+
+    store = store_server()
+    _nodes_waiting(store, 40, first_started=10)
+    for _ in range(3):  # three nodes between their counter and their first write
+        store.add(keys.JOINING_COUNT_KEY, 1)
+    known = Entries()
+    got = joining_entries(store, known)
+    assert len(got) == 40 and len(known.present) == 30 and known.pending == [keys.joining_key(k) for k in (41, 42, 43)]
+    store.set(keys.joining_key(42), '{"host": "late", "pid": 9, "beat": 1}')
+    got = joining_entries(store, known)
+    assert set(got) == set(known.present) and keys.joining_key(42) in got and len(got) == 31
+    assert known.pending == [keys.joining_key(41), keys.joining_key(43)]
+
+
+def test_which_keys_are_set_takes_a_few_calls_for_a_few_unset_ones():
+    from ddprun.agent.joinwatch import _which_set
+    from tests.helpers import Counting
+
+    store = store_server()
+    names = [f"k/{i}" for i in range(1000)]
+    for i, name in enumerate(names):
+        if i not in (17, 500, 998):
+            store.set(name, "1")
+    counted = Counting(store)
+    assert _which_set(counted, names) == [n for i, n in enumerate(names) if i not in (17, 500, 998)]
+    assert len(counted.calls) <= 3 * 2 * 10 + 1  # at most two checks a level for each unset key, 10 levels
+
+
+def test_before_its_first_line_a_node_without_the_hosts_summary_reads_no_entry():
+    from tests.helpers import Counting
+
+    store = store_server()
+    a = watcher(store, "node-a", 2)
+    _nodes_waiting(store, 50)
+    a._beat_once()
+    counted = Counting(store)
+    a._store = counted
+    assert a._snapshot(a._beat_once(), early=True) is None  # the host's summary is about to come
+    assert counted.calls == ["set", "check"]
+    assert a._snapshot(a._beat_once()).joined[:2] == ["node-0 pid 100", "node-1 pid 101"]  # a line: it reads

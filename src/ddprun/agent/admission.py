@@ -162,9 +162,12 @@ def _host(addr: str, port: int, bind: str | None) -> Any:
 
 
 def read_job(store: Any) -> tuple[JobRecord | None, int]:
-    """The running job's record (None: none, or a bad value) and the latest re-forming round (-1: none)."""
+    """The running job's record (None: none, or a bad value) and the latest re-forming round (-1: none,
+    and not read without a job: one call while a job forms, when every node asks every second)."""
     job = JobRecord.parse(store.get(keys.JOB_KEY)) if store.check([keys.JOB_KEY]) else None
     reforming = -1
+    if job is None:
+        return job, reforming
     if store.check([keys.REFORMING_KEY]):
         try:
             reforming = int(store.get(keys.REFORMING_KEY))

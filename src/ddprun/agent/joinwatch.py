@@ -1,11 +1,16 @@
 """Join progress while the rendezvous waits for nodes: who joined, how many are missing, how long.
 
 A thread in the launcher announces this node in the endpoint's store (``ddprun/joining/<k>``: JSON
-host, pid and a beat it advances every poll; protocol/store.py) and reads every node's entry, then
-prints one line every few seconds, e.g.
+host, pid and a beat it advances every second; protocol/store.py) and, for each line it prints every
+few seconds, reads every waiting node's entry, e.g.
 ``ddprun: 1/2 nodes joined (node-a pid 4242); waiting up to 120 s (114 s left)``: the nodes whose
 beat moved within the last 10 s (a node that started its workers, or died, stops beating). It stops
 when this node's workers start. Nothing read here is a pickle (torch's rendezvous state is one).
+
+The endpoint's store also serves torch's rendezvous, and at 1,000 nodes every node waits at once: a
+node's calls per second stay the same whatever the job's size (a beat and the refusal check each
+second; every few seconds one batched read of the entries, none of a node that has started), and a
+line names at most :data:`NAMES_SHOWN` nodes. ``benchmarks/join_watch.py`` measures it.
 When the job's round completes without this node (it started with the job and was not taken in:
 two launches raced for one job's places), it says so and ends this node's agent (agent/admission.py
 :func:`~ddprun.agent.admission.left_out`), unless the job is elastic with room for it.
@@ -34,21 +39,87 @@ if TYPE_CHECKING:  # annotations only: torch.distributed is imported where the s
 class JoinSnapshot:
     reachable: bool = False
     joined: list[str] = field(default_factory=list)
-    """One ``host pid N`` per node that joined the current round."""
+    """One ``host pid N`` per node that joined the current round (the first NAMES_SHOWN, from a summary)."""
+    count: int | None = None
+    """The nodes that joined, where ``joined`` names only some of them; None: ``len(joined)``."""
+
+    @property
+    def nodes(self) -> int:
+        return len(self.joined) if self.count is None else self.count
 
 
 STALE_S = 10.0
 """A joining node whose beat has not moved for this long is not counted (gone, or started)."""
+POLL_S = 1.0
+"""Seconds between this node's beats (and checks that the job's round left it out)."""
+NAMES_SHOWN = 8
+"""Nodes a line names; the rest are counted (``... and 992 more``)."""
+SUMMARY_STALE_INTERVALS = 2
+"""A summary whose number has not moved for this many line intervals (and a poll) is not used: its
+writer has started its workers, or stopped."""
 
 
-def joining_entries(store: TCPStore) -> dict[str, bytes]:
-    """Every node's ``ddprun/joining/<k>`` entry (one batched read)."""
+@dataclass
+class Entries:
+    """What a watcher knows of the ``ddprun/joining/<k>`` keys between its reads."""
+
+    counted: int = 0
+    """Entries the counter had given out at the last read."""
+    present: list[str] = field(default_factory=list)
+    """Keys set whose node had not started its workers (a started node's entry never changes again)."""
+    pending: list[str] = field(default_factory=list)
+    """Keys counted but not set yet: a node between its counter and its first write, or dead there."""
+
+
+def joining_entries(store: TCPStore, known: Entries | None = None) -> dict[str, bytes]:
+    """Every waiting node's ``ddprun/joining/<k>`` entry, in a few calls whatever the count of nodes:
+    the counter, whether the keys counted since the last read are set (:func:`_which_set`), one
+    batched read. ``known`` carries what earlier reads learnt (None: a first read)."""
     from ddprun.protocol import store as keys
 
+    known = known if known is not None else Entries()
     n = int(store.add(keys.JOINING_COUNT_KEY, 0))
-    names = [keys.joining_key(k) for k in range(1, n + 1)]
-    present = [k for k in names if store.check([k])]
-    return dict(zip(present, store.multi_get(present))) if present else {}
+    counted = known.pending + [keys.joining_key(k) for k in range(known.counted + 1, n + 1)]
+    known.counted = max(n, known.counted)
+    ready = set(_which_set(store, counted))
+    known.present += [k for k in counted if k in ready]
+    known.pending = [k for k in counted if k not in ready]
+    out = dict(zip(known.present, store.multi_get(known.present))) if known.present else {}
+    known.present = [k for k in known.present if not _started(out[k])]
+    return out
+
+
+def _which_set(store: TCPStore, names: list[str]) -> list[str]:
+    """The keys of ``names`` that are set: one call when they all are (a check of a missing key does not
+    wait, where multi_get would), else the same for each half: a few calls for a few unset keys,
+    where a call per key would be a thousand at 1,000 nodes starting at once."""
+    if not names or store.check(names):
+        return names
+    if len(names) == 1:
+        return []
+    half = len(names) // 2
+    return _which_set(store, names[:half]) + _which_set(store, names[half:])
+
+
+def _started(raw: bytes) -> bool:
+    try:
+        data = json.loads(raw)
+        return isinstance(data, dict) and bool(data.get("started"))
+    except ValueError:
+        return False
+
+
+def parse_summary(raw: bytes) -> tuple[int, int, list[str]] | None:
+    """(seq, count, names) of the store's host's summary; None once its watcher ended, or for a
+    malformed one (never trusted)."""
+    try:
+        data = json.loads(raw)
+        if data.get("ended"):
+            return None
+        names = [str(x) for x in data["joined"]][:NAMES_SHOWN]
+        return int(data["seq"]), max(int(data["count"]), len(names)), names
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def describe_entry(raw: bytes) -> str | None:
@@ -59,6 +130,12 @@ def describe_entry(raw: bytes) -> str | None:
         return None if data.get("started") else f"{str(data['host'])} pid {int(data['pid'])}"
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def names(joined: list[str], count: int) -> str:
+    """The first :data:`NAMES_SHOWN` of ``joined``, and how many more of ``count``."""
+    shown = joined[:NAMES_SHOWN]
+    return ", ".join(shown) + (f", ... and {count - len(shown)} more" if count > len(shown) else "")
 
 
 class JoinWatcher:
@@ -82,6 +159,10 @@ class JoinWatcher:
         self._t0 = time.monotonic()
         self.last = JoinSnapshot()
         self._store: TCPStore | None = None
+        self._known = Entries()
+        self._seq = 0
+        self._summary_seen: tuple[int, float] = (-1, float("-inf"))
+        """The summary's last number, and when it moved (this watcher's clock)."""
         self._thread = threading.Thread(target=self._loop, name="ddprun-join-watch", daemon=True)
 
     def start(self) -> JoinWatcher:
@@ -92,17 +173,26 @@ class JoinWatcher:
         self._stop.set()
 
     def _read(self) -> JoinSnapshot:
+        """Beat, then read every waiting node's entry."""
+        return self._entries(self._beat_once())
+
+    def _beat_once(self) -> TCPStore:
+        """Connect (a new client forgets what the last one read), announce this node once, beat; the client."""
         from ddprun.agent.admission import client
         from ddprun.protocol import store as keys
 
         if self._store is None:
-            self._store = client(self._host, self._port, timeout_s=2.0)
+            self._store, self._known = client(self._host, self._port, timeout_s=2.0), Entries()
         if self._entry is None:
             self._entry = keys.joining_key(int(self._store.add(keys.JOINING_COUNT_KEY, 1)))
         self._beat += 1
         self._store.set(self._entry, json.dumps({"host": self._agent[0], "pid": self._agent[1], "beat": self._beat}))
+        return self._store
+
+    def _entries(self, store: TCPStore) -> JoinSnapshot:
+        """The nodes whose beat moved within ``stale_s`` (this watcher's clock, between its reads)."""
         now, joined = time.monotonic(), []
-        for key, raw in joining_entries(self._store).items():
+        for key, raw in joining_entries(store, self._known).items():
             value, since = self._seen.get(key, (b"", now))
             if raw != value:
                 self._seen[key] = (raw, now)
@@ -113,14 +203,39 @@ class JoinWatcher:
                 joined.append(who)
         return JoinSnapshot(reachable=True, joined=joined)
 
+    def _snapshot(self, store: TCPStore, early: bool = False) -> JoinSnapshot | None:
+        """The store's host reads every entry and publishes what it counted; another node reads that
+        (one key) while its number moves, else every entry itself (the host has started, or stopped),
+        but not ``early`` (before its first line: None), when every node reading every entry at once
+        would be a herd at 1,000 nodes and the host's first summary is about to come."""
+        from ddprun.protocol import store as keys
+
+        if self._hosted:
+            snap = self._entries(store)
+            self._seq += 1
+            store.set(keys.JOINING_SUMMARY_KEY, json.dumps({"seq": self._seq, "count": snap.nodes,
+                                                            "joined": snap.joined[:NAMES_SHOWN]}))
+            return snap
+        summary = parse_summary(store.get(keys.JOINING_SUMMARY_KEY)) if store.check([keys.JOINING_SUMMARY_KEY]) else None
+        now = time.monotonic()
+        if summary is not None and summary[0] != self._summary_seen[0]:
+            self._summary_seen = (summary[0], now)
+        fresh = now - self._summary_seen[1] <= SUMMARY_STALE_INTERVALS * self._interval + POLL_S
+        if summary is not None and fresh:
+            return JoinSnapshot(reachable=True, joined=summary[2], count=summary[1])
+        return None if early else self._entries(store)
+
+    def _alone(self) -> JoinSnapshot:
+        return JoinSnapshot(reachable=True, joined=[f"{self._agent[0]} pid {self._agent[1]}"])
+
     def line(self, snap: JoinSnapshot) -> str:
         left = max(0, round(self._timeout - (time.monotonic() - self._t0)))  # nearest: 3.0 s into 8 is 5 s left
         if not snap.reachable:
             from ddprun.agent.admission import unreachable_line
 
             return unreachable_line(f"{self._host}:{self._port}", self._timeout, left)
-        who = ", ".join(snap.joined) if snap.joined else "none"
-        return (f"ddprun: {len(snap.joined)}/{self._nnodes} nodes joined ({who}); waiting up to "
+        who = names(snap.joined, snap.nodes) if snap.joined else "none"
+        return (f"ddprun: {snap.nodes}/{self._nnodes} nodes joined ({who}); waiting up to "
                 f"{self._timeout:.0f} s ({left} s left)")
 
     def _admitted(self) -> bool:
@@ -145,9 +260,15 @@ class JoinWatcher:
 
     def _loop(self) -> None:
         next_line = time.monotonic() + self._interval
-        while not self._stop.wait(0.5):
+        snap, read = JoinSnapshot(), False
+        while not self._stop.wait(POLL_S):
+            due = time.monotonic() >= next_line
             try:
-                snap = self._read()
+                store = self._beat_once()
+                if due or not read:  # for a line, and early (a join timeout shorter than a line's)
+                    got = self._snapshot(store, early=not due)
+                    # nothing to read yet (_snapshot): this node, which the store has just answered, is there
+                    snap, read = (got, True) if got is not None else (self._alone(), False)
             except Exception:  # noqa: BLE001 - unreachable, or a state this torch cannot read
                 self._store = None
                 # a read that fails after the store answered (a slow moment, the rendezvous closing at its
@@ -164,18 +285,23 @@ class JoinWatcher:
             # state right after a non-empty one is that, not "no node joined"
             if snap.joined or not self.last.joined:
                 self.last = snap
-            if time.monotonic() >= next_line:
+            if due:
                 next_line += self._interval
                 self._out.write(self.line(snap) + "\n")
                 self._out.flush()
         self._mark_started()
 
     def _mark_started(self) -> None:
-        """This node's entry says it is no longer waiting (another node's watcher stops counting it)."""
+        """This node's entry says it is no longer waiting (another node's watcher stops counting it);
+        the store's host's summary says it is no longer kept (a late node reads the entries itself)."""
+        from ddprun.protocol import store as keys
+
         try:
             if self._store is not None and self._entry is not None:
                 self._store.set(self._entry, json.dumps({"host": self._agent[0], "pid": self._agent[1],
                                                          "beat": self._beat, "started": True}))
+            if self._store is not None and self._hosted:
+                self._store.set(keys.JOINING_SUMMARY_KEY, json.dumps({"seq": self._seq + 1, "ended": True}))
         except Exception:  # noqa: BLE001 - the store went away: the entry goes stale by itself
             pass
 
@@ -183,6 +309,6 @@ class JoinWatcher:
         snap = self.last
         if not snap.reachable:
             return f"the rendezvous host {self._host}:{self._port} was never reachable from this node"
-        missing = self._nnodes - len(snap.joined)
-        who = ", ".join(snap.joined) or "no node"
-        return f"{len(snap.joined)}/{self._nnodes} nodes joined ({who}); {missing} missing"
+        missing = self._nnodes - snap.nodes
+        who = names(snap.joined, snap.nodes) or "no node"
+        return f"{snap.nodes}/{self._nnodes} nodes joined ({who}); {missing} missing"

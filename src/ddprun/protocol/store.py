@@ -66,6 +66,8 @@ between attempts:
     job/beat/<node>    a counter node <node>'s agent advances every half second while the job runs
     joining            a counter; joining/<k> JSON {host, pid, beat} of the k-th node that came to join
                        (agent/joinwatch.py: its beat moves while it waits)
+    joining/summary    JSON {seq, count, joined}: the waiting nodes as the store's host counted them
+                       (its watcher reads every entry; the others read this one key)
 """
 
 from __future__ import annotations
@@ -89,6 +91,9 @@ JOB_KEY = "ddprun/job"
 REFORMING_KEY = "ddprun/job/reforming"
 SINCE_KEY = "ddprun/job/since"
 JOINING_COUNT_KEY = "ddprun/joining"
+
+
+JOINING_SUMMARY_KEY = "ddprun/joining/summary"
 
 
 def joining_key(k: int) -> str:
