@@ -155,20 +155,6 @@ def test_keys_counted_but_not_written_yet_are_read_once_written_and_started_node
     assert known.pending == [keys.joining_key(41), keys.joining_key(43)]
 
 
-def test_which_keys_are_set_takes_a_few_calls_for_a_few_unset_ones():
-    from ddprun.agent.joinwatch import _which_set
-    from tests.helpers import Counting
-
-    store = store_server()
-    names = [f"k/{i}" for i in range(1000)]
-    for i, name in enumerate(names):
-        if i not in (17, 500, 998):
-            store.set(name, "1")
-    counted = Counting(store)
-    assert _which_set(counted, names) == [n for i, n in enumerate(names) if i not in (17, 500, 998)]
-    assert len(counted.calls) <= 3 * 2 * 10 + 1  # at most two checks a level for each unset key, 10 levels
-
-
 def test_before_its_first_line_a_node_without_the_hosts_summary_reads_no_entry():
     from tests.helpers import Counting
 

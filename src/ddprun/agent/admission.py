@@ -198,8 +198,7 @@ def elastic_note(me: Newcomer, min_nodes: int, max_nodes: int) -> str | None:
 
 def hosts_of(store: Any, job: JobRecord) -> list[str]:
     """``host (pid N)`` of each node of the job's round that said so (one batched read)."""
-    names = [keys.job_host_key(job.round, n) for n in range(job.nnodes)]
-    present = [n for n in names if store.check([n])]
+    present = keys.present(store, [keys.job_host_key(job.round, n) for n in range(job.nnodes)])
     out = []
     for raw in store.multi_get(present) if present else []:
         try:

@@ -73,32 +73,21 @@ class Entries:
 
 def joining_entries(store: TCPStore, known: Entries | None = None) -> dict[str, bytes]:
     """Every waiting node's ``ddprun/joining/<k>`` entry, in a few calls whatever the count of nodes:
-    the counter, whether the keys counted since the last read are set (:func:`_which_set`), one
-    batched read. ``known`` carries what earlier reads learnt (None: a first read)."""
+    the counter, whether the keys counted since the last read are set (one call when they all are:
+    protocol/store.py ``present``), one batched read. ``known`` carries what earlier reads learnt
+    (None: a first read)."""
     from ddprun.protocol import store as keys
 
     known = known if known is not None else Entries()
     n = int(store.add(keys.JOINING_COUNT_KEY, 0))
     counted = known.pending + [keys.joining_key(k) for k in range(known.counted + 1, n + 1)]
     known.counted = max(n, known.counted)
-    ready = set(_which_set(store, counted))
+    ready = set(keys.present(store, counted))
     known.present += [k for k in counted if k in ready]
     known.pending = [k for k in counted if k not in ready]
     out = dict(zip(known.present, store.multi_get(known.present))) if known.present else {}
     known.present = [k for k in known.present if not _started(out[k])]
     return out
-
-
-def _which_set(store: TCPStore, names: list[str]) -> list[str]:
-    """The keys of ``names`` that are set: one call when they all are (a check of a missing key does not
-    wait, where multi_get would), else the same for each half: a few calls for a few unset keys,
-    where a call per key would be a thousand at 1,000 nodes starting at once."""
-    if not names or store.check(names):
-        return names
-    if len(names) == 1:
-        return []
-    half = len(names) // 2
-    return _which_set(store, names[:half]) + _which_set(store, names[half:])
 
 
 def _started(raw: bytes) -> bool:
