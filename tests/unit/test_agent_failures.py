@@ -156,6 +156,42 @@ def test_a_node_whose_agent_beats_is_not_lost(agent, store):
         b.join()
 
 
+def test_probing_300_beating_nodes_takes_a_few_store_calls_not_two_a_node(tmp_path, store):
+    # every surviving node probes at once after a node's loss: at 1,000 nodes one check a node each
+    # would be two million calls on the job's store just when the failure is to be named
+    import json
+
+    from tests.helpers import Counting
+
+    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", io.StringIO())
+    a.on_workers_started("r1", 0, 300, {0: (0, 0, "")}, world_size=300, store=("127.0.0.1", store.port),
+                         last_attempt=False)
+    keys = Keys("ddprun/job/r1/")
+    try:
+        beat = [0]
+
+        def beat_all():
+            beat[0] += 1
+            for n in range(1, 300):
+                store.set(keys.agent(n), json.dumps({"host": f"host-{n}", "beat": beat[0]}))
+
+        beat_all()
+        timer = threading.Timer(0.4, beat_all)
+        timer.start()
+        client = a._client()  # the agent's own thread beats with the same client meanwhile
+
+        def client_of_this_thread():
+            return counted if threading.get_ident() == me else client
+
+        me, counted = threading.get_ident(), Counting(client)
+        a._client = client_of_this_thread
+        assert a.probe_lost(wait_s=1.0) == []
+        timer.join()
+        assert counted.calls == ["check", "multi_get", "check", "multi_get"], counted.calls
+    finally:
+        a.stop()
+
+
 def test_the_ring_watch_names_a_neighbour_that_never_beat(tmp_path, store):
     out = io.StringIO()
     a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", out, lost_after_s=1.0)
