@@ -466,6 +466,22 @@ def test_a_rank_without_a_live_relay_records_its_stop_in_the_job_store_and_linge
     assert {r.rank for r in fr.parse_many(job.multi_get([keys.failure(k) for k in (2, 3)]))} == {0, 1}
 
 
+def test_a_record_whose_count_never_arrived_is_forwarded_at_the_agents_end(tmp_path, job, relay):
+    # a node too loaded for the rank's second call (the count) within its bound: the record is in the
+    # node store, and only the agent's end, which reads it whatever the count, can forward it
+    a = agent(tmp_path, job, relay, node=0)  # ranks 0 and 1
+    keys = Keys("ddprun/job/r1/")
+    cause = fr.FailureRecord(fr.ERROR, 3, "ValueError: bad batch", 1, "host-1", t=1.0)
+    publish_failure(job, keys, cause)
+    m1, _, _ = worker(tmp_path, job, relay, rank=1)
+    assert m1.ch._hand_to_node(m1.ch.stopped(cause), True) is not None  # the record, and no count after it
+    a._tick(1, (None, 0.0))  # a beat reads the node store only when the count moved
+    assert int(job.add(keys.failures, 0)) == 1
+    a.linger(timeout_s=0.2)
+    assert int(job.add(keys.failures, 0)) == 2 and int(job.add(keys.acks, 0)) == 1
+    assert [r.rank for r in fr.parse_many(job.multi_get([keys.failure(2)]))] == [1]
+
+
 def test_the_agent_forwards_no_malformed_or_first_hand_left_record_and_none_across_attempts(relay):
     local = Counting(relay._store)
     relay._store = local

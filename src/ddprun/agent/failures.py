@@ -300,7 +300,7 @@ class AgentFailures:
         keys = self._keys
         if keys is not None:
             try:  # this node's stopped ranks, before anyone counts the records; no connect to a store that is gone
-                self._forward_left(None, keys)
+                self._forward_left(None, keys, every=True)
             except Exception:  # noqa: BLE001 - the store is gone: their error files still say it
                 pass
         cause = self.root_cause() or self.stopping_for
@@ -454,20 +454,21 @@ class AgentFailures:
                 self.preempt_stop = self.preempt_stop or stop
                 self._alarm = alarm  # only once all of it was read: a failing read reads it again next beat
 
-    def _forward_left(self, store: Any, keys: Keys) -> None:
+    def _forward_left(self, store: Any, keys: Keys, every: bool = False) -> None:
         """The records local ranks left in the node store when another rank's failure stopped them
         (worker/channel.py leave_to_agent): into the job store as one batch, and acknowledged for
         them: 4 job-store calls a node, where each rank recording its own made 4 a rank. Called by
         this thread each tick and by :meth:`linger` (the launch ends before another tick), which
         gives no ``store``: the client is made only when there is something to forward and the
-        store's port answers. A batch whose calls failed part way is finished, not sent again: its
-        place in the job's record list is kept (:class:`_Batch`)."""
+        store's port answers, and ``every``: it reads the node store also where the count did not
+        move. A batch whose calls failed part way is finished, not sent again: its place in the
+        job's record list is kept (:class:`_Batch`)."""
         if self._relay is None:
             return
         with self._forward_lock:  # this thread and the main thread (linger): each record once
             batch = self._batch if self._batch is not None and self._batch.keys is keys else None
             if batch is None:
-                count, recs = self._relay.left(keys)
+                count, recs = self._relay.left(keys, every)
                 if not recs:
                     self._relay.forwarded(keys, count, [])
                     return

@@ -118,18 +118,20 @@ class NodeRelay:
             self._sent = got
         return got
 
-    def left(self, keys: Keys) -> tuple[int, list[fr.FailureRecord]]:
+    def left(self, keys: Keys, every: bool = False) -> tuple[int, list[fr.FailureRecord]]:
         """(count, records): the stopped records local ranks left for their agent to forward
         (worker/channel.py leave_to_agent) and not marked :meth:`forwarded` yet; one local read while
-        the ``left`` counter has not moved. Malformed values and records that are not echoes are
-        left out (the ranks that wrote them recorded nothing else: they still show in this node's
+        the ``left`` counter has not moved, unless ``every`` (the agent's last chance, at its end:
+        a rank whose count did not arrive, on a node too loaded to finish it within its bound, has
+        its record here all the same). Malformed values and records that are not echoes are left
+        out (the ranks that wrote them recorded nothing else: they still show in this node's
         summary, from their error files)."""
         with self._lock:
             if keys is not self._keys:
                 return 0, []
             read, todo = self._left_read, [r for r in self._ranks if r not in self._forwarded]
         n = int(self._store.add(keys.lefts, 0))
-        if n == read or not todo:
+        if (n == read and not every) or not todo:
             return n, []
         found = present(self._store, [keys.left(r) for r in todo])
         parsed = fr.parse_many(self._store.multi_get(found)) if found else []
