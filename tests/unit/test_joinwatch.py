@@ -20,17 +20,22 @@ def watcher(store, host: str, pid: int) -> JoinWatcher:
     return JoinWatcher("127.0.0.1", store.port, "ddprun", me, 2, 60, io.StringIO(), (host, pid), stale_s=0.5)
 
 
+def read(w: JoinWatcher) -> JoinSnapshot:
+    """A beat, then every waiting node's entry read by ``w`` itself."""
+    return w._entries(w._beat_once())
+
+
 def test_nodes_that_came_to_join_are_counted_while_they_beat():
     store = store_server()
     a, b = watcher(store, "node-a", 11), watcher(store, "node-b", 22)
-    assert a._read().joined == ["node-a pid 11"]
-    b._read()
-    assert a._read().joined == ["node-a pid 11", "node-b pid 22"]
+    assert read(a).joined == ["node-a pid 11"]
+    read(b)
+    assert read(a).joined == ["node-a pid 11", "node-b pid 22"]
     store.set(keys.joining_key(int(store.add(keys.JOINING_COUNT_KEY, 1))), b"\x80not json")  # skipped
-    assert a._read().joined == ["node-a pid 11", "node-b pid 22"]
-    assert a.line(a._read()).startswith("ddprun: 2/2 nodes joined (node-a pid 11, node-b pid 22); waiting up to 60 s")
+    assert read(a).joined == ["node-a pid 11", "node-b pid 22"]
+    assert a.line(read(a)).startswith("ddprun: 2/2 nodes joined (node-a pid 11, node-b pid 22); waiting up to 60 s")
     time.sleep(0.7)  # node-b stopped beating (its workers started, or it died)
-    a.last = a._read()
+    a.last = read(a)
     assert a.last.joined == ["node-a pid 11"]
     assert a.timeout_message() == "1/2 nodes joined (node-a pid 11); 1 missing"
 

@@ -86,16 +86,9 @@ def joining_entries(store: TCPStore, known: Entries | None = None) -> dict[str, 
     known.present += [k for k in counted if k in ready]
     known.pending = [k for k in counted if k not in ready]
     out = dict(zip(known.present, store.multi_get(known.present))) if known.present else {}
-    known.present = [k for k in known.present if not _started(out[k])]
+    # a started node's entry never changes again (nor does a malformed one count): not read again
+    known.present = [k for k in known.present if describe_entry(out[k]) is not None]
     return out
-
-
-def _started(raw: bytes) -> bool:
-    try:
-        data = json.loads(raw)
-        return isinstance(data, dict) and bool(data.get("started"))
-    except ValueError:
-        return False
 
 
 def parse_summary(raw: bytes) -> tuple[int, int, list[str]] | None:
@@ -160,10 +153,6 @@ class JoinWatcher:
 
     def stop(self) -> None:
         self._stop.set()
-
-    def _read(self) -> JoinSnapshot:
-        """Beat, then read every waiting node's entry."""
-        return self._entries(self._beat_once())
 
     def _beat_once(self) -> TCPStore:
         """Connect (a new client forgets what the last one read), announce this node once, beat; the client."""
