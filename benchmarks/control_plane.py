@@ -83,14 +83,15 @@ class Exited(BaseException):
 
 
 class Ops:
-    """Counts of store calls (the GIL makes += on an int attribute close enough for a benchmark)."""
+    """Counts of store calls, and of the keys their multi_gets read (the GIL makes += on an int
+    attribute close enough for a benchmark)."""
 
     def __init__(self) -> None:
-        self.n = 0
+        self.n = self.keys = 0
 
 
 class Counted:
-    """A store client whose every call is counted in ``ops``."""
+    """A store client whose every call is counted in ``ops``, and the keys each multi_get reads."""
 
     def __init__(self, store, ops: Ops):
         self._store, self._ops = store, ops
@@ -102,6 +103,8 @@ class Counted:
 
         def call(*args, **kwargs):
             self._ops.n += 1
+            if name == "multi_get":
+                self._ops.keys += len(args[0])
             return fn(*args, **kwargs)
 
         return call

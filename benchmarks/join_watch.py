@@ -35,37 +35,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-from benchmarks.control_plane import SERVER, answer  # noqa: E402 - after the paths
+from benchmarks.control_plane import SERVER, Counted, Ops, answer  # noqa: E402 - after the paths
 
 INTERVAL_S = 3.0
 """The watchers' line interval (protocol/defaults.py JOIN_PROGRESS_S)."""
-
-
-class Counts:
-    """Calls and keys read, over every client of one process (the GIL keeps += close enough)."""
-
-    def __init__(self) -> None:
-        self.calls = self.keys = 0
-
-
-class Counted:
-    """A store client whose every call is counted, and the keys each multi_get returns."""
-
-    def __init__(self, store, counts: Counts):
-        self._store, self._counts = store, counts
-
-    def __getattr__(self, name: str):
-        fn = getattr(self._store, name)
-        if not callable(fn):
-            return fn
-
-        def call(*args, **kwargs):
-            self._counts.calls += 1
-            if name == "multi_get":
-                self._counts.keys += len(args[0])
-            return fn(*args, **kwargs)
-
-        return call
 
 
 def child_main(args: argparse.Namespace) -> int:
@@ -74,11 +47,11 @@ def child_main(args: argparse.Namespace) -> int:
     from ddprun.agent import admission
     from ddprun.agent.joinwatch import JoinWatcher
 
-    counts, reconnects = Counts(), Counts()
+    counts, reconnects = Ops(), Ops()
     connect = admission.client
 
     def counted_connect(*a, **kw):  # a watcher reconnects only after a failed call: there should be none
-        reconnects.calls += 1
+        reconnects.n += 1
         return Counted(connect(*a, **kw), counts)
 
     me = admission.Newcomer(f"127.0.0.1:{args.port}", "ddprun", "", False, "p")
@@ -100,12 +73,12 @@ def child_main(args: argparse.Namespace) -> int:
     for w in watchers:
         w.start()
     time.sleep(max(0.0, t0 + INTERVAL_S + 0.5 - time.monotonic()))  # every watcher announced and read once
-    calls, keys, lines = counts.calls, counts.keys, sum(len(o.getvalue().splitlines()) for o in outs)
+    calls, keys, lines = counts.n, counts.keys, sum(len(o.getvalue().splitlines()) for o in outs)
     t1 = time.monotonic()
     time.sleep(args.seconds)
     t2 = time.monotonic()
-    result = {"calls": counts.calls - calls, "keys": counts.keys - keys, "s": t2 - t1,
-              "lines": sum(len(o.getvalue().splitlines()) for o in outs) - lines, "reconnects": reconnects.calls}
+    result = {"calls": counts.n - calls, "keys": counts.keys - keys, "s": t2 - t1,
+              "lines": sum(len(o.getvalue().splitlines()) for o in outs) - lines, "reconnects": reconnects.n}
     print(json.dumps(result), flush=True)
     os._exit(0)  # the watchers' threads and clients go with the process
 
