@@ -31,10 +31,11 @@ Printed per N ranks: job-store calls per second in total and per rank while trai
 bumped 20 times a second), the same to the node stores, rank 0's time per telemetry window
 (reading every node's timing record, the straggler check), preflight (announce to every rank's
 verdict) and rank 0's gather, an injected stall to the hang report past the threshold (3 s), a
-failure record to every rank having seen it, and the job-store calls per rank that preflight and the
-failure cost (what the store must serve whatever runs the ranks: the protocol's share, where the
-times above also hold the simulator's; a failure's are counted until FORWARD_S after every rank saw
-it, less the agents' steady calls over that time). ``--no-node-store``: ranks talk to the job store
+failure record to every rank having seen it, and the job-store calls per rank that preflight, the
+stall and the failure cost (what the store must serve whatever runs the ranks: the protocol's share,
+where the times above also hold the simulator's; a stall's are counted from the stall to STALL_TAIL_S
+after its report, its end included, less the job's steady calls over that time; a failure's until
+FORWARD_S after every rank saw it, less the agents' steady calls over that time). ``--no-node-store``: ranks talk to the job store
 themselves, as before the node store (each agent still reads the alarm first).
 """
 
@@ -453,6 +454,22 @@ def failure_calls(m0: list[dict], m1: list[dict], m2: list[dict], m3: list[dict]
     return sum(b["ops"] - a["ops"] for a, b in zip(m2, m3)) - steady * took(m2, m3)
 
 
+STALL_TAIL_S = 2.0
+"""After the hang report: its summary, and the end of the stall (progress again), are in the count."""
+
+
+def stall_calls(m0: list[dict], m1: list[dict], m2: list[dict]) -> float:
+    """Job-store calls from the injected stall to STALL_TAIL_S after its report (m1 -> m2), less every
+    steady call over that time (the job's rate while training, m0 -> m1): what a reported stall that
+    ends costs (the ranks' answers, the agents' reads of each move of the alarm, the claimant's reads,
+    writes and deletes)."""
+    def took(a: list[dict], b: list[dict]) -> float:
+        return max(r["t"] for r in b) - max(r["t"] for r in a)
+
+    steady = sum(b["ops"] - a["ops"] for a, b in zip(m0, m1)) / took(m0, m1)
+    return sum(b["ops"] - a["ops"] for a, b in zip(m1, m2)) - steady * took(m1, m2)
+
+
 def one_size(n: int, per_node: int, procs: int, port: int, seconds: float, run_dir: str,
              no_node_store: bool) -> dict[str, float]:
     kids = Children(n, per_node, procs, port, run_dir, no_node_store)
@@ -481,7 +498,7 @@ def one_size(n: int, per_node: int, procs: int, port: int, seconds: float, run_d
         window_s = next((r["window_s"] for r in st if r["window_s"]), 0.0)
         if os.environ.get("CP_DEBUG"):
             print(f"  ranks that went direct: {st[0]['direct']}", file=sys.stderr, flush=True)
-        time.sleep(1.5)  # the observers see the progress again before the failure
+        time.sleep(STALL_TAIL_S)  # the report's summary, and the observers see the progress again (its end)
         m2 = kids.all("mark")
         fl = kids.all("fail")
         failed, seen = min(r["failed"] for r in fl), [r["seen"] for r in fl]
@@ -496,6 +513,7 @@ def one_size(n: int, per_node: int, procs: int, port: int, seconds: float, run_d
             "stall_s": (reported - stalled) if reported else float("nan"),
             "failure_s": (max(seen) - failed) if all(seen) else float("nan"),
             "failure_calls": failure_calls(m0, m1, m2, m3) / n,
+            "stall_calls": stall_calls(m0, m1, m2) / n,
             "preflight_calls": sum(b["ops"] - a["ops"] for a, b in zip(p0, p1)) / n}
 
 
@@ -523,7 +541,7 @@ def main() -> int:
     print(f"{'ranks':>6} {'job ops/s':>9} {'/rank':>6} {'node ops/s/rank':>15} {'polls':>5} {'beats':>5} "
           f"{'rank0 window':>12} "
           f"{'preflight':>9} {'gather':>7} {'stall->report':>13} {'failure->all':>12} "
-          f"{'calls/rank: preflight':>21} {'failure':>7}", flush=True)
+          f"{'calls/rank: preflight':>21} {'stall':>5} {'failure':>7}", flush=True)
     for n in sizes:
         per_node = min(args.nproc_per_node, n)
         server = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -540,7 +558,8 @@ def main() -> int:
         print(f"{n:>6} {r['ops']:>9.0f} {r['ops_rank']:>6.2f} {r['local_rank']:>15.2f} {r['polls']:>5.2f} "
               f"{r['beats']:>5.2f} {r['window_ms']:>10.1f}ms "
               f"{r['preflight_s']:>8.2f}s {r['gather_s']:>6.2f}s {r['stall_s'] - STALL_S:>+11.2f}s* "
-              f"{r['failure_s']:>11.2f}s {r['preflight_calls']:>21.1f} {r['failure_calls']:>7.1f}", flush=True)
+              f"{r['failure_s']:>11.2f}s {r['preflight_calls']:>21.1f} {r['stall_calls']:>5.1f} "
+              f"{r['failure_calls']:>7.1f}", flush=True)
     print(f"* seconds past the {STALL_S:g} s stall threshold. One run per size; job ops count the agents' calls.\n"
           "polls: monitor polls a rank a second, beats: agent beats a node a second (both 2 by design; fewer: the "
           "simulation itself is short of CPU, and its times are the simulator's)", flush=True)

@@ -14,11 +14,23 @@ from torch.distributed import TCPStore
 from ddprun.agent.failures import AgentFailures
 from ddprun.agent.noderelay import NodeRelay
 from ddprun.errors import ConfigError
+from ddprun.preempt import PreemptState
 from ddprun.protocol import defaults
 from ddprun.protocol import failure as fr
+from ddprun.protocol import preempt as pp
 from ddprun.protocol.env import WorkerEnv
 from ddprun.protocol.rundir import RunDir
-from ddprun.protocol.store import Keys, parse_relay, parse_relayed, publish_failure, relay_value, relayed_value
+from ddprun.protocol.store import (
+    Announced,
+    Keys,
+    parse_announced,
+    parse_relay,
+    parse_relayed,
+    publish_failure,
+    raise_alarm,
+    relay_value,
+    relayed_value,
+)
 from ddprun.telemetry import PROGRESS
 from ddprun.worker import monitor as monitor_mod
 from ddprun.worker.channel import JobChannel
@@ -89,6 +101,76 @@ def test_a_quiet_poll_costs_the_job_store_nothing_and_the_relayed_alarm_brings_t
     m._tick(jc)
     assert seen == [rec]  # once the relayed alarm moved: the cause the relay read with it
     assert "multi_get" not in jc.calls and "add" not in jc.calls, jc.calls  # no read of the job's records
+
+
+def test_a_stall_request_and_its_end_reach_a_rank_through_its_relay_and_its_answer_is_its_only_job_store_call(
+        tmp_path, job, relay):
+    """Before: each rank read the ``stall`` key in the job store itself at every move of the alarm (a
+    check, and a get when there is one), and the ``preempt`` key too: 2-3 calls a rank a move."""
+    a = agent(tmp_path, job, relay)
+    m, jc, nc = worker(tmp_path, job, relay, rank=1)  # not an observer (ranks 0 and 3 are)
+    keys = m.ch.keys
+    a._tick(1, (None, 0.0))
+    m._tick(jc)
+    jc.calls.clear()
+    job.set(keys.stall, json.dumps({"by": 0, "t": 1.0}))
+    raise_alarm(job, keys)
+    m._tick(jc)
+    assert jc.calls == [] and not job.check([keys.place(1)])  # the relay has not read the new alarm yet
+    a._tick(3, (None, 0.0))
+    m._tick(jc)
+    assert jc.calls == ["set"] and json.loads(job.get(keys.place(1)))["where"]  # the answer: its only call
+    for beat in (5, 7):  # the claimant's summary moves the alarm again: answered once
+        raise_alarm(job, keys)
+        a._tick(beat, (None, 0.0))
+        m._tick(jc)
+    assert jc.calls == ["set"]
+    job.delete_key(keys.stall)  # progress resumed (the claimant's end of the report)
+    raise_alarm(job, keys)
+    a._tick(9, (None, 0.0))
+    m._tick(jc)
+    assert jc.calls == ["set"] and m._answered == ""
+    job.set(keys.stall, json.dumps({"by": 3, "t": 2.0}))  # the next stall: answered again
+    raise_alarm(job, keys)
+    a._tick(11, (None, 0.0))
+    m._tick(jc)
+    assert jc.calls == ["set", "set"]
+
+
+def test_a_preemption_request_reaches_a_rank_through_its_relay_and_it_only_proposes_its_stop_step(
+        tmp_path, job, relay, monkeypatch):
+    state = PreemptState(fit_active=True)
+    monkeypatch.setattr(monitor_mod, "PREEMPT", state)
+    a = agent(tmp_path, job, relay)
+    m, jc, nc = worker(tmp_path, job, relay, rank=1)
+    keys = m.ch.keys
+    a._tick(1, (None, 0.0))
+    m._tick(jc)
+    jc.calls.clear()
+    job.set(keys.preempt, pp.Request("SIGTERM", "rank 3", 1, "host-1", 1.0).to_json())
+    raise_alarm(job, keys)
+    a._tick(3, (None, 0.0))
+    m._tick(jc)
+    assert jc.calls == ["compare_set"] and state.requested and state.signame == "SIGTERM"
+    assert state.stop_step == int(job.get(keys.preempt_stop))  # the step this rank proposed, the first
+    assert a.preempt_request == pp.Request("SIGTERM", "rank 3", 1, "host-1", 1.0)
+
+
+def test_a_malformed_relayed_request_is_read_in_the_job_store(tmp_path, job, relay):
+    a = agent(tmp_path, job, relay)
+    m, jc, nc = worker(tmp_path, job, relay, rank=1)
+    keys = m.ch.keys
+    a._tick(1, (None, 0.0))
+    m._tick(jc)
+    job.set(keys.stall, json.dumps({"by": 0, "t": 1.0}))
+    raise_alarm(job, keys)
+    a._tick(3, (None, 0.0))
+    nc.store.set(keys.relayed_announced, "{not an object")
+    jc.calls.clear()
+    m._tick(jc)
+    assert jc.calls == ["check", "check", "get", "set"], jc.calls  # preempt and stall read there, then answered
+    assert parse_announced(json.dumps({"preempt": "", "stall": "x"})) == Announced("", "x")
+    assert parse_announced('{"preempt": 1, "stall": ""}') is None and parse_announced(None) is None
 
 
 def test_a_rank_reads_a_failure_from_the_job_store_when_its_node_store_cannot_tell(tmp_path, job, relay, monkeypatch):

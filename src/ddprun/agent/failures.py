@@ -36,7 +36,17 @@ from ddprun.protocol import failure as fr
 from ddprun.protocol import preempt as pp
 from ddprun.protocol.atomic import write_text_atomic
 from ddprun.protocol.rundir import RunDir
-from ddprun.protocol.store import Keys, present, publish_echoes, publish_failure, raise_alarm, read_causes, read_records, text
+from ddprun.protocol.store import (
+    Announced,
+    Keys,
+    present,
+    publish_echoes,
+    publish_failure,
+    raise_alarm,
+    read_causes,
+    read_records,
+    text,
+)
 
 BEAT_S = 1.0
 STORE_CALL_S = defaults.STORE_CALL_S
@@ -121,6 +131,8 @@ class AgentFailures:
         self._relay = relay
         self._alarm = -1
         """The job's alarm counter as last read: -1 reads everything at the first beat."""
+        self._announced: Announced | None = None
+        """The preemption and stall requests as read when the alarm last moved (relayed to the workers)."""
         self._progress: dict[int, int] = {}
         """rank -> progress count of this node's ranks, as the relay last read them (the heartbeat's)."""
         self._on_beat = on_beat
@@ -184,7 +196,7 @@ class AgentFailures:
             self._node, self._nnodes, self._workers = node_rank, nnodes, dict(workers)
             self._world = world_size or len(workers)
             self._last_attempt, self._cause_seen = last_attempt, None
-            self._alarm, self._progress = -1, {}
+            self._alarm, self._progress, self._announced = -1, {}, None
             # the last attempt's records are history: a stale cause would end this attempt (_enforce_end)
             self._local.clear()
             self._cache.clear()
@@ -420,8 +432,9 @@ class AgentFailures:
         self._enforce_end()
         if self._relay is not None:
             with self._lock:  # the records and the alarm of this tick's attempt (a restart may clear them)
-                read, alarm = (list(self._cache.values()), self._alarm) if keys is self._keys else ([], -1)
-            self._relay.mirror(beat, alarm, read, keys)
+                read, alarm, said = ((list(self._cache.values()), self._alarm, self._announced) if keys is self._keys
+                                     else ([], -1, None))
+            self._relay.mirror(beat, alarm, read, keys, said)
         if beat % 2 == 0:
             if self._relay is not None:
                 self._progress = self._relay.progress()
@@ -439,11 +452,11 @@ class AgentFailures:
         moved (every writer of them advances it after the write); the agreed stop step, which is not
         announced, every beat while a preemption waits for it."""
         alarm = int(store.add(keys.alarm, 0))
-        request, stop = self.preempt_request, self.preempt_stop
+        request, stop, said = self.preempt_request, self.preempt_stop, None
         if alarm != self._alarm:
             self._read_records(store, keys)
-            if request is None and store.check([keys.preempt]):
-                request = pp.Request.parse(store.get(keys.preempt))
+            said = self._read_announced(store, keys)
+            request = request or pp.Request.parse(said.preempt or None)
             self._say_hang_report(store, keys)
         if request is not None and stop is None and store.check([keys.preempt_stop]):
             stop = text(store.get(keys.preempt_stop))
@@ -452,7 +465,17 @@ class AgentFailures:
                 # set once, never back to None: the main thread may have set them meanwhile (publish_preempt)
                 self.preempt_request = self.preempt_request or request
                 self.preempt_stop = self.preempt_stop or stop
+                self._announced = said or self._announced
                 self._alarm = alarm  # only once all of it was read: a failing read reads it again next beat
+
+    def _read_announced(self, store: Any, keys: Keys) -> Announced:
+        """The job's preemption request (read until there is one: the first request stays) and its
+        stall request (read at each move: a stall that resumed deletes it), for the relay: 2 to 4
+        calls a node, where each rank reading them itself made 2 to 3 calls a rank."""
+        known = self._announced.preempt if self._announced is not None else ""
+        preempt = known or (text(store.get(keys.preempt)) if store.check([keys.preempt]) else "")
+        stall = text(store.get(keys.stall)) if store.check([keys.stall]) else ""
+        return Announced(preempt, stall)
 
     def _forward_left(self, store: Any, keys: Keys, every: bool = False) -> None:
         """The records local ranks left in the node store when another rank's failure stopped them

@@ -6,8 +6,9 @@ A worker's monitor (worker/monitor.py) writes its progress count and timing wind
 the job's alarm counter from there; the agent's failure thread (agent/failures.py) calls this relay:
 
 * each half second :meth:`NodeRelay.mirror`: the job's alarm as the agent just read it, with a beat,
-  and the failure records it had read then (when they changed), so that a rank learns a failure's
-  cause on its node: no rank reads the causes in the job's store while its relay beats;
+  and the failure records, the preemption request and the stall request it had read then (when
+  they changed), so that a rank learns what the alarm announced on its node: no rank reads them
+  in the job's store while its relay beats;
 * each second :meth:`NodeRelay.progress`: every local rank's count, which goes into the agent's
   heartbeat record in the job store (one write a node);
 * :meth:`NodeRelay.timings`: the local ranks' timing windows, one record a node, when they changed;
@@ -32,7 +33,7 @@ import threading
 from typing import Any
 
 from ddprun.protocol import failure as fr
-from ddprun.protocol.store import Keys, present, relay_value, relayable, relayed_value
+from ddprun.protocol.store import Announced, Keys, announced_value, present, relay_value, relayable, relayed_value
 
 NODE_HOST = "127.0.0.1"
 
@@ -56,6 +57,7 @@ class NodeRelay:
         self._ranks: list[int] = []
         self._sent: dict[int, Any] = {}
         self._causes_sent: tuple[Keys | None, str] = (None, "")
+        self._announced_sent: tuple[Keys | None, str] = (None, "")
         self._left_read = 0
         self._forwarded: set[int] = set()
 
@@ -70,11 +72,12 @@ class NodeRelay:
             return self._keys, list(self._ranks)
 
     def mirror(self, beat: int, alarm: int, records: list[fr.FailureRecord] | None = None,
-               keys: Keys | None = None) -> None:
+               keys: Keys | None = None, announced: Announced | None = None) -> None:
         """Tell the local workers the job's alarm, and that this relay is alive (one local write);
-        before it, ``records`` (the failure records read with that alarm), when they changed.
-        ``keys``: the attempt they were read in; when another attempt began since, nothing is
-        written (an ended attempt's records must never stand under a new attempt's keys)."""
+        before it, ``records`` (the failure records read with that alarm) and ``announced`` (the
+        preemption and stall requests read with it), each when it changed. ``keys``: the attempt
+        they were read in; when another attempt began since, nothing is written (an ended
+        attempt's records must never stand under a new attempt's keys)."""
         current, _ = self._current()
         keys = keys or current
         if keys is None or keys is not current:
@@ -83,6 +86,10 @@ class NodeRelay:
         if raw and (self._causes_sent[0] is not keys or self._causes_sent[1] != raw):
             self._store.set(keys.relayed_causes, raw)
             self._causes_sent = (keys, raw)
+        said = announced_value(announced) if announced is not None else ""
+        if said and (self._announced_sent[0] is not keys or self._announced_sent[1] != said):
+            self._store.set(keys.relayed_announced, said)
+            self._announced_sent = (keys, said)
         self._store.set(keys.relay, relay_value(beat, alarm))
 
     def progress(self) -> dict[int, int]:

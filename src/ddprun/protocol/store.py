@@ -45,6 +45,10 @@ same prefix, so that the job's store hears from each node, not from each rank:
     relayed-causes     JSON list of the failure records the agent had read when it relayed that alarm
                        (:func:`relayable`; written before ``relay``, only when they changed): a rank
                        that sees the relayed alarm move reads the cause here, not in the job store
+    relayed-announced  JSON ``{"preempt": ..., "stall": ...}``: the job's preemption request and stall
+                       request as the agent read them with the alarm it relays ("": none; written before
+                       ``relay``, only when they changed): a rank that sees the relayed alarm move
+                       reads them here, not in the job store (:func:`announced_value`)
     stopping/<node>    as in the job store, written there first: the workers' signal thread reads
                        it here (worker/signals.py), so a job store that went silent never delays it
     own-failure/<N>    rank N's own failure record, written before the job's copy: its agent reads it
@@ -193,6 +197,12 @@ class Keys:
     def relayed_causes(self) -> str:
         """In the node store: the records the relay had read with the alarm it relays (:func:`relayed_value`)."""
         return self._k("relayed-causes")
+
+    @property
+    def relayed_announced(self) -> str:
+        """In the node store: the preemption and stall requests the relay had read with its alarm
+        (:func:`announced_value`)."""
+        return self._k("relayed-announced")
 
     @property
     def directs(self) -> str:
@@ -386,6 +396,32 @@ def parse_relayed(raw: bytes | str) -> list[fr.FailureRecord] | None:
         return None
     records = fr.parse_many(items)
     return records if len(records) == len(items) else None
+
+
+@dataclass(frozen=True)
+class Announced:
+    """What the ranks act on besides failures, as one read of the job store found it: the raw
+    ``preempt`` and ``stall`` values ("": not there)."""
+
+    preempt: str = ""
+    stall: str = ""
+
+
+def announced_value(a: Announced) -> str:
+    """The node store's ``relayed-announced`` value."""
+    return json.dumps({"preempt": a.preempt, "stall": a.stall}, separators=(",", ":"))
+
+
+def parse_announced(raw: bytes | str | None) -> Announced | None:
+    """A ``relayed-announced`` value; None for anything else (a reader then reads the job store: a
+    bad value must not read as "nothing announced")."""
+    try:
+        d = json.loads(raw) if raw is not None else None
+    except (ValueError, TypeError):
+        return None
+    if not isinstance(d, dict) or not all(isinstance(d.get(k), str) for k in ("preempt", "stall")):
+        return None
+    return Announced(d["preempt"], d["stall"])
 
 
 def int_map(raw: Any) -> dict[int, int]:

@@ -38,7 +38,7 @@ from ddprun.protocol import defaults
 from ddprun.protocol import failure as fr
 from ddprun.protocol import preempt as pp
 from ddprun.protocol.rundir import RunDir
-from ddprun.protocol.store import int_map, parse_relay, parse_relayed, present, raise_alarm, text
+from ddprun.protocol.store import Announced, int_map, parse_announced, parse_relay, parse_relayed, present, raise_alarm, text
 from ddprun.telemetry import PROGRESS, TIMER, summarize
 from ddprun.worker import collectives, stacks
 from ddprun.worker.channel import JobChannel
@@ -262,7 +262,8 @@ class Monitor:
     def _watch_events(self, store: Any) -> None:
         """One read of the alarm a poll (from the node store while its relay beats); what it announces
         is read only when it moved (or while this rank still waits on it: a first-hand record after an
-        echo, its own preemption signal)."""
+        echo, its own preemption signal), from the relay's copies while it beats: a quiet move costs
+        the job store nothing from this rank (a stall request then costs it one write, the answer)."""
         alarm = self._relayed_alarm(store)
         relayed = alarm is not None
         if alarm is None:
@@ -270,10 +271,11 @@ class Monitor:
         moved = alarm != self._alarm
         if self.ch.world_size > 1 and (moved or self._echo_seen is not None):
             self._watch_failures(store, relayed)
+        said = self._relayed_announced() if relayed and moved else None
         if moved or (PREEMPT.signum is not None and not PREEMPT.requested):
-            self._watch_preemption(store)
+            self._watch_preemption(store, said)
         if moved:
-            self._answer_stall(store)
+            self._answer_stall(store, said)
         self._alarm = alarm  # only once all of it was read: a failing read reads it again next poll
 
     # -- the node store ------------------------------------------------------------------------
@@ -404,6 +406,18 @@ class Monitor:
             return False, None
         return True, self.ch.cause_among(records)
 
+    def _relayed_announced(self) -> Announced | None:
+        """The preemption and stall requests the relay read with the alarm it relays; None when the
+        node store cannot say (gone, not written yet, a malformed value): the job store is read then."""
+        node, key = self._node_store(), self.ch.keys.relayed_announced
+        if node is None:
+            return None
+        try:
+            return parse_announced(node.get(key)) if node.check([key]) else None
+        except Exception as e:  # noqa: BLE001 - its agent is gone or broken: the job store still works
+            self._node_failed(e)
+            return None
+
     def _stopped_by(self, cause: fr.FailureRecord, store: Any) -> None:
         msg = stopped_message(cause)
         print(msg, file=sys.stderr, flush=True)
@@ -457,16 +471,18 @@ class Monitor:
         sys.stdout.flush()
         os._exit(128 + sig)
 
-    def _watch_preemption(self, store: Any) -> None:
+    def _watch_preemption(self, store: Any, said: Announced | None = None) -> None:
         """Once the job is asked to stop: propose a stop step (``none`` where nothing in this process
-        stops at one: neither ddprun.fit nor an on_preempt callback), keep what the job agreed on."""
+        stops at one: neither ddprun.fit nor an on_preempt callback), keep what the job agreed on.
+        ``said``: the request as the relay read it (None: read the job store)."""
         steps, keys = PROGRESS.steps, self.ch.keys
         if PREEMPT.requested:
             return
-        present = bool(store.check([keys.preempt]))  # one check a poll until the job is asked to stop
-        if not present and PREEMPT.signum is None:
+        if said is None:  # one check a move until the job is asked to stop
+            said = Announced(preempt=text(store.get(keys.preempt)) if store.check([keys.preempt]) else "")
+        if not said.preempt and PREEMPT.signum is None:
             return
-        req = pp.Request.parse(store.get(keys.preempt)) if present else None
+        req = pp.Request.parse(said.preempt) if said.preempt else None
         signame = req.signal if req else signal.Signals(PREEMPT.signum or 15).name
         consumer = PREEMPT.fit_active or bool(PREEMPT.callbacks)
         mine = str(pp.propose(steps, self._rate())) if consumer else pp.NO_STEP
@@ -509,13 +525,16 @@ class Monitor:
         return max(rates) if rates else None
 
     # -- stalls ------------------------------------------------------------------------------
-    def _answer_stall(self, store: Any) -> None:
-        """On a stall request not answered yet: this rank's stacks into the run dir, its place into the store."""
+    def _answer_stall(self, store: Any, said: Announced | None = None) -> None:
+        """On a stall request not answered yet: this rank's stacks into the run dir, its place into
+        the job store. ``said``: the request as the relay read it (None: read the job store)."""
         keys = self.ch.keys
-        if not store.check([keys.stall]):
+        if said is None:
+            said = Announced(stall=text(store.get(keys.stall)) if store.check([keys.stall]) else "")
+        request = said.stall
+        if not request:
             self._answered = ""
             return
-        request = store.get(keys.stall)
         if request == self._answered:
             return
         self._answered = request
