@@ -46,6 +46,7 @@ from ddprun.protocol.store import (
     read_causes,
     read_records,
     text,
+    value_or_empty,
 )
 
 BEAT_S = 1.0
@@ -473,9 +474,7 @@ class AgentFailures:
         stall request (read at each move: a stall that resumed deletes it), for the relay: 2 to 4
         calls a node, where each rank reading them itself made 2 to 3 calls a rank."""
         known = self._announced.preempt if self._announced is not None else ""
-        preempt = known or (text(store.get(keys.preempt)) if store.check([keys.preempt]) else "")
-        stall = text(store.get(keys.stall)) if store.check([keys.stall]) else ""
-        return Announced(preempt, stall)
+        return Announced(known or value_or_empty(store, keys.preempt), value_or_empty(store, keys.stall))
 
     def _forward_left(self, store: Any, keys: Keys, every: bool = False) -> None:
         """The records local ranks left in the node store when another rank's failure stopped them

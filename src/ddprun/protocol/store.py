@@ -313,6 +313,11 @@ def present(store: Any, keys: list[str]) -> list[str]:
     return present(store, keys[:mid]) + present(store, keys[mid:])
 
 
+def value_or_empty(store: Any, key: str) -> str:
+    """``key``'s value as text, or "" when it is not there (a check, and a get when it is)."""
+    return text(store.get(key)) if store.check([key]) else ""
+
+
 def raise_alarm(store: Any, keys: Keys) -> None:
     """After a write the ranks act on (the module docstring's ``alarm``)."""
     store.add(keys.alarm, 1)

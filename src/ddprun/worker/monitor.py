@@ -38,7 +38,17 @@ from ddprun.protocol import defaults
 from ddprun.protocol import failure as fr
 from ddprun.protocol import preempt as pp
 from ddprun.protocol.rundir import RunDir
-from ddprun.protocol.store import Announced, int_map, parse_announced, parse_relay, parse_relayed, present, raise_alarm, text
+from ddprun.protocol.store import (
+    Announced,
+    int_map,
+    parse_announced,
+    parse_relay,
+    parse_relayed,
+    present,
+    raise_alarm,
+    text,
+    value_or_empty,
+)
 from ddprun.telemetry import PROGRESS, TIMER, summarize
 from ddprun.worker import collectives, stacks
 from ddprun.worker.channel import JobChannel
@@ -479,7 +489,7 @@ class Monitor:
         if PREEMPT.requested:
             return
         if said is None:  # one check a move until the job is asked to stop
-            said = Announced(preempt=text(store.get(keys.preempt)) if store.check([keys.preempt]) else "")
+            said = Announced(preempt=value_or_empty(store, keys.preempt))
         if not said.preempt and PREEMPT.signum is None:
             return
         req = pp.Request.parse(said.preempt) if said.preempt else None
@@ -530,7 +540,7 @@ class Monitor:
         the job store. ``said``: the request as the relay read it (None: read the job store)."""
         keys = self.ch.keys
         if said is None:
-            said = Announced(stall=text(store.get(keys.stall)) if store.check([keys.stall]) else "")
+            said = Announced(stall=value_or_empty(store, keys.stall))
         request = said.stall
         if not request:
             self._answered = ""
