@@ -446,8 +446,11 @@ def _agreed(path: str | None, info: RankInfo) -> str | None:
         return path
     import torch.distributed as dist
 
+    from ddprun.telemetry import setup_phase
+
     found: list[Any] = [None] * info.world_size
-    dist.all_gather_object(found, path is not None)
+    with setup_phase():
+        dist.all_gather_object(found, path is not None)
     if all(found) or not any(found):
         return path
     raise ConfigError("Only some ranks can see the checkpoint to resume from.",

@@ -269,7 +269,11 @@ def _join_group(spec: ClusterSpec, info: RankInfo, backend: str | None, timeout:
                             timeout=timedelta(seconds=timeout),
                             device_id=info.device if info.device.type == "cuda" else None)
     # gloo/NCCL read os.environ (exported above), so the error names what they really used
-    first_collective(info.device, backend, info.world_size, os.environ, arrival_timeout_s=timeout, timeout_s=probe_s)
+    from ddprun.telemetry import setup_phase
+
+    with setup_phase():  # the probe is not the script's loop: its data preparation may follow
+        first_collective(info.device, backend, info.world_size, os.environ, arrival_timeout_s=timeout,
+                         timeout_s=probe_s)
     if ends_groups:
         keep_destroyed_groups()  # the script's own destroy_process_group too: released at exit, not freed mid-run
         atexit.register(_destroy_at_exit)

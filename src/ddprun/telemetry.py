@@ -89,6 +89,15 @@ class Progress:
         """time.monotonic() of the latest optimizer step (0: none yet)."""
         self.step_s = 0.0
         """Seconds between the two latest optimizer steps (0: fewer than two)."""
+        self.forwards = 0
+        """DDP forwards that returned (also counted in ``collectives``)."""
+        self.began = False
+        """Whether this process's own loop runs: an optimizer step, a second DDP forward (its first
+        backward's all-reduce is done), a collective outside :func:`setup_phase`, or :func:`heartbeat`.
+        ddprun's setup collectives (init's probe, fit's broadcast of the run directory, a resume) do
+        not say so: the first batch may still be far off."""
+        self.in_setup = 0
+        """Depth of :func:`setup_phase` blocks now running."""
 
     def stepped(self, now: float) -> None:
         """One optimizer step done at ``now`` (the optimizer step hook, worker/progress.py)."""
@@ -96,6 +105,18 @@ class Progress:
             self.step_s = now - self.step_at
         self.step_at = now
         self.steps += 1
+        self.began = True
+
+    def collected(self) -> None:
+        """One torch.distributed collective returned (worker/progress.py)."""
+        self.collectives += 1
+        self.began = self.began or not self.in_setup
+
+    def forwarded(self) -> None:
+        """One DDP forward returned (worker/progress.py)."""
+        self.forwards += 1
+        self.collectives += 1
+        self.began = self.began or self.forwards > 1
 
     @property
     def total(self) -> int:
@@ -103,6 +124,18 @@ class Progress:
 
 
 PROGRESS = Progress()
+
+
+@contextlib.contextmanager
+def setup_phase() -> Iterator[None]:
+    """ddprun's own collectives before a loop (``ddprun.init``'s probe, ``ddprun.fit``'s setup and
+    resume): progress, but not the loop's start, so the stall watch keeps its longer first-step bound
+    (worker/monitor.py ``stall_threshold``) while every rank waits for its first batch."""
+    PROGRESS.in_setup += 1
+    try:
+        yield
+    finally:
+        PROGRESS.in_setup -= 1
 
 
 @contextlib.contextmanager
@@ -125,5 +158,6 @@ def heartbeat(phase: str | None = None) -> None:
     increment, no I/O, no collective); safe to call outside a ddprun job. ``phase`` names the work in the
     hang report (``None`` keeps the current one, ``""`` clears it)."""
     PROGRESS.beats += 1
+    PROGRESS.began = True
     if phase is not None:
         PROGRESS.phase = phase

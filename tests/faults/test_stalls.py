@@ -50,6 +50,26 @@ def test_a_validation_pass_longer_than_the_stall_threshold_is_not_a_stall(nodes,
     assert_nothing_left(tmp_path)
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("slow", ["--first-s", "--prep-s"], ids=["first-batch", "prep-after-init"])
+def test_a_start_slower_than_the_stall_threshold_after_ddpruns_setup_collectives_is_not_a_stall(nodes, tmp_path,
+                                                                                                slow):
+    """Before: ddprun's own setup collectives (fit's broadcast of the run directory, ddprun.init's probe)
+    counted as the loop's start and armed the short bound, so a first batch slower than --stall-timeout
+    (a lazily opened dataset; in CI, a forkserver DataLoader worker on a busy machine) or a data
+    preparation after ddprun.init() was reported as a stall, and --stall-end-after 0 ended the healthy
+    job. Now the bound stays max(2 x, 30 s) until the observer's own loop runs."""
+    script = str(Path(__file__).parent / "scripts" / "fit_slow_val.py")
+    job = nodes(2, 1, [slow, "5"], script=script, extra=["--stall-timeout", "2", "--stall-end-after", "0"])
+    ended = job.finish(timeout=70)
+    assert [e.returncode for e in ended] == [0, 0], describe(ended)
+    both = "".join(e.output for e in ended)
+    assert "hang report" not in both and "no rank advanced" not in both, describe(ended)
+    assert "validated: val_loss" in ended[0].output, describe(ended)
+    assert not (tmp_path / "runs" / "fault" / "stacks").exists()
+    assert_nothing_left(tmp_path)
+
+
 def store_env(job, rank: int) -> dict[str, str]:
     """The rank's environment as its script saw it (scripts/job.py writes it with its pid)."""
     return json.loads((job.pids_dir / f"rank-{rank}.env.json").read_text())

@@ -13,33 +13,70 @@ from ddprun.worker.monitor import StallObserver
 
 def test_a_stall_is_reported_once_at_the_threshold_and_ends_the_job_stall_end_later():
     obs = StallObserver(stall_s=5, end_s=10)
-    assert obs.update(1, 100.0) == ""
-    assert obs.update(1, 104.9) == ""
-    assert obs.update(1, 105.0) == "report"
-    assert [obs.update(1, t) for t in (106.0, 114.9)] == ["", ""]  # reported once, not every check
-    assert obs.update(1, 115.0) == "end"
+    assert obs.update(1, 100.0, True) == ""
+    assert obs.update(1, 104.9, True) == ""
+    assert obs.update(1, 105.0, True) == "report"
+    assert [obs.update(1, t, True) for t in (106.0, 114.9)] == ["", ""]  # reported once, not every check
+    assert obs.update(1, 115.0, True) == "end"
 
 
 def test_progress_after_a_report_re_arms_the_watch():
     obs = StallObserver(stall_s=5, end_s=60)
-    obs.update(3, 0.0)
-    assert obs.update(3, 5.0) == "report"
-    assert obs.update(4, 6.0) == "resumed"  # the report was wrong: the job moved on, nothing ends
-    assert obs.update(4, 10.9) == ""
-    assert obs.update(4, 11.0) == "report"  # a new stall is reported again
-    assert obs.update(4, 70.9) == ""  # its end counts from the new report, not the first
-    assert obs.update(4, 71.0) == "end"
+    obs.update(3, 0.0, True)
+    assert obs.update(3, 5.0, True) == "report"
+    assert obs.update(4, 6.0, True) == "resumed"  # the report was wrong: the job moved on, nothing ends
+    assert obs.update(4, 10.9, True) == ""
+    assert obs.update(4, 11.0, True) == "report"  # a new stall is reported again
+    assert obs.update(4, 70.9, True) == ""  # its end counts from the new report, not the first
+    assert obs.update(4, 71.0, True) == "end"
 
 
 def test_before_the_first_progress_the_bound_is_longer_and_the_backup_observer_waits_its_grace():
     obs = StallObserver(stall_s=5, end_s=60)
-    obs.update(0, 0.0)  # nothing advanced yet: imports, data preparation, compilation
-    assert obs.update(0, 29.9) == ""
-    assert obs.update(0, defaults.STALL_FIRST_STEP_MIN_S) == "report"
+    obs.update(0, 0.0, False)  # nothing advanced yet: imports, data preparation, compilation
+    assert obs.update(0, 29.9, False) == ""
+    assert obs.update(0, defaults.STALL_FIRST_STEP_MIN_S, False) == "report"
     backup = StallObserver(stall_s=5, end_s=60, grace_s=3)
-    backup.update(2, 0.0)
-    assert backup.update(2, 7.9) == ""  # rank 0 reports first; the last rank only when it does not
-    assert backup.update(2, 8.0) == "report"
+    backup.update(2, 0.0, True)
+    assert backup.update(2, 7.9, True) == ""  # rank 0 reports first; the last rank only when it does not
+    assert backup.update(2, 8.0, True) == "report"
+
+
+def test_a_setup_collective_before_the_first_step_keeps_the_longer_bound():
+    """Before: any total > 0 armed the short bound, so fit's setup broadcast (counted) left every rank
+    ``stall_s`` for its first batch; a DataLoader worker started by a forkserver on a busy machine took
+    longer, and a healthy job was reported as stalled in data loading (its report in CI)."""
+    obs = StallObserver(stall_s=5, end_s=60)
+    obs.update(0, 0.0, False)
+    obs.update(2, 1.0, False)  # the setup's broadcast returned on both ranks; no step yet
+    assert obs.update(2, 1.0 + 29.9, False) == ""
+    assert obs.update(2, 1.0 + defaults.STALL_FIRST_STEP_MIN_S, False) == "report"
+    armed = StallObserver(stall_s=5, end_s=60)
+    armed.update(7, 0.0, True)
+    assert armed.update(7, 5.0, True) == "report"  # once the loop runs, the bound is stall_s
+
+
+def test_the_loop_begins_at_a_step_a_second_ddp_forward_a_heartbeat_or_a_collective_outside_ddprun_setup(
+        monkeypatch):
+    from ddprun import telemetry
+
+    monkeypatch.setattr(telemetry, "PROGRESS", telemetry.Progress())
+    p = telemetry.PROGRESS
+    with telemetry.setup_phase():  # init's probe, fit's broadcast of the run directory, a resume's gather
+        with telemetry.setup_phase():
+            p.collected()
+        p.collected()
+    p.forwarded()  # the first forward: its backward's all-reduce may still wait for a rank's first batch
+    assert not p.began and p.total == 3 and p.in_setup == 0
+    p.forwarded()
+    assert p.began and p.forwards == 2 and p.total == 4
+    for begin in (lambda q: q.stepped(1.0), lambda q: q.collected()):  # a step; the script's own all_reduce
+        q = telemetry.Progress()
+        begin(q)
+        assert q.began
+    monkeypatch.setattr(telemetry, "PROGRESS", telemetry.Progress())
+    telemetry.heartbeat()
+    assert telemetry.PROGRESS.began
 
 
 def test_a_failing_poll_is_said_once_then_the_watch_goes_on_until_a_bounded_give_up(tmp_path, monkeypatch, capsys):

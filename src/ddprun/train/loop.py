@@ -40,7 +40,7 @@ from ddprun.errors import ConfigError
 from ddprun.preempt import PREEMPT, Preempted
 from ddprun.protocol.env import WorkerEnv
 from ddprun.runtime import RankInfo
-from ddprun.telemetry import PROGRESS, TIMER, busy, heartbeat
+from ddprun.telemetry import PROGRESS, TIMER, busy, heartbeat, setup_phase
 from ddprun.train import checkpoint as ckpt
 from ddprun.train import resume as resume_mod
 from ddprun.train import timing
@@ -827,7 +827,8 @@ def fit_module(model: nn.Module, train_data: Any, *, val_data: Any = None, **opt
     rank 0 only). Raises ConfigError before any collective for a bad argument.
     """
     o = FitOptions.build(model, **options)
-    loop = _Loop(_setup(model, train_data, val_data, o), o)
+    with setup_phase():  # its collectives do not start the stall watch's short bound: the first batch does
+        loop = _Loop(_setup(model, train_data, val_data, o), o)
     ended = False
     try:
         result = loop.run()

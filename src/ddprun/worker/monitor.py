@@ -66,8 +66,9 @@ MAX_FAILED_POLLS = 20
 
 
 def stall_threshold(stall_s: float, armed: bool) -> float:
-    """Seconds without progress that count as a stall. Before any progress at all (imports, data
-    preparation, compilation) the bound is max(2 x threshold, 30 s)."""
+    """Seconds without progress that count as a stall. Before the observer's loop runs (``armed``
+    False, telemetry.Progress.began: imports, data preparation, compilation, the first batch) the
+    bound is max(2 x threshold, 30 s)."""
     return stall_s if armed else max(2 * stall_s, defaults.STALL_FIRST_STEP_MIN_S)
 
 
@@ -91,14 +92,18 @@ class StallObserver:
         self.total, self.since = -1, time.monotonic()
         self.reported_at: float | None = None
 
-    def update(self, total: int, now: float) -> str:
-        """``report``, ``end``, ``resumed`` or ``""`` for the job-wide progress ``total`` seen at ``now``."""
+    def update(self, total: int, now: float, began: bool) -> str:
+        """``report``, ``end``, ``resumed`` or ``""`` for the job-wide progress ``total`` seen at ``now``;
+        ``began``: whether the observer's own loop runs (:func:`stall_threshold`,
+        telemetry.Progress.began). Its own, because in DDP its first step waits for every rank's first
+        backward, while a job's total > 0 may be ddprun's setup collectives with every rank's first
+        batch still to come, or one rank's first forward while another's first batch is slow."""
         if total != self.total:
             resumed = self.reported_at is not None
             self.total, self.since, self.reported_at = total, now, None
             return "resumed" if resumed else ""
         stalled = now - self.since
-        if self.reported_at is None and stalled >= stall_threshold(self.stall_s, armed=total > 0) + self.grace_s:
+        if self.reported_at is None and stalled >= stall_threshold(self.stall_s, armed=began) + self.grace_s:
             self.reported_at = now
             return "report"
         if self.reported_at is not None and now - self.reported_at >= self.end_s:
@@ -577,7 +582,7 @@ class Monitor:
         obs = self.observer
         if obs is None:
             return
-        decision = obs.update(sum(self._progress(store).values()), now)
+        decision = obs.update(sum(self._progress(store).values()), now, PROGRESS.began)
         if decision == "report":
             self._report(store, now - obs.since)
         elif decision == "resumed" and self._claimed(store):

@@ -34,7 +34,7 @@ def _counting(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         out = fn(*args, **kwargs)
-        PROGRESS.collectives += 1
+        PROGRESS.collected()
         return out
 
     wrapper._ddprun_counted = True  # type: ignore[attr-defined]
@@ -70,4 +70,12 @@ def _count_ddp_forward() -> None:
     original = DDP.forward
     if getattr(original, "_ddprun_counted", False):
         return
-    DDP.forward = _counting(original)  # type: ignore[method-assign]
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        PROGRESS.forwarded()
+        return out
+
+    forward._ddprun_counted = True  # type: ignore[attr-defined]
+    DDP.forward = forward  # type: ignore[method-assign]
