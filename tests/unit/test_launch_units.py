@@ -165,6 +165,8 @@ def test_the_agent_log_takes_fd_2_and_is_appended_to_and_a_launcher_error_reache
         monkeypatch.setattr(lg, "handlers", list(lg.handlers))
         monkeypatch.setattr(lg, "propagate", lg.propagate)
         monkeypatch.setattr(lg, "level", lg.level)
+    before = {n: (list(logging.getLogger(n).handlers), logging.getLogger(n).level, logging.getLogger(n).propagate)
+              for n in ("torch.distributed", "torch.distributed.elastic", "ddprun.agent")}
     path = str(tmp_path / "agent-h.log")
     with AgentLog(path):
         os.write(2, b"C++ warning of launch 1\n")
@@ -175,5 +177,8 @@ def test_the_agent_log_takes_fd_2_and_is_appended_to_and_a_launcher_error_reache
     os.write(2, b"fd 2 is the console again\n")
     with open(path) as f:
         assert f.read() == "C++ warning of launch 1\nC++ warning of launch 2\n"
+    for name in ("torch.distributed", "torch.distributed.elastic", "ddprun.agent"):  # as they were, file closed
+        lg = logging.getLogger(name)
+        assert (lg.handlers, lg.level, lg.propagate) == (before[name][0], before[name][1], before[name][2]), name
     err = capfd.readouterr().err
     assert err == f"to the console\nddprun: the launcher failed: RuntimeError: boom\nSee {path}\nfd 2 is the console again\n"

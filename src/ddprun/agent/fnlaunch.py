@@ -121,34 +121,6 @@ def _root_cause(outcome: Any, directory: str) -> WorkerFailed | LaunchTimeout:
                         hint=cause.hint if cause is not None and cause.hint else None)
 
 
-class _TorchLogging:
-    """``ddprun run``'s agent sends torch.distributed's logging to the run's agent log; a long-lived
-    caller (a notebook) gets its loggers back afterwards, and no file handle stays open."""
-
-    NAMES = ("torch.distributed", "torch.distributed.elastic")
-
-    def __enter__(self) -> _TorchLogging:
-        import logging
-
-        self.saved = {}
-        for name in self.NAMES:
-            lg = logging.getLogger(name)
-            self.saved[name] = (list(lg.handlers), lg.level, lg.propagate)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        import logging
-
-        for name, (handlers, level, propagate) in self.saved.items():
-            lg = logging.getLogger(name)
-            for h in lg.handlers:
-                if h not in handlers:
-                    h.close()
-            lg.handlers[:] = handlers
-            lg.setLevel(level)
-            lg.propagate = propagate
-
-
 class _AgentSignals:
     """torch's agent installs handlers for SIGTERM/SIGINT/SIGHUP/SIGQUIT in the main thread and
     leaves them there; a notebook kernel or an application keeps its own after the launch."""
@@ -227,7 +199,7 @@ def launch(fn: Callable[..., Any], /, *args: Any, nproc_per_node: int | str | No
                            stall_timeout=stall_timeout, run_dir=run_dir, log_dir=log_dir,
                            preempt_signals="none")  # interactive: Ctrl-C interrupts now (KeyboardInterrupt)
         spec = resolve(cfg, environ, node, env=LocalEnvironment(), launcher=True)
-        with _AgentSignals(), _TorchLogging():
+        with _AgentSignals():  # torch's loggers: AgentLog (agent/run.py) puts them back
             outcome = run_agent(cfg, spec, environ, node.hostname)
         code = outcome.exit_code
         if code == 128 + signal.SIGINT:

@@ -287,13 +287,27 @@ class RankLogsSpecs(LogsSpecs):
                         os.path.join(logs_dir, "filtered_stdout.log"), os.path.join(logs_dir, "filtered_stderr.log"))
 
 
-def route_torch_logging(path: str) -> logging.Handler:
-    """Send torch.distributed's Python logging (and ddprun's agent's) to ``path`` instead of the console."""
+ROUTED_LOGGERS = ("torch.distributed", "torch.distributed.elastic", "ddprun.agent")
+
+
+def route_torch_logging(path: str) -> Callable[[], None]:
+    """Send torch.distributed's Python logging (and ddprun's agent's) to ``path`` instead of the console.
+    Returns what puts those loggers back as they were and closes the file: a second launch in the same
+    process (``ddprun.launch`` twice) must not write into the first one's log."""
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    for name in ("torch.distributed", "torch.distributed.elastic", "ddprun.agent"):
+    saved = []
+    for name in ROUTED_LOGGERS:
         lg = logging.getLogger(name)
+        saved.append((lg, list(lg.handlers), lg.level, lg.propagate))
         lg.handlers[:] = [handler]
         lg.setLevel(logging.INFO)
         lg.propagate = False
-    return handler
+
+    def restore() -> None:
+        for lg, handlers, level, propagate in saved:
+            lg.handlers[:] = handlers
+            lg.setLevel(level)
+            lg.propagate = propagate
+        handler.close()
+    return restore

@@ -246,7 +246,7 @@ class AgentLog:
         from ddprun.agent.console_stream import ConsoleStream
         from ddprun.agent.logs import route_torch_logging
 
-        self.handler = route_torch_logging(self.path)
+        self._restore_logging = route_torch_logging(self.path)
         self._saved = os.dup(2)
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(fd, 2)
@@ -255,7 +255,7 @@ class AgentLog:
         return self
 
     def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
-        self.handler.flush()
+        self._restore_logging()
         os.dup2(self._saved, 2)
         os.close(self._saved)
         if value is not None and not isinstance(value, (KeyboardInterrupt, SystemExit)):
