@@ -4,6 +4,7 @@ and fit's on_checkpoint hook (the one ddprun.ray reports checkpoints through), i
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 
 import pytest
@@ -118,6 +119,46 @@ def one_process(monkeypatch):
     runtime._reset()
     yield
     runtime._reset()
+
+
+TIMED_OUT_RANK = """
+import os, sys, time
+from ddprun.worker import fnworker
+fnworker.PEERS_WAIT_S = float(sys.argv[2])
+fnworker._arm_deadline(time.time() + 0.2, 6, sys.argv[1], 0)
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("peer", ["over-later", "never"])
+def test_a_rank_at_the_timeout_exits_once_every_peer_is_over_and_no_later_than_its_bound(tmp_path, peer):
+    """Before: the first rank whose timer fired exited at once, torch's agent stopped its peers, and a
+    CPU-starved peer whose timer had not fired yet ended with no stacks in its log (CI, 2 cores)."""
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "TORCHELASTIC_ERROR_FILE": str(tmp_path / "error.json")}
+    bound = 20.0 if peer == "over-later" else 1.5
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-c", TIMED_OUT_RANK, str(tmp_path), str(bound)], env=env,
+                            stderr=subprocess.PIPE, text=True)
+    while not (tmp_path / "over-0").exists() and time.monotonic() - t0 < 15:
+        time.sleep(0.05)
+    assert (tmp_path / "over-0").exists(), "the rank marks itself over once its stacks are in its log"
+    time.sleep(0.5)
+    if peer == "over-later":
+        assert proc.poll() is None, "it exited before its peer was over"
+        (tmp_path / "over-1").touch()
+        waited = time.monotonic()
+    err = proc.communicate(timeout=20)[1]
+    assert proc.returncode == 124, err
+    assert "timeout of 6 s reached; this rank was still running" in err and "most recent call first" in err, err
+    if peer == "over-later":
+        assert time.monotonic() - waited < 3, "it exits soon after its peer is over"
+    else:
+        assert 1.4 < time.monotonic() - t0 < 12, "a peer that is never over (holding the GIL) costs the bound"
 
 
 def test_on_checkpoint_sees_every_checkpoint_after_it_is_written(tmp_path, one_process):

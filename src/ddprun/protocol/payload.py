@@ -5,6 +5,8 @@ The directory (``tempfile.mkdtemp``: mode 0700, on the launching machine, remove
   ``result-<rank>.pkl``   a rank's return value (rank 0 only, or every rank with ``return_all``)
   ``error-<rank>.pkl``    a rank's exception: type, message, traceback text, and the pickled
                           exception when it pickles
+  ``over-<rank>``         empty: the rank is done with the call (returned, raised, or dumped its
+                          stacks at the timeout); the ranks at a timeout wait for each other's
 
 Serialization is by value where it matters: with cloudpickle (a dependency of ddprun) a function
 defined in ``__main__`` (a notebook, a REPL, ``python -c``), a lambda or a closure travels with its
@@ -87,6 +89,12 @@ def result_path(directory: str, rank: int) -> str:
 
 def error_path(directory: str, rank: int) -> str:
     return os.path.join(directory, f"error-{rank}.pkl")
+
+
+def over_path(directory: str, rank: int) -> str:
+    """Exists once rank ``rank`` is done with the call: returned, raised, or dumped its stacks at the
+    timeout (worker/fnworker.py)."""
+    return os.path.join(directory, f"over-{rank}")
 
 
 def write_error(directory: str, rank: int, e: BaseException, skip_frames: int = 1) -> None:
