@@ -88,7 +88,8 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     _flag(g, "--warm-start", choices=["auto", "on", "off"], default="auto",
           help="on: each local rank's interpreter starts with the agent, imports torch while the agent waits for "
                "its peers, and becomes the first worker; off: workers start after the rendezvous, as torchrun's; "
-               "auto (default): on when this node has more CPUs than processes (a core left for the agent)")
+               "auto (default): on when the machine has a CPU for each worker process it runs (every node's, with a "
+               "rendezvous on loopback)")
     _flag(g, "--exit-timeout", type=float, default=EXIT_TIMEOUT_S,
           help=f"seconds a worker's atexit handlers may take after the script returned (default {EXIT_TIMEOUT_S:.0f})")
     _flag(g, "--telemetry-window", type=float, default=TELEMETRY_WINDOW_S,

@@ -81,7 +81,8 @@ class LaunchConfig:
     """SLURM: after a preemption stop, node rank 0 runs ``scontrol requeue $SLURM_JOB_ID`` once."""
     warm_start: str = "auto"
     """``on``: the first attempt's workers are standby interpreters started before the rendezvous
-    (agent/standby.py); ``off``: torch starts them; ``auto``: on when the node has more CPUs than processes."""
+    (agent/standby.py); ``off``: torch starts them; ``auto``: on when the machine has a CPU for each worker
+    process it runs (agent/run.py ``processes_here``)."""
     exit_timeout: float = defaults.EXIT_TIMEOUT_S
     """Seconds a worker's atexit handlers may take before it exits anyway, naming the one that hangs."""
     straggler_margin: float = defaults.STRAGGLER_MARGIN

@@ -2,14 +2,35 @@
 
 import pytest
 
-from ddprun.agent.run import warm_start
+from ddprun.agent.run import _flag_topology, processes_here, warm_start
 from ddprun.agent.standby import env_mismatch
+from ddprun.config import Entry, LaunchConfig
 
 
-def test_auto_warm_start_wants_a_core_for_the_agent_beside_one_per_standby():
-    assert warm_start("auto", 8, 96) and warm_start("auto", 1, 2)
-    assert not warm_start("auto", 2, 2) and not warm_start("auto", 8, 8)
-    assert warm_start("on", 2, 2) and not warm_start("off", 1, 96)
+def test_auto_warm_start_wants_a_cpu_for_every_worker_process_on_the_machine():
+    assert warm_start("auto", 8, 96) and warm_start("auto", 1, 2) and warm_start("auto", 2, 2)
+    assert not warm_start("auto", 4, 2) and not warm_start("auto", 9, 8)
+    assert warm_start("on", 4, 2) and not warm_start("off", 1, 96)
+
+
+def test_every_nodes_processes_count_where_the_rendezvous_is_on_loopback():
+    assert processes_here(2, 1, None) == 2  # one node: its own
+    assert processes_here(2, 2, "127.0.0.1") == 4 and processes_here(2, 3, "localhost") == 6
+    assert processes_here(8, 128, "node1") == 8 and processes_here(8, 128, "10.0.0.1") == 8
+    assert processes_here(2, 2, None) is None  # not known before the cluster's environment is read
+
+
+@pytest.mark.parametrize("flags, topology", [
+    ({}, (1, None)),
+    ({"standalone": True, "nnodes": "1"}, (1, "localhost")),
+    ({"nnodes": "2", "rdzv_endpoint": "127.0.0.1:29500"}, (2, "127.0.0.1")),
+    ({"nnodes": "1:4", "rdzv_endpoint": "[::1]:29500"}, (4, "::1")),
+    ({"nnodes": "2", "master_addr": "node1"}, (2, "node1")),
+    ({"nnodes": "2"}, (2, None)),
+    ({"nnodes": "two", "rdzv_endpoint": "127.0.0.1:1"}, (2, None)),  # refused later, by the launch
+])
+def test_the_flags_topology_for_the_early_standbys(flags, topology):
+    assert _flag_topology(LaunchConfig(entry=Entry("train.py"), **flags)) == topology
 
 
 def test_what_the_launch_sets_per_worker_may_differ():

@@ -28,6 +28,8 @@ from ddprun.agent.failures import AgentFailures
 from ddprun.agent.spot import settings as spot_settings
 from ddprun.agent.standby import WORKER_MODULE
 from ddprun.cluster.base import ClusterSpec
+from ddprun.cluster.detect import parse_endpoint, parse_nnodes
+from ddprun.cluster.netaddr import is_loopback
 from ddprun.cluster.slurm import requeue_command
 from ddprun.config import LaunchConfig
 from ddprun.cpus import cpu_count
@@ -340,21 +342,52 @@ def node_relay(console: TextIO) -> Any:
         return None
 
 
-def warm_start(mode: str, nproc: int, cpus: int) -> bool:
-    """Whether to start standbys: ``--warm-start on``, or ``auto`` on a node with a core for the agent
-    beside one per standby (with fewer, what they import while waiting, dynamo and ``ddprun.train``,
-    is CPU taken from the agent's start and from whatever else shares the cores: on a 2-core machine
-    running two simulated nodes of 2 it slowed the test suite by a sixth and let an elastic node miss
-    its peer's last call)."""
-    return mode == "on" or (mode == "auto" and cpus > nproc)
+def processes_here(nproc: int, max_nodes: int, master_host: str | None) -> int | None:
+    """Worker processes this machine runs: every node's when the rendezvous is on a loopback address
+    (every node then runs here: a job simulated on one machine), else this node's ``nproc``; None when
+    there are several nodes and the rendezvous host is not known yet."""
+    if max_nodes <= 1:
+        return nproc
+    if master_host is None:
+        return None
+    return nproc * max_nodes if is_loopback(master_host) else nproc
+
+
+def warm_start(mode: str, processes: int, cpus: int) -> bool:
+    """Whether to start standbys: ``--warm-start on``, or ``auto`` on a machine with a CPU for each
+    worker process it runs (``processes``: :func:`processes_here`). With fewer, what the standbys
+    import while they wait (dynamo and ``ddprun.train``, ~2 s of CPU each) is taken from the agents'
+    start: one 2-core machine running two simulated nodes of 2 made the test suite a sixth slower
+    and let an elastic node miss its peer's last call. With one CPU each they overlap the agent's
+    own start (1 x 2 on 2 cores: launch -> first step 0.946x torchrun, 1.153x without them)."""
+    return mode == "on" or (mode == "auto" and cpus >= processes)
+
+
+def _flag_topology(cfg: LaunchConfig) -> tuple[int, str | None]:
+    """(max nodes, rendezvous host) as the flags give them: 1 node when --nnodes is absent (a
+    cluster's environment may say more, but then on hosts of their own), None for an absent host.
+    A malformed flag counts as many nodes on an unknown host: the launch names it."""
+    if cfg.standalone:
+        return 1, "localhost"
+    try:
+        nodes = parse_nnodes(cfg.nnodes)[1] if cfg.nnodes else 1
+        if cfg.rdzv_endpoint:
+            return nodes, parse_endpoint(cfg.rdzv_endpoint, None)[0]
+        return nodes, cfg.master_addr
+    except ConfigError:
+        return 2, None
 
 
 def early_standbys(cfg: LaunchConfig, environ: Mapping[str, str]) -> Any:
     """The standbys (agent/standby.py), started before anything in this agent imports torch (the node
-    probe may, to count GPUs: ~3 s of CPU) when the flags give the number of processes; else None,
-    and :func:`launch` starts them once the node is resolved."""
+    probe may, to count GPUs: ~3 s of CPU) when the flags give the number of processes (and, for
+    several nodes, the rendezvous host); else None, and :func:`launch` starts them once the node is
+    resolved."""
     n = cfg.nproc_per_node or ""
-    if cfg.entry is None or not n.isdigit() or int(n) < 1 or not warm_start(cfg.warm_start, int(n), cpu_count()):
+    if cfg.entry is None or not n.isdigit() or int(n) < 1:
+        return None
+    here = processes_here(int(n), *_flag_topology(cfg))
+    if here is None or not warm_start(cfg.warm_start, here, cpu_count()):
         return None
     from ddprun.agent.standby import StandbyPool
 
@@ -368,7 +401,9 @@ def _standby(run: _Run, early: Any = None) -> Any:
         return early
     if early is not None:
         early.close()
-    if not warm_start(run.cfg.warm_start, run.spec.nproc_per_node, cpu_count()):
+    spec = run.spec
+    here = processes_here(spec.nproc_per_node, spec.max_nodes, spec.master_addr)
+    if here is None or not warm_start(run.cfg.warm_start, here, cpu_count()):
         return None
     from ddprun.agent.standby import StandbyPool
 
