@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.faults.conftest import assert_nothing_left
-from tests.helpers import DDPRUN, describe, free_port, job_env, run_agents
+from tests.helpers import DDPRUN, ddprun_nodes, describe, free_port, job_env, run_agents
 
 pytestmark = pytest.mark.multiprocess
 
@@ -75,6 +75,37 @@ def test_warm_start_off_starts_fresh_workers_after_the_rendezvous(tmp_path):
         assert f["cmdline"][:3] == [sys.executable, "-m", "ddprun.worker"]
         assert f["imported_first"]["torch._dynamo"] is False  # nothing imported it before the script
         assert f["env"]["DDPRUN_AGENT_PID"] == str(f["ppid"])
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("nodes, nproc, ncpus, warm", [
+    (1, 2, 2, True),  # a CPU for each of this node's processes: nothing more for the agent needed
+    (1, 2, 1, False),
+    (2, 1, 2, True),  # two nodes on loopback: both run here, 2 processes for 2 CPUs
+    (2, 1, 1, False),  # ... for 1 CPU: the other node's process counts too
+], ids=["1x2-2cpus", "1x2-1cpu", "2x1-loopback-2cpus", "2x1-loopback-1cpu"])
+def test_auto_starts_standbys_where_the_machine_has_a_cpu_for_each_worker_process_it_runs(
+        tmp_path, nodes, nproc, ncpus, warm):
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < ncpus:
+        pytest.skip(f"this machine lets the tests use {len(cpus)} CPU(s), the case needs {ncpus}")
+    out = tmp_path / "out"
+    out.mkdir()
+    pin = ["taskset", "-c", ",".join(map(str, cpus[:ncpus]))]  # what the agent counts: its affinity
+    cmds = [pin + c for c in ddprun_nodes(nodes, nproc, [PROBE, str(out)], rdzv_id="auto",
+                                          extra=["--warm-start", "auto"])]
+    results = run_agents(cmds, timeout=75, cwd=tmp_path)
+    assert [r.returncode for r in results] == [0] * nodes, describe(results)
+    assert_nothing_left(tmp_path)
+    logs = tmp_path / "runs" / "auto" / "logs"
+    agent_logs = "\n".join(p.read_text() for p in logs.glob("agent-*.log"))
+    became = {int(rank): int(pid) for pid, rank in
+              re.findall(r"standby worker pid (\d+) is the worker of rank (\d+)", agent_logs)}
+    facts = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(nodes * nproc)]
+    assert became == ({r: f["pid"] for r, f in enumerate(facts)} if warm else {}), agent_logs
+    for rank, f in enumerate(facts):
+        assert f["env"]["RANK"] == str(rank)
+        assert f["cmdline"][:3] == [sys.executable, "-m", "ddprun.worker"]
 
 
 PREIMPORT = """
