@@ -59,6 +59,10 @@ class PreemptState:
     (protocol/preempt.py Saved)."""
     publish: Callable[[tuple[int, int, str, float, str]], Any] | None = None
     """Rank 0's way to tell the agents where it saved (set by worker/bootstrap.py; None elsewhere)."""
+    published: bool = False
+    """Whether :attr:`saved` was said through :attr:`publish`."""
+    saving: bool = False
+    """ddprun.fit writes the stop step's checkpoint now: an agent's stop waits for it (bounded)."""
     _previous: dict[int, Any] = field(default_factory=dict)
     _wakeup: int | None = None
     """The write end of this process's wakeup pipe (:func:`install`); a forked child's is the rank's."""
@@ -75,6 +79,21 @@ class PreemptState:
         self.saved = saved
         if self.publish is not None:
             self.publish(saved)  # bounded and quiet (bootstrap._publish_saved)
+            self.published = True
+
+    def say_saved_before_stop(self, wait_s: float) -> None:
+        """The agent stops this rank now (its preemption grace ended): a stop step's checkpoint being
+        written gets up to ``wait_s`` to finish, and one written but not yet said is said, so the
+        agents' line names the checkpoint the next start resumes from (seen: a stop that came between
+        the file's rename and its publish, and the line said "the one before")."""
+        if self.publish is None:
+            return
+        deadline = time.monotonic() + wait_s
+        while self.saving and self.saved is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self.saved is not None and not self.published:
+            self.publish(self.saved)
+            self.published = True
 
 
 PREEMPT = PreemptState()

@@ -386,6 +386,30 @@ def test_the_stop_steps_checkpoint_is_published_before_the_hooks_that_follow_it(
     assert said == [(35, 135, "/ck/step-135.pt", 0.4, "fit")] and PREEMPT.saved == said[0]
 
 
+@pytest.mark.parametrize("case", ["written-meanwhile", "written-unsaid", "said-already", "not-saving", "never-ends"])
+def test_an_agents_stop_during_the_stop_steps_checkpoint_waits_for_it_and_says_it_once(monkeypatch, case):
+    """Before: a stop between the file's rename and its publish left the agents saying "the last
+    checkpoint is the one before" while the next start resumed from the stop step's (SLURM test bed)."""
+    import threading
+    import time
+
+    from ddprun.preempt import PREEMPT
+
+    said, saved = [], (35, 135, "/ck/step-135.pt", 0.4, "fit")
+    monkeypatch.setattr(PREEMPT, "publish", said.append)
+    monkeypatch.setattr(PREEMPT, "saved", saved if case in ("written-unsaid", "said-already") else None)
+    monkeypatch.setattr(PREEMPT, "published", case == "said-already")
+    monkeypatch.setattr(PREEMPT, "saving", case in ("written-meanwhile", "never-ends"))
+    if case == "written-meanwhile":
+        threading.Timer(0.3, lambda: setattr(PREEMPT, "saved", saved)).start()  # the save's rename, then this
+    t0 = time.monotonic()
+    PREEMPT.say_saved_before_stop(1.0)
+    took = time.monotonic() - t0
+    assert said == ([saved] if case in ("written-meanwhile", "written-unsaid") else []), case
+    assert (0.25 < took < 0.9) if case == "written-meanwhile" else (0.95 < took < 2) if case == "never-ends" \
+        else took < 0.1, (case, took)
+
+
 def test_each_way_a_preempted_job_ends_gets_its_line_and_exit_code():
     """docs/preemption.md's table, the agent's side: stopped at the step with fit's checkpoint or the
     on_preempt callbacks (75), or the script finished before the stop step (0, nothing to resume)."""

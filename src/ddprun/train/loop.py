@@ -732,7 +732,11 @@ class _Loop:
         def written(path: str) -> None:  # said before the save's barrier: a peer whose grace ended fails it
             PREEMPT.checkpoint_written((PROGRESS.steps, self.step, path, time.monotonic() - t0, "fit"))
 
-        path, now = self._checkpoint_here(written)
+        PREEMPT.saving = True  # an agent's stop meanwhile waits for it (bounded): worker/signals.py
+        try:
+            path, now = self._checkpoint_here(written)
+        finally:
+            PREEMPT.saving = False
         seconds = time.monotonic() - t0
         if path and not now:  # this position's file existed already: nothing was written, nothing said
             PREEMPT.checkpoint_written((PROGRESS.steps, self.step, path, seconds, "fit"))

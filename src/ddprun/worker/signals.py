@@ -26,6 +26,10 @@ from ddprun.protocol import defaults
 POLL_S = 1.0
 """How often the thread looks at its stop event while no signal comes (:meth:`SignalWatch.stop` wakes it at once)."""
 
+STOP_SAVE_WAIT_S = 2.0
+"""At the agent's stop, how long a stop step's checkpoint being written may take to finish (and be
+said) before this rank ends (:meth:`ddprun.preempt.PreemptState.say_saved_before_stop`)."""
+
 
 def wake(fd: int) -> None:
     """One byte into a wake-up pipe's write end ``fd``, so a ``select`` on its read end returns now."""
@@ -101,5 +105,6 @@ class SignalWatch:
             if not sigs:
                 continue
             if self._mark(self._key):
+                PREEMPT.say_saved_before_stop(STOP_SAVE_WAIT_S)
                 preempt.die_by(sigs[0])  # torch's agent stops its workers: as it always did
             self._handoff(sigs)
