@@ -15,7 +15,7 @@ from ddprun.agent.failures import AgentFailures
 from ddprun.protocol import failure as fr
 from ddprun.protocol.rundir import RunDir
 from ddprun.protocol.store import Keys
-from tests.helpers import store_server
+from tests.helpers import preconnected, store_server
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -29,7 +29,8 @@ def store():
 def agent(tmp_path, store):
     """Node 0's AgentFailures in attempt r1 of a 2-node job, its console, stopped afterwards."""
     out = io.StringIO()
-    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", out)
+    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", out,
+                      connect=preconnected(store.port))
     a.on_workers_started("r1", 0, 2, {0: (0, 0, ""), 1: (1, 0, "")}, world_size=4,
                          store=("127.0.0.1", store.port), last_attempt=False)
     yield a, out
@@ -97,7 +98,8 @@ def test_a_restart_with_nothing_known_says_so_within_its_bound(agent, store):
 def test_node_0_waits_until_every_node_said_its_line_and_no_longer_than_its_bound(agent, store, tmp_path):
     """Before a requeue (SLURM then kills every step at once): node 1 marks, node 0 sees both marks."""
     a, _ = agent
-    other = AgentFailures(RunDir(str(tmp_path)), "host-b", "127.0.0.1", store.port, "job", io.StringIO())
+    other = AgentFailures(RunDir(str(tmp_path)), "host-b", "127.0.0.1", store.port, "job", io.StringIO(),
+                          connect=preconnected(store.port))
     other.on_workers_started("r1", 1, 2, {2: (0, 0, ""), 3: (1, 0, "")}, world_size=4,
                              store=("127.0.0.1", store.port))
     a.mark_said()
@@ -163,7 +165,8 @@ def test_probing_300_beating_nodes_takes_a_few_store_calls_not_two_a_node(tmp_pa
 
     from tests.helpers import Counting
 
-    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", io.StringIO())
+    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", io.StringIO(),
+                      connect=preconnected(store.port))
     a.on_workers_started("r1", 0, 300, {0: (0, 0, "")}, world_size=300, store=("127.0.0.1", store.port),
                          last_attempt=False)
     keys = Keys("ddprun/job/r1/")
@@ -194,7 +197,8 @@ def test_probing_300_beating_nodes_takes_a_few_store_calls_not_two_a_node(tmp_pa
 
 def test_the_ring_watch_names_a_neighbour_that_never_beat(tmp_path, store):
     out = io.StringIO()
-    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", out, lost_after_s=1.0)
+    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", out, lost_after_s=1.0,
+                      connect=preconnected(store.port))
     a.on_workers_started("r1", 0, 2, {0: (0, 0, ""), 1: (1, 0, "")}, world_size=4,
                          store=("127.0.0.1", store.port), last_attempt=False)
     deadline = time.monotonic() + 5
@@ -211,7 +215,8 @@ def test_a_node_that_joins_an_elastic_job_is_not_lost_before_its_first_beat(tmp_
     import json
 
     out = io.StringIO()
-    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", out, lost_after_s=2.5)
+    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", out, lost_after_s=2.5,
+                      connect=preconnected(store.port))
     a.on_workers_started("r1", 0, 1, {0: (0, 0, "")}, world_size=1, store=("127.0.0.1", store.port))
     time.sleep(3.0)  # alone: no neighbour to watch
     a.on_workers_started("r2", 0, 2, {0: (0, 0, "")}, world_size=2, store=("127.0.0.1", store.port))
@@ -595,7 +600,8 @@ def test_the_store_host_lingers_until_the_node_of_the_rank_that_finished_first_h
     first = fr.finished_first(fr.CleanEnd(1, 1, "host-1", 0, 5, time.time()))
     publish_failure(store, keys, fr.stopped_by(first, rank=0, node_rank=0, host="host-a", local_rank=0,
                                                t=time.time()))
-    nodes = [AgentFailures(RunDir(str(tmp_path / host)), host, "127.0.0.1", store.port, "job", io.StringIO())
+    nodes = [AgentFailures(RunDir(str(tmp_path / host)), host, "127.0.0.1", store.port, "job", io.StringIO(),
+                           connect=preconnected(store.port))
              for host in ("host-a", "host-1")]
     late = threading.Timer(1.0, nodes[1].on_workers_started, ("r1", 1, 2, {1: (0, 0, "")}),
                            dict(world_size=2, store=("127.0.0.1", store.port), last_attempt=True))
