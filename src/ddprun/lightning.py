@@ -60,6 +60,7 @@ from ddprun import runtime
 from ddprun.errors import ConfigError
 from ddprun.mismatch import TrainerMismatch, launch_shape
 from ddprun.runtime import RankInfo
+from ddprun.telemetry import setup_phase
 from ddprun.train.loop import FitResult, resolve_run_dir
 from ddprun.train.options import PRECISIONS, int_at_least
 
@@ -445,8 +446,6 @@ def _agreed(path: str | None, info: RankInfo) -> str | None:
     if not (info.distributed and info.world_size > 1):
         return path
     import torch.distributed as dist
-
-    from ddprun.telemetry import setup_phase
 
     found: list[Any] = [None] * info.world_size
     with setup_phase():

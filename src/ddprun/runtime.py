@@ -32,6 +32,7 @@ from ddprun.errors import ClusterError, ConfigError
 from ddprun.pgkeep import keep_destroyed_groups, release_kept
 from ddprun.protocol import defaults
 from ddprun.protocol.env import device_kind, inside_worker, soft_exit
+from ddprun.telemetry import setup_phase
 
 if TYPE_CHECKING:
     import torch
@@ -269,8 +270,6 @@ def _join_group(spec: ClusterSpec, info: RankInfo, backend: str | None, timeout:
                             timeout=timedelta(seconds=timeout),
                             device_id=info.device if info.device.type == "cuda" else None)
     # gloo/NCCL read os.environ (exported above), so the error names what they really used
-    from ddprun.telemetry import setup_phase
-
     with setup_phase():  # the probe is not the script's loop: its data preparation may follow
         first_collective(info.device, backend, info.world_size, os.environ, arrival_timeout_s=timeout,
                          timeout_s=probe_s)

@@ -30,11 +30,12 @@ def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:  # noqa:
         at_optimizer_step(PROGRESS.steps)
 
 
-def _counting(fn: Callable[..., Any]) -> Callable[..., Any]:
+def _counting(fn: Callable[..., Any], count: Callable[[], None]) -> Callable[..., Any]:
+    """``fn`` that calls ``count`` (a PROGRESS method) each time it returns."""
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         out = fn(*args, **kwargs)
-        PROGRESS.collected()
+        count()
         return out
 
     wrapper._ddprun_counted = True  # type: ignore[attr-defined]
@@ -54,7 +55,7 @@ def install() -> None:
         original = getattr(c10d, name, None)
         if original is None or getattr(original, "_ddprun_counted", False):
             continue
-        wrapped = _counting(original)
+        wrapped = _counting(original, PROGRESS.collected)
         setattr(c10d, name, wrapped)
         if getattr(dist, name, None) is original:
             setattr(dist, name, wrapped)
@@ -70,12 +71,4 @@ def _count_ddp_forward() -> None:
     original = DDP.forward
     if getattr(original, "_ddprun_counted", False):
         return
-
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        out = original(*args, **kwargs)
-        PROGRESS.forwarded()
-        return out
-
-    forward._ddprun_counted = True  # type: ignore[attr-defined]
-    DDP.forward = forward  # type: ignore[method-assign]
+    DDP.forward = _counting(original, PROGRESS.forwarded)  # type: ignore[method-assign]
