@@ -86,14 +86,16 @@ def store_client(port: int, timeout_s: float = 5.0, host: str = "127.0.0.1"):
     return client(host, port, timeout_s)
 
 
-def preconnected(port: int):
+def preconnected(port: int, make=None):
     """A ``connect`` for ddprun's AgentFailures whose first client is made now, outside the agent's
     own bound on a connect (STORE_CALL_S, 5 s): torch's connect looks up the name of
     ``::ffff:127.0.0.1``, and a DNS server that drops that one query holds it the resolver's 5 s
     (CI: ``_connect did not return within 5 s`` on a store in the test's own process). Later
-    connects (after a failure the test causes) are made as the agent makes them."""
-    first = [store_client(port)]
-    return lambda: first.pop() if first else store_client(port)
+    connects (after a failure the test causes) are made as the agent makes them. ``make(port)``:
+    how a client is made (default :func:`store_client`)."""
+    make = make or store_client
+    first = [make(port)]
+    return lambda: first.pop() if first else make(port)
 
 
 class Counting:

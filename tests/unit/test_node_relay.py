@@ -34,7 +34,7 @@ from ddprun.protocol.store import (
 from ddprun.telemetry import PROGRESS
 from ddprun.worker import monitor as monitor_mod
 from ddprun.worker.channel import JobChannel
-from tests.helpers import Counting, await_bounded_calls, store_client, store_server
+from tests.helpers import Counting, await_bounded_calls, preconnected, store_client, store_server
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -45,12 +45,6 @@ def server():
 
 def client(port):
     return Counting(store_client(port))
-
-
-def first_client(port):
-    """preconnected (tests/helpers.py), each client counted."""
-    made = [client(port)]
-    return lambda: made.pop() if made else client(port)
 
 
 @pytest.fixture
@@ -78,7 +72,7 @@ def worker(tmp_path, job, relay, rank=1, world=4, nnodes=2):
 
 def agent(tmp_path, job, relay, node=0):
     a = AgentFailures(RunDir(str(tmp_path)), f"host-{node}", "127.0.0.1", job.port, "job", io.StringIO(), relay=relay,
-                      connect=first_client(job.port))
+                      connect=preconnected(job.port, client))
     a.on_workers_started("r1", node, 2, {2 * node: (0, 0, ""), 2 * node + 1: (1, 0, "")}, world_size=4,
                          store=("127.0.0.1", job.port), last_attempt=True)
     a._stop.set()  # no thread of its own: the test calls its beats
