@@ -86,6 +86,16 @@ def store_client(port: int, timeout_s: float = 5.0, host: str = "127.0.0.1"):
     return client(host, port, timeout_s)
 
 
+def fork() -> int:
+    """os.fork() of the test process, its garbage collected first: an unreachable TCPStore an earlier
+    test left (a server whose threads the child lacks) is otherwise destroyed by a collection in the
+    child, which then dies of SIGSEGV (seen in threading's after-fork hook under pytest -n 2)."""
+    import gc
+
+    gc.collect()
+    return os.fork()
+
+
 def preconnected(port: int, make=None):
     """A ``connect`` for ddprun's AgentFailures whose first client is made now, outside the agent's
     own bound on a connect (STORE_CALL_S, 5 s): torch's connect looks up the name of

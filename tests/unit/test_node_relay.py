@@ -34,7 +34,7 @@ from ddprun.protocol.store import (
 from ddprun.telemetry import PROGRESS
 from ddprun.worker import monitor as monitor_mod
 from ddprun.worker.channel import JobChannel
-from tests.helpers import Counting, await_bounded_calls, preconnected, store_client, store_server
+from tests.helpers import Counting, await_bounded_calls, fork, preconnected, store_client, store_server
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -482,7 +482,7 @@ def test_a_child_forked_while_another_thread_held_a_bounded_clients_lock_can_sti
     wrapped = Bounded(SimpleNamespace(answer=lambda: 7), 5)
     assert wrapped.answer() == 7
     wrapped._caller._lock.acquire()  # as another thread inside submit at the fork
-    pid = os.fork()
+    pid = fork()
     if pid == 0:  # the child: one call, its result as the exit code
         try:
             os._exit(0 if wrapped.answer() == 7 else 1)

@@ -14,6 +14,7 @@ from ddprun import preempt
 from ddprun.errors import ConfigError
 from ddprun.preempt import Preempted
 from ddprun.protocol import preempt as pp
+from tests.helpers import fork
 
 
 def test_signals_parse_by_name_prefix_or_number_and_none_turns_them_off():
@@ -535,7 +536,7 @@ def test_a_forked_child_has_its_own_signals_not_the_ranks_pipe_nor_its_handlers(
     would end nothing, and its join() wait forever. It dies of the signal, as without ddprun."""
     fd, _ = installed
     r, w = os.pipe()
-    pid = os.fork()
+    pid = fork()
     if pid == 0:  # the child: its wakeup fd, then a signal to itself
         try:
             os.write(w, f"{signal.set_wakeup_fd(-1)} {signal.signal is preempt._signal_signal}".encode())
