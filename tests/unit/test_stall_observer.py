@@ -56,6 +56,23 @@ def test_a_setup_collective_before_the_first_step_keeps_the_longer_bound():
     assert armed.update(7, 5.0, True) == "report"  # once the loop runs, the bound is stall_s
 
 
+def test_the_loop_starting_is_progress_so_the_wait_for_the_first_batch_is_not_counted_against_the_short_bound():
+    """Before: the observer's first step armed the short bound while the job's total, which the
+    agents' beats carry, still showed the setup's: the 6 s every rank spent on its first batch (under
+    the longer bound) counted as 6 s without progress, and a healthy job was reported as stalled at
+    its first step (Lightning's first-batch test, 1 of 6 runs)."""
+    obs = StallObserver(stall_s=2, end_s=60)
+    obs.update(5, 0.0, False)
+    assert obs.update(5, 6.0, False) == ""  # every rank on its first batch, under max(2 x, 30 s)
+    assert obs.update(5, 6.1, True) == ""  # the observer's first step; no beat has carried it yet
+    assert obs.update(5, 8.0, True) == ""
+    assert obs.update(5, 8.1, True) == "report"  # then the short bound, from the loop's start
+    late = StallObserver(stall_s=2, end_s=60)  # reported under the longer bound; then the loop starts
+    late.update(5, 0.0, False)
+    assert late.update(5, 30.0, False) == "report"
+    assert late.update(5, 31.0, True) == "resumed"
+
+
 def test_the_loop_begins_at_a_step_a_second_ddp_forward_a_heartbeat_or_a_collective_outside_ddprun_setup(
         monkeypatch):
     from ddprun import telemetry

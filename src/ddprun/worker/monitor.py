@@ -91,14 +91,20 @@ class StallObserver:
         self.stall_s, self.end_s, self.grace_s = stall_s, end_s, grace_s
         self.total, self.since = -1, time.monotonic()
         self.reported_at: float | None = None
+        self.began = False
 
     def update(self, total: int, now: float, began: bool) -> str:
         """``report``, ``end``, ``resumed`` or ``""`` for the job-wide progress ``total`` seen at ``now``;
         ``began``: whether the observer's own loop runs (:func:`stall_threshold`,
         telemetry.Progress.began). Its own, because in DDP its first step waits for every rank's first
         backward, while a job's total > 0 may be ddprun's setup collectives with every rank's first
-        batch still to come, or one rank's first forward while another's first batch is slow."""
-        if total != self.total:
+        batch still to come, or one rank's first forward while another's first batch is slow.
+
+        The loop's start is progress itself: the total comes through the agents' beats (up to a
+        second late), and the time before it, under the longer bound, must not count against the
+        short one."""
+        started, self.began = began and not self.began, self.began or began
+        if total != self.total or started:
             resumed = self.reported_at is not None
             self.total, self.since, self.reported_at = total, now, None
             return "resumed" if resumed else ""
