@@ -29,6 +29,7 @@ import contextlib
 import inspect
 import os
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from importlib import import_module
@@ -60,11 +61,11 @@ from ddprun import runtime
 from ddprun.errors import ConfigError
 from ddprun.mismatch import TrainerMismatch, launch_shape
 from ddprun.runtime import RankInfo
-from ddprun.telemetry import setup_phase
+from ddprun.telemetry import SetupPhase, setup_phase
 from ddprun.train.loop import FitResult, resolve_run_dir
 from ddprun.train.options import PRECISIONS, int_at_least
 
-__all__ = ["DdprunEnvironment", "LaunchCheck", "LightningFitResult", "fit_lightning", "trainer_kwargs"]
+__all__ = ["DdprunEnvironment", "LaunchCheck", "LightningFitResult", "LoopStart", "fit_lightning", "trainer_kwargs"]
 
 LIGHTNING_PRECISION = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}
 
@@ -179,6 +180,36 @@ class LaunchCheck(Callback):
             return
         note = "no process group: every rank would train its own copy" if trainer.world_size == 1 else ""
         raise TrainerMismatch(trainer.num_devices, trainer.num_nodes, os.environ, note, module=__name__)
+
+
+class LoopStart(Callback):
+    """Lightning's setup is not the training loop's start, for ddprun's stall watch: its barriers and
+    broadcasts, the sanity check's DDP forwards and metric all-reduces run in a setup phase
+    (:class:`ddprun.telemetry.SetupPhase`), so every rank keeps the longer first-step bound
+    (max(2 x --stall-timeout, 30 s)) until its first training batch is in hand. Otherwise a first
+    batch slower than ``--stall-timeout`` (a lazily opened dataset, DataLoader workers starting) was
+    reported as a stall, and a healthy job ended by ``--stall-end-after``.
+
+    The phase opens when the Trainer is built (its first barrier comes before any hook) and ends at
+    its first training batch, at a stage other than ``fit``, at teardown or an exception, or when the
+    Trainer is dropped. Added with :class:`LaunchCheck` by :func:`callbacks_factory`."""
+
+    def __init__(self) -> None:
+        self._phase = SetupPhase()
+        weakref.finalize(self, self._phase.end)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            self._phase.end()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._phase.end()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._phase.end()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._phase.end()
 
 
 class _TrainingTimeout(Callback):
@@ -492,9 +523,9 @@ def _result(trainer: pl.Trainer, model: pl.LightningModule, run_dir: str, info: 
 def callbacks_factory() -> list:
     """Lightning's ``lightning.pytorch.callbacks_factory`` entry point (pyproject.toml): Lightning calls
     it in every ``Trainer()`` wherever ddprun is installed. Inside a multi-rank ``ddprun run`` worker
-    (DDPRUN_RUN_DIR set, WORLD_SIZE > 1) it returns ddprun.lightning's LaunchCheck; elsewhere nothing,
-    without importing more of ddprun."""
+    (DDPRUN_RUN_DIR set, WORLD_SIZE > 1) it returns ddprun.lightning's LaunchCheck and LoopStart;
+    elsewhere nothing."""
     shape = launch_shape(os.environ)
     if not os.environ.get("DDPRUN_RUN_DIR") or shape is None or shape[2] <= 1:
         return []
-    return [LaunchCheck()]
+    return [LaunchCheck(), LoopStart()]

@@ -92,12 +92,13 @@ class Progress:
         self.forwards = 0
         """DDP forwards that returned (also counted in ``collectives``)."""
         self.began = False
-        """Whether this process's own loop runs: an optimizer step, a second DDP forward (its first
-        backward's all-reduce is done), a collective outside :func:`setup_phase`, or :func:`heartbeat`.
-        ddprun's setup collectives (init's probe, fit's broadcast of the run directory, a resume) do
-        not say so: the first batch may still be far off."""
+        """Whether this process's own loop runs: an optimizer step, or outside :func:`setup_phase` a
+        second DDP forward (its first backward's all-reduce is done), a collective, or :func:`heartbeat`.
+        Setup (init's probe, fit's broadcast of the run directory, a resume, Lightning's barriers and
+        sanity check) does not say so: the first batch may still be far off."""
         self.in_setup = 0
-        """Depth of :func:`setup_phase` blocks now running."""
+        """Setup phases now open (:func:`setup_phase`, :class:`SetupPhase`)."""
+        self._loop_forwards = 0
 
     def stepped(self, now: float) -> None:
         """One optimizer step done at ``now`` (the optimizer step hook, worker/progress.py)."""
@@ -116,7 +117,14 @@ class Progress:
         """One DDP forward returned (worker/progress.py)."""
         self.forwards += 1
         self.collectives += 1
-        self.began = self.began or self.forwards > 1
+        if not self.in_setup:
+            self._loop_forwards += 1
+            self.began = self.began or self._loop_forwards > 1
+
+    def beat(self) -> None:
+        """One :func:`heartbeat`."""
+        self.beats += 1
+        self.began = self.began or not self.in_setup
 
     @property
     def total(self) -> int:
@@ -126,16 +134,32 @@ class Progress:
 PROGRESS = Progress()
 
 
+class SetupPhase:
+    """A setup phase (:func:`setup_phase`) that spans hooks: open from its creation until :meth:`end`.
+    ddprun.lightning opens one when a Trainer is built and ends it at its first training batch."""
+
+    def __init__(self) -> None:
+        PROGRESS.in_setup += 1
+        self._open = True
+
+    def end(self) -> None:
+        """Close the phase (once; later calls do nothing)."""
+        if self._open:
+            self._open = False
+            PROGRESS.in_setup -= 1
+
+
 @contextlib.contextmanager
 def setup_phase() -> Iterator[None]:
-    """ddprun's own collectives before a loop (``ddprun.init``'s probe, ``ddprun.fit``'s setup and
-    resume): progress, but not the loop's start, so the stall watch keeps its longer first-step bound
-    (worker/monitor.py ``stall_threshold``) while every rank waits for its first batch."""
-    PROGRESS.in_setup += 1
+    """Work before a loop (``ddprun.init``'s probe, ``ddprun.fit``'s setup and resume): its collectives,
+    DDP forwards and heartbeats are progress, but not the loop's start, so the stall watch keeps its
+    longer first-step bound (worker/monitor.py ``stall_threshold``) while every rank waits for its
+    first batch. Only an optimizer step begins the loop inside it."""
+    phase = SetupPhase()
     try:
         yield
     finally:
-        PROGRESS.in_setup -= 1
+        phase.end()
 
 
 @contextlib.contextmanager
@@ -157,7 +181,6 @@ def heartbeat(phase: str | None = None) -> None:
     or around a long save): a job whose ranks all beat is never reported as stalled. Cheap (an integer
     increment, no I/O, no collective); safe to call outside a ddprun job. ``phase`` names the work in the
     hang report (``None`` keeps the current one, ``""`` clears it)."""
-    PROGRESS.beats += 1
-    PROGRESS.began = True
+    PROGRESS.beat()
     if phase is not None:
         PROGRESS.phase = phase

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.faults.conftest import assert_nothing_left
 from tests.helpers import DDPRUN, ddprun_nodes, describe, extra, run_agents
 
 pl = extra("lightning.pytorch")
@@ -64,14 +65,14 @@ def test_trainer_kwargs_follow_the_launch(clean_runtime):
 def test_the_entry_point_checks_every_trainer_in_a_multi_rank_ddprun_worker(clean_runtime):
     from importlib.metadata import entry_points
 
-    from ddprun.lightning import LaunchCheck
+    from ddprun.lightning import LaunchCheck, LoopStart
 
     clean_runtime.setenv("DDPRUN_RUN_DIR", "/tmp/run")
     clean_runtime.setenv("WORLD_SIZE", "4")
     clean_runtime.setenv("LOCAL_WORLD_SIZE", "2")
     (ep,) = [e for e in entry_points(group="lightning.pytorch.callbacks_factory") if e.name == "ddprun"]
     callbacks = ep.load()()
-    assert [type(c) for c in callbacks] == [LaunchCheck]
+    assert [type(c) for c in callbacks] == [LaunchCheck, LoopStart]
 
 
 class Tiny(pl.LightningModule):
@@ -223,6 +224,36 @@ def test_a_trainer_the_script_builds_keeps_lightnings_sigterm_handler_and_the_ra
     assert said >= 0 and handled > said, log  # Lightning's own handler ran on the signalled rank
     assert not list(out.glob("rank-*.json")), "a rank trained to its end"
     assert "Traceback" not in r.output, describe([r])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fault", ["first-batch", "hang"])
+def test_lightnings_setup_keeps_the_first_step_bound_and_a_hang_in_training_is_named_at_the_short_one(
+        tmp_path, fault):
+    """Before: Lightning's setup barriers, broadcasts and sanity check counted as the training loop's
+    start, so a first batch slower than --stall-timeout (a lazily opened dataset) was reported as a
+    stall and --stall-end-after 0 ended a healthy job ("every rank is in data loading"). Now the bound
+    stays max(2 x, 30 s) until the first training batch (ddprun.lightning.LoopStart); a rank that hangs
+    after it is still named within the short bound."""
+    out = tmp_path / "out"
+    cmd = [BORING, "--devices", "2", "--num-nodes", "1", "--max-steps", "150", "--out", str(out),
+           *(["--first-batch-s", "6"] if fault == "first-batch" else ["--hang-rank", "1", "--hang-batch", "3"])]
+    (r,) = run_agents([[DDPRUN, "run", "--nproc-per-node", "2", "--log-dir", "runs", "--rdzv-id", "slow",
+                        "--stall-timeout", "2", "--stall-end-after", "0", "--tee", "3", *cmd]], timeout=100, cwd=tmp_path)
+    if fault == "first-batch":
+        assert r.returncode == 0, describe([r])
+        assert r.output.count("first training item: 6.0 s") == 2, describe([r])
+        assert "hang report" not in r.output and "no rank advanced" not in r.output, describe([r])
+        assert sorted((f["global_rank"], f["steps"]) for f in facts(out)) == [(0, 150), (1, 150)]
+        assert not (tmp_path / "runs" / "slow" / "stacks").exists(), describe([r])
+    else:
+        assert r.returncode == 1, describe([r])
+        assert "[rank1] rank 1: hangs at batch 3" in r.output, describe([r])
+        said = re.search(r"^ddprun: hang report: no rank advanced for (\d+) s: (.*)$", r.output, re.M)
+        assert said and int(said[1]) < 5 and "rank 1 is at boring_unmodified.py" in said[2], describe([r])
+        assert not list(out.glob("rank-*.json")), "a rank trained to its end"
+        assert r.wall_s < 60, describe([r])
+    assert_nothing_left(tmp_path)
 
 
 def rendezvous_time(run_dir: Path) -> float:

@@ -87,13 +87,41 @@ def test_the_loop_begins_at_a_step_a_second_ddp_forward_a_heartbeat_or_a_collect
     assert not p.began and p.total == 3 and p.in_setup == 0
     p.forwarded()
     assert p.began and p.forwards == 2 and p.total == 4
-    for begin in (lambda q: q.stepped(1.0), lambda q: q.collected()):  # a step; the script's own all_reduce
-        q = telemetry.Progress()
+    for begin in (lambda q: q.stepped(1.0), lambda q: q.collected(), lambda q: q.beat()):
+        q = telemetry.Progress()  # a step; the script's own all_reduce; a heartbeat
         begin(q)
         assert q.began
     monkeypatch.setattr(telemetry, "PROGRESS", telemetry.Progress())
     telemetry.heartbeat()
     assert telemetry.PROGRESS.began
+
+
+def test_inside_a_setup_phase_only_a_step_begins_the_loop_and_a_phase_ends_once(monkeypatch):
+    """Lightning's setup (its barriers, broadcasts, the sanity check's DDP forwards and metric
+    all-reduces, a callback's heartbeat) runs in a phase that spans hooks (ddprun.lightning.LoopStart):
+    none of it is the loop's start; the loop's own second forward, after the phase, is."""
+    from ddprun import telemetry
+
+    monkeypatch.setattr(telemetry, "PROGRESS", telemetry.Progress())
+    p = telemetry.PROGRESS
+    phase = telemetry.SetupPhase()
+    for _ in range(3):
+        p.collected()
+        p.forwarded()
+        telemetry.heartbeat("validation")
+    assert not p.began and p.total == 3 + 3 + 3 and p.in_setup == 1
+    phase.end()
+    phase.end()  # at teardown, after the first batch ended it: still one phase closed
+    assert p.in_setup == 0
+    p.forwarded()  # the loop's first forward
+    assert not p.began
+    p.forwarded()
+    assert p.began
+    q = telemetry.Progress()
+    monkeypatch.setattr(telemetry, "PROGRESS", q)
+    with telemetry.setup_phase():
+        q.stepped(1.0)  # an optimizer step always begins it
+    assert q.began and q.in_setup == 0
 
 
 def test_a_failing_poll_is_said_once_then_the_watch_goes_on_until_a_bounded_give_up(tmp_path, monkeypatch, capsys):
