@@ -80,8 +80,11 @@ def one_run(launcher: str, shape: str, run: str, steps: int, cwd: str) -> dict[s
     marks = [dict(re.findall(r"(\w+)=([\d.]+)", f.read_text())) for f in Path(out).glob("rank-*.txt")]
     world = int(shape.split("x")[0]) * int(shape.split("x")[1])
     if any(r.returncode != 0 for r in results) or len(marks) != world:
-        print(f"{launcher} {shape} {run} failed: exit codes {[r.returncode for r in results]}, "
-              f"{len(marks)} of {world} ranks reported", file=sys.stderr)
+        print(f"{launcher} {shape} {run} failed: exit codes {[r.returncode for r in results]} (None: still running "
+              f"at 120 s, killed), {len(marks)} of {world} ranks reported", file=sys.stderr)
+        for node, r in enumerate(results):  # why: the anchor fails too (torchrun's rendezvous on one host)
+            tail = [line for line in r.output.splitlines() if line.strip()][-4:]
+            print("\n".join(f"    node {node}: {line[:200]}" for line in tail), file=sys.stderr)
         return None
     return {"first line": max(float(m["first_line"]) for m in marks) - t0,
             "first step": max(float(m["first_step"]) for m in marks) - t0,
