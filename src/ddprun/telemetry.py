@@ -139,14 +139,15 @@ class SetupPhase:
     ddprun.lightning opens one when a Trainer is built and ends it at its first training batch."""
 
     def __init__(self) -> None:
-        PROGRESS.in_setup += 1
+        self._progress = PROGRESS  # the one it opened in, however late it ends (a Trainer's collection)
+        self._progress.in_setup += 1
         self._open = True
 
     def end(self) -> None:
         """Close the phase (once; later calls do nothing)."""
         if self._open:
             self._open = False
-            PROGRESS.in_setup -= 1
+            self._progress.in_setup -= 1
 
 
 @contextlib.contextmanager

@@ -122,6 +122,10 @@ def test_inside_a_setup_phase_only_a_step_begins_the_loop_and_a_phase_ends_once(
     with telemetry.setup_phase():
         q.stepped(1.0)  # an optimizer step always begins it
     assert q.began and q.in_setup == 0
+    dropped = telemetry.SetupPhase()  # a Trainer's, ended when it is collected: maybe under another PROGRESS
+    monkeypatch.setattr(telemetry, "PROGRESS", telemetry.Progress())
+    dropped.end()
+    assert q.in_setup == 0 and telemetry.PROGRESS.in_setup == 0
 
 
 def test_a_failing_poll_is_said_once_then_the_watch_goes_on_until_a_bounded_give_up(tmp_path, monkeypatch, capsys):
