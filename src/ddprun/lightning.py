@@ -57,7 +57,7 @@ else:
         extra = "lightning" if PACKAGE == "lightning.pytorch" else "pytorch-lightning"
         raise ImportError(f"{__name__} needs {PACKAGE}: pip install 'ddprun[{extra}]'") from e
 
-from ddprun import runtime
+from ddprun import runtime, telemetry
 from ddprun.errors import ConfigError
 from ddprun.mismatch import TrainerMismatch, launch_shape
 from ddprun.runtime import RankInfo
@@ -190,9 +190,11 @@ class LoopStart(Callback):
     batch slower than ``--stall-timeout`` (a lazily opened dataset, DataLoader workers starting) was
     reported as a stall, and a healthy job ended by ``--stall-end-after``.
 
-    The phase opens when the Trainer is built (its first barrier comes before any hook) and ends at
-    its first training batch, at a stage other than ``fit``, at teardown or an exception, or when the
-    Trainer is dropped. Added with :class:`LaunchCheck` by :func:`callbacks_factory`."""
+    The phase opens when the Trainer is built (its ``log_dir`` broadcast and first barrier, and a
+    datamodule's ``setup``, come before any callback hook) and ends at its first training batch, at
+    a stage other than ``fit``, at teardown or an exception, or when the Trainer is collected. At the
+    ``fit`` setup hook the loop starts over (``Progress.restart``): a fit after ``trainer.validate``
+    or another loop has not begun either. Added with :class:`LaunchCheck` by :func:`callbacks_factory`."""
 
     def __init__(self) -> None:
         self._phase = SetupPhase()
@@ -201,6 +203,11 @@ class LoopStart(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             self._phase.end()
+            return
+        if self._phase.ended:  # this Trainer's second fit, or its fit after a validate
+            self._phase = SetupPhase()
+            weakref.finalize(self, self._phase.end)
+        telemetry.PROGRESS.restart()
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self._phase.end()

@@ -126,6 +126,12 @@ class Progress:
         self.beats += 1
         self.began = self.began or not self.in_setup
 
+    def restart(self) -> None:
+        """Another loop's setup starts (a Lightning fit after ``trainer.validate`` or another fit): the
+        loop has not begun until its own start, by the rules of :attr:`began`."""
+        self.began = False
+        self._loop_forwards = 0
+
     @property
     def total(self) -> int:
         return self.steps + self.collectives + self.beats
@@ -134,20 +140,30 @@ class Progress:
 PROGRESS = Progress()
 
 
+_PHASES = threading.Lock()
+"""Guards ``in_setup``: a dropped Trainer's phase ends in whichever thread collects it."""
+
+
 class SetupPhase:
     """A setup phase (:func:`setup_phase`) that spans hooks: open from its creation until :meth:`end`.
     ddprun.lightning opens one when a Trainer is built and ends it at its first training batch."""
 
     def __init__(self) -> None:
         self._progress = PROGRESS  # the one it opened in, however late it ends (a Trainer's collection)
-        self._progress.in_setup += 1
-        self._open = True
+        with _PHASES:
+            self._progress.in_setup += 1
+            self._open = True
+
+    @property
+    def ended(self) -> bool:
+        return not self._open
 
     def end(self) -> None:
         """Close the phase (once; later calls do nothing)."""
-        if self._open:
-            self._open = False
-            self._progress.in_setup -= 1
+        with _PHASES:
+            if self._open:
+                self._open = False
+                self._progress.in_setup -= 1
 
 
 @contextlib.contextmanager

@@ -75,6 +75,40 @@ def test_the_entry_point_checks_every_trainer_in_a_multi_rank_ddprun_worker(clea
     assert [type(c) for c in callbacks] == [LaunchCheck, LoopStart]
 
 
+def test_loop_start_holds_a_setup_phase_from_the_trainers_build_to_its_first_batch_and_restarts_at_each_fit(
+        monkeypatch):
+    """The hooks' order in a Trainer's life: built, validate (its setup ends the phase: validation's
+    collectives begin a loop), fit (its setup hook starts the loop over, in a new phase), the first
+    training batch (the phase ends), teardown. A Trainer only built and dropped leaves no phase open."""
+    import gc
+
+    from ddprun import telemetry
+    from ddprun.lightning import LoopStart
+
+    p = telemetry.Progress()
+    monkeypatch.setattr(telemetry, "PROGRESS", p)
+    cb = LoopStart()
+    p.collected()  # Lightning's log_dir broadcast and pre_setup barrier, before any hook
+    assert (p.in_setup, p.began) == (1, False)
+    cb.setup(None, None, "validate")
+    p.collected()
+    assert (p.in_setup, p.began) == (0, True)
+    cb.setup(None, None, "fit")
+    p.collected()  # post_setup barrier, the sanity check's all-reduces
+    p.forwarded()
+    p.forwarded()
+    assert (p.in_setup, p.began) == (1, False)
+    cb.on_train_batch_start(None)
+    cb.teardown(None, None, "fit")
+    assert p.in_setup == 0
+    p.forwarded()
+    p.forwarded()
+    assert p.began
+    LoopStart()
+    gc.collect()
+    assert p.in_setup == 0
+
+
 class Tiny(pl.LightningModule):
     def __init__(self):
         super().__init__()

@@ -67,6 +67,10 @@ def test_the_loop_starting_is_progress_so_the_wait_for_the_first_batch_is_not_co
     assert obs.update(5, 6.1, True) == ""  # the observer's first step; no beat has carried it yet
     assert obs.update(5, 8.0, True) == ""
     assert obs.update(5, 8.1, True) == "report"  # then the short bound, from the loop's start
+    obs.update(9, 20.0, True)
+    assert obs.update(9, 40.0, False) == ""  # a Lightning fit after another loop: its setup starts over
+    assert obs.update(9, 40.1, True) == ""  # its start is progress again
+    assert obs.update(9, 42.1, True) == "report"
     late = StallObserver(stall_s=2, end_s=60)  # reported under the longer bound; then the loop starts
     late.update(5, 0.0, False)
     assert late.update(5, 30.0, False) == "report"
@@ -122,6 +126,12 @@ def test_inside_a_setup_phase_only_a_step_begins_the_loop_and_a_phase_ends_once(
     with telemetry.setup_phase():
         q.stepped(1.0)  # an optimizer step always begins it
     assert q.began and q.in_setup == 0
+    q.restart()  # a Lightning fit after another loop, at its setup hook
+    assert not q.began
+    q.forwarded()
+    assert not q.began
+    q.forwarded()
+    assert q.began
     dropped = telemetry.SetupPhase()  # a Trainer's, ended when it is collected: maybe under another PROGRESS
     monkeypatch.setattr(telemetry, "PROGRESS", telemetry.Progress())
     dropped.end()

@@ -103,7 +103,7 @@ class StallObserver:
         The loop's start is progress itself: the total comes through the agents' beats (up to a
         second late), and the time before it, under the longer bound, must not count against the
         short one."""
-        started, self.began = began and not self.began, self.began or began
+        started, self.began = began and not self.began, began  # began again: Lightning's next fit
         if total != self.total or started:
             resumed = self.reported_at is not None
             self.total, self.since, self.reported_at = total, now, None
