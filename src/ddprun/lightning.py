@@ -197,16 +197,18 @@ class LoopStart(Callback):
     or another loop has not begun either. Added with :class:`LaunchCheck` by :func:`callbacks_factory`."""
 
     def __init__(self) -> None:
+        self._open_phase()
+
+    def _open_phase(self) -> None:
         self._phase = SetupPhase()
-        weakref.finalize(self, self._phase.end)
+        weakref.finalize(self, self._phase.end)  # a Trainer dropped before its first batch
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             self._phase.end()
             return
         if self._phase.ended:  # this Trainer's second fit, or its fit after a validate
-            self._phase = SetupPhase()
-            weakref.finalize(self, self._phase.end)
+            self._open_phase()
         telemetry.PROGRESS.restart()
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
