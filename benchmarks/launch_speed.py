@@ -82,7 +82,7 @@ def one_run(launcher: str, shape: str, run: str, steps: int, cwd: str) -> dict[s
     if any(r.returncode != 0 for r in results) or len(marks) != world:
         print(f"{launcher} {shape} {run} failed: exit codes {[r.returncode for r in results]} (None: still running "
               f"at 120 s, killed), {len(marks)} of {world} ranks reported", file=sys.stderr)
-        for node, r in enumerate(results):  # why: the anchor fails too (torchrun's rendezvous on one host)
+        for node, r in enumerate(results):  # why it failed: the anchor fails too, now and then
             tail = [line for line in r.output.splitlines() if line.strip()][-4:]
             print("\n".join(f"    node {node}: {line[:200]}" for line in tail), file=sys.stderr)
         return None
