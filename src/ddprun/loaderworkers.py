@@ -51,7 +51,14 @@ _FD: int | None = None
 _WORKER_LOOP = "torch/utils/data/_utils/worker.py"
 _DATALOADER = "torch/utils/data/dataloader.py"
 _STDLIB = tuple({os.path.join(sysconfig.get_paths()[k], "") for k in ("stdlib", "platstdlib")})
-_INSTALLED = ("site-packages", "dist-packages", "/ddprun/")  # torch and the like (Debian: dist-packages), ddprun
+_INSTALLED = ("site-packages", "dist-packages")  # torch and the like (Debian: dist-packages)
+_DDPRUN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
+"""ddprun's own files: its package directory, not any path with a ``ddprun`` folder (a user's clone)."""
+
+
+def not_users(filename: str) -> bool:
+    """Whether ``filename`` is an installed package's, ddprun's, or not a file (``<frozen runpy>``)."""
+    return any(part in filename for part in _INSTALLED) or filename.startswith(_DDPRUN) or filename.startswith("<")
 
 
 def user_frame(frames: Iterable[tuple[str, int, str]]) -> tuple[str, int, str] | None:
@@ -59,7 +66,7 @@ def user_frame(frames: Iterable[tuple[str, int, str]]) -> tuple[str, int, str] |
     installed package (site- or dist-packages), not ddprun, not the standard library (a ``select``
     the DataLoader waits in)."""
     for fn, ln, func in reversed(list(frames)):
-        if not (any(part in fn for part in _INSTALLED) or fn.startswith("<") or fn.startswith(_STDLIB)):
+        if not (not_users(fn) or fn.startswith(_STDLIB)):
             return fn, ln, func
     return None
 

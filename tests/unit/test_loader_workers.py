@@ -59,6 +59,9 @@ def test_the_users_frame_is_never_the_standard_library():
     assert loaderworkers.user_frame(frames[1:]) is None
     debian = [("/job/train.py", 40, "main"), ("/usr/local/lib/python3.11/dist-packages/torch/utils/data/x.py", 9, "f")]
     assert loaderworkers.user_frame(debian) == ("/job/train.py", 40, "main")
+    # a script in a folder named ddprun (a clone of this repository) is the user's; ddprun's own files are not
+    clone = [("/home/u/ddprun/train.py", 40, "main"), (loaderworkers.__file__, 9, "f")]
+    assert loaderworkers.user_frame(clone) == ("/home/u/ddprun/train.py", 40, "main")
 
 
 def test_without_memfd_a_worker_does_not_answer_and_nothing_fails(monkeypatch):

@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from typing import Any, Protocol
 
+from ddprun import loaderworkers
 from ddprun.protocol import defaults
 from ddprun.protocol import env as wenv
 from ddprun.protocol.atomic import write_text_atomic
@@ -163,8 +164,7 @@ def user_frame(e: BaseException) -> str:
     """``file.py:12 in fn``: the innermost frame of ``e``'s traceback outside torch and ddprun."""
     where = "?"
     for frame in traceback.extract_tb(e.__traceback__):
-        if "site-packages" not in frame.filename and "/ddprun/" not in frame.filename \
-                and not frame.filename.startswith("<"):
+        if not loaderworkers.not_users(frame.filename):
             where = f"{os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
     return where
 
