@@ -21,6 +21,7 @@ the hooks ddprun needs and torch does not offer:
   (``on_preempt_signal``); ``preempt_check()`` runs every monitor interval and returns a signal
   when the grace is over (then the workers are stopped as torch stops them); while preempting no
   restart is made; ``on_stopping()`` before torch signals its workers for any other reason.
+* a node waiting in the rendezvous looks at the round sooner in a small job (agent/rendezvous_poll.py).
 * a bounded exit barrier that ends early when ``exit_barrier_done()`` says so (a node was lost),
   instead of torch's fixed 300 s wait for agents that may be gone.
 
@@ -48,6 +49,7 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from ddprun._util import within
+from ddprun.agent import rendezvous_poll
 from ddprun.agent.attempt import handler_round
 from ddprun.protocol import defaults
 
@@ -538,6 +540,7 @@ def _run(config: Any, entrypoint: str, args: list[str], hooks: AgentHooks, param
     handler = rdzv_registry.get_rendezvous_handler(params)
     bind_workers_store(handler)
     follow_round_store(handler)
+    rendezvous_poll.quicken(handler)
     spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
                       args=tuple(args), rdzv_handler=handler,
                       max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,

@@ -1,0 +1,76 @@
+"""A node waiting in torch's rendezvous looks at the round every poll_s(max_nodes) seconds, only while
+it waits (agent/rendezvous_poll.py): a real two-node c10d rendezvous in two threads, torch's delays
+recorded."""
+
+import threading
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+from ddprun.agent import rendezvous_poll
+from tests.helpers import free_port
+
+
+def test_the_poll_is_a_tenth_of_a_second_for_small_jobs_and_torchs_second_from_100_nodes():
+    assert [rendezvous_poll.poll_s(n) for n in (1, 2, 10, 20, 50, 100, 1000)] == [0.1, 0.1, 0.1, 0.2, 0.5, 1.0, 1.0]
+
+
+def test_a_waiting_node_polls_at_the_short_interval_and_keeps_torchs_cache_once_joined(monkeypatch):
+    delays: list[tuple[str, object]] = []
+    monkeypatch.setattr(dr, "_delay", lambda seconds: delays.append((threading.current_thread().name, seconds)))
+    port = free_port()
+    handlers = [registry.get_rendezvous_handler(RendezvousParameters(
+        backend="c10d", endpoint=f"127.0.0.1:{port}", run_id="poll", min_nodes=2, max_nodes=2,
+        is_host="1" if i == 0 else "0", join_timeout="20")) for i in range(2)]
+    assert [rendezvous_poll.quicken(h) for h in handlers] == [0.1, 0.1]
+    got: dict[int, object] = {}
+
+    def join(i: int) -> None:
+        if i == 0:  # node 0 alone in the round: it must wait (and poll) until node 1 comes
+            got[i] = handlers[i].next_rendezvous()
+        else:
+            while not delays:  # node 0 polls already
+                threading.Event().wait(0.01)
+            got[i] = handlers[i].next_rendezvous()
+
+    threads = [threading.Thread(target=join, args=(i,), name=f"node{i}") for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    try:
+        assert not any(t.is_alive() for t in threads)
+        assert sorted(info.rank for info in got.values()) == [0, 1]
+        assert {info.world_size for info in got.values()} == {2}
+        polls = [s for name, s in delays if name == "node0" and not isinstance(s, tuple)]
+        assert polls and set(polls) == {0.1}, delays  # torch's poll is 1 s: every one of them shortened
+        # round 0's random start skew, a tuple, is torch's own
+        assert all(s == 0.1 or isinstance(s, tuple) for _, s in delays), delays
+        assert [h._state_holder._cache_duration for h in handlers] == [1, 1]  # torch's, once joined
+        dr._delay(1)  # another thread, not waiting in a rendezvous: torch's second
+        assert delays[-1] == (threading.current_thread().name, 1)
+    finally:
+        for h in handlers:
+            h.shutdown()
+
+
+def test_a_handler_without_torchs_state_holder_is_left_as_it_is():
+    class Other:
+        def next_rendezvous(self):
+            return "torch's"
+
+    other = Other()
+    assert rendezvous_poll.quicken(other) is None
+    assert other.next_rendezvous() == "torch's"
+
+
+def test_the_wrap_is_installed_once(monkeypatch):
+    monkeypatch.setattr(dr, "_delay", lambda seconds: None)
+    assert rendezvous_poll._install() and rendezvous_poll._install()
+    wrapped = dr._delay
+    assert getattr(wrapped, "ddprun_poll", False)
+    rendezvous_poll._install()
+    assert dr._delay is wrapped
+    with pytest.raises(AttributeError):
+        rendezvous_poll._WAITING.poll_s  # noqa: B018 - set only in a thread that waits
