@@ -108,20 +108,24 @@ def _median(values: list[float]) -> float:
     return vals[len(vals) // 2] if vals else math.nan
 
 
+def _figure(height: float):
+    """A figure 7 inches wide and its axes, outside pyplot: no global figure list or backend, so a
+    report written in a notebook's process (``ddprun.launch``) leaves its plots and backend alone."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, height))
+    return fig, fig.subplots()
+
+
 def _png(fig) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
     return base64.b64encode(buf.getvalue()).decode()
 
 
 def _line_plot(runs: list[tuple[str, dict]], series: str, key: str, title: str, ylabel: str) -> str:
     """One quantity against the step, one line per run; ``series``: ``train`` or ``val``."""
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 2.8))
+    fig, ax = _figure(2.8)
     for label, d in runs:
         pts = [p for p in d[series] if key in p and not math.isnan(p[key])]
         ax.plot([p["step"] for p in pts], [p[key] for p in pts], marker="o" if series == "val" else None,
@@ -136,9 +140,7 @@ def _line_plot(runs: list[tuple[str, dict]], series: str, key: str, title: str, 
 
 def _loss_plot(runs: list[tuple[str, dict]]) -> str:
     """Training and validation loss: the same quantity, so one axes."""
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.0))
+    fig, ax = _figure(3.0)
     for label, d in runs:
         pts = [p for p in d["train"] if not math.isnan(p["loss"])]
         ax.plot([p["step"] for p in pts], [p["loss"] for p in pts], label=f"train loss ({label})")
@@ -155,10 +157,8 @@ def _loss_plot(runs: list[tuple[str, dict]]) -> str:
 
 def _step_time_plot(data: dict) -> str:
     """Each rank's median step time per window against time; stragglers starred, other events lined."""
-    import matplotlib.pyplot as plt
-
     timings, t0 = data["timings"], _t0(data)
-    fig, ax = plt.subplots(figsize=(7, 3.2))
+    fig, ax = _figure(3.2)
     for rank, rows in timings.items():
         ax.plot([row["t"] - t0 for row in rows], [row["step"] * 1e3 for row in rows], marker=".", label=f"rank {rank}")
     for e in data["events"]:
@@ -188,8 +188,6 @@ SPLIT = ("data", "compute", "allreduce", "optim")
 
 def _split_plot(data: dict) -> str | None:
     """Mean of window medians per part, stacked per rank; None when no part was timed (plain scripts)."""
-    import matplotlib.pyplot as plt
-
     timings = data["timings"]
     ranks = sorted(int(r) for r in timings)
     means = {p: [_mean([row[p] for row in timings[str(r)]]) for r in ranks] for p in SPLIT}
@@ -197,7 +195,7 @@ def _split_plot(data: dict) -> str | None:
         return None
     named = {e.get("rank") for e in data["events"] if e.get("kind") == "straggler"}
     labels = [f"rank {r}" + (" (straggler)" if r in named else "") for r in ranks]
-    fig, ax = plt.subplots(figsize=(7, 0.8 + 0.35 * len(ranks)))
+    fig, ax = _figure(0.8 + 0.35 * len(ranks))
     left = [0.0] * len(ranks)
     for p in SPLIT:
         vals = [0.0 if math.isnan(v) else v * 1e3 for v in means[p]]
@@ -211,9 +209,6 @@ def _split_plot(data: dict) -> str | None:
 
 def _plots(data: dict, other: dict | None) -> list[tuple[str, str | None]]:
     """(title, PNG or None) in page order; None: the section is shown with what is missing."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     runs = [("this run", data)] + ([("compared run", other)] if other else [])
     has_train = any(d["train"] for _, d in runs)
     plots: list[tuple[str, str | None]] = [("Loss", _loss_plot(runs) if has_train or data["val"] else None)]

@@ -3,6 +3,8 @@
 import csv
 import json
 import re
+import subprocess
+import sys
 
 from ddprun.report import TIMING_COLUMNS, write_report
 
@@ -96,3 +98,23 @@ def test_compare_overlays_a_second_run(tmp_path):
     html = open(write_report(str(a), compare=str(b))).read()
     assert embedded(html)["other"]["run_dir"] == str(b)
     assert plot_titles(html) == list(PLOTS)
+
+
+def test_a_report_written_in_a_process_that_plots_leaves_its_backend_and_figures_alone(tmp_path):
+    """ddprun.launch writes the report in the caller's process (a notebook): the report must neither
+    switch matplotlib's backend (before: ``matplotlib.use("Agg")``, a notebook's inline plots went
+    silent) nor touch pyplot's figures."""
+    script = f"""
+import base64, matplotlib
+matplotlib.use("svg")
+import matplotlib.pyplot as plt
+fig = plt.figure()
+from ddprun.report import write_report
+html = open(write_report({str(tmp_path)!r})).read()
+assert base64.b64decode(html.split("data:image/png;base64,")[1].split("'")[0])[:4] == b"\\x89PNG"
+print(matplotlib.get_backend(), plt.get_fignums())
+"""
+    make_run(tmp_path)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["svg", "[1]"]
