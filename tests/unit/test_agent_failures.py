@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import signal
 import subprocess
 import sys
@@ -622,3 +623,52 @@ def test_the_store_host_lingers_until_the_node_of_the_rank_that_finished_first_h
         late.cancel()
         for a in nodes:
             a.stop()
+
+
+def test_a_peer_that_stopped_for_a_no_step_answer_carries_it_where_its_store_went_with_it(tmp_path, store):
+    """Node 1 was signalled, its ranks answered NO_STEP (nothing stops at a step), so its agent stopped
+    them at once and left, with the workers' store it hosted. Node 0's worker failed of it before a beat
+    read the answer: the answer comes with the cause its worker recorded, so node 0 knows the job is
+    not stopping at a step (a restart may follow), where before it knew no answer (no restart)."""
+    from ddprun.protocol import preempt as pp
+
+    gone = store_server()  # node 1's store, which node 0 never reads here
+    peer = AgentFailures(RunDir(str(tmp_path / "b")), "host-b", "127.0.0.1", gone.port, "job", io.StringIO(),
+                         connect=preconnected(gone.port))
+    peer.on_workers_started("r1", 1, 2, {2: (0, 0, ""), 3: (1, 0, "")}, world_size=4,
+                            store=("127.0.0.1", gone.port), last_attempt=False)
+    try:
+        peer.preempt_request = pp.Request("SIGTERM", "agent", 1, "host-b", time.time())
+        peer.preempt_stop = pp.NO_STEP
+        peer.on_signal(15)
+        assert peer.stopping_for is not None and peer.stopping_for.stop_step == pp.NO_STEP
+    finally:
+        peer.stop()
+    seen = fr.stopped_by(fr.FailureRecord.from_json(peer.stopping_for.to_json()), rank=0, node_rank=0,
+                         host="host-a", local_rank=0, t=time.time(), seen="Connection reset by peer")
+    error_file = tmp_path / "error.json"
+    error_file.write_text(json.dumps({"message": {"extraInfo": {"ddprun": json.loads(seen.to_json())}}}))
+    a = AgentFailures(RunDir(str(tmp_path / "a")), "host-a", "127.0.0.1", store.port, "job", io.StringIO(),
+                      connect=preconnected(store.port))
+    a.on_workers_started("r1", 0, 2, {0: (0, 0, str(error_file)), 1: (1, 0, "")}, world_size=4,
+                         store=("127.0.0.1", store.port), last_attempt=False)
+    try:
+        a.preempt_request = pp.Request("SIGTERM", "agent", 1, "host-b", time.time())
+        assert a.read_preempt_stop() is None  # asked, no answer in its store, no record carrying one
+        a.on_worker_exit(0, 0, pid=0, code=1)
+        assert a.read_preempt_stop() == pp.NO_STEP
+    finally:
+        a.stop()
+
+
+def test_a_records_answer_is_a_string_or_nothing():
+    from ddprun.protocol import preempt as pp
+
+    rec = fr.FailureRecord(fr.SIGNAL, -1, "its agent got SIGTERM and stopped its workers", 1, "b", signal="SIGTERM",
+                           by="agent", stop_step=pp.NO_STEP)
+    assert fr.FailureRecord.from_json(rec.to_json()).stop_step == pp.NO_STEP
+    assert fr.answer_in([rec]) == pp.NO_STEP
+    assert fr.answer_in([fr.stopped_by(rec, rank=0, node_rank=0, host="a", local_rank=0, t=0.0)]) == pp.NO_STEP
+    bad = json.loads(rec.to_json()) | {"stop_step": 35}
+    assert fr.FailureRecord.from_dict(bad).stop_step is None  # never trusted
+    assert fr.answer_in([fr.FailureRecord(fr.ERROR, 1, "x")]) is None

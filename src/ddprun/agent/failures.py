@@ -599,7 +599,8 @@ class AgentFailures:
         stopped workers' connection errors)."""
         name = fr.signal_name(-sig)
         cause = fr.FailureRecord(fr.SIGNAL, -1, why or f"its agent got {name} and stopped its workers",
-                                 self._node, self.host, signal=name, by="agent", t=time.time())
+                                 self._node, self.host, signal=name, by="agent", t=time.time(),
+                                 stop_step=self.preempt_stop if self.preempt_request is not None else None)
         self.stopping_for = cause
         self._publish(cause)
         with self._lock:
@@ -744,12 +745,12 @@ class AgentFailures:
     def read_preempt_stop(self) -> str | None:
         """The agreed stop step as stored (NO_STEP: none), read now where the beats have not read it
         yet: a peer whose ranks answered NO_STEP stops its workers at once, and their peers here may
-        fail of that before this node's next beat. None: no answer yet, or the store is gone."""
+        fail of that before this node's next beat. Where that peer hosted the store, it may be gone
+        by then: the answer its agent's record carries (``fr.answer_in``). None: no answer known."""
         keys = self._keys
         if self.preempt_stop is None and self.preempt_request is not None and keys is not None:
             raw = self._read_now(keys.preempt_stop)
-            if raw is not None:
-                self.preempt_stop = text(raw)
+            self.preempt_stop = text(raw) if raw is not None else fr.answer_in(self.records())
         return self.preempt_stop
 
     def read_preempt_saved(self, wait_s: float = 0.0) -> pp.Saved | None:

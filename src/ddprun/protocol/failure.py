@@ -122,6 +122,10 @@ class FailureRecord:
     cause: dict[str, Any] | None = None
     """For ``stopped``: the cause's own record, so that whoever holds this one knows the cause too
     (the store it came from may be gone)."""
+    stop_step: str | None = None
+    """For an agent's ``signal`` record: the job's answer to the preemption request as that agent
+    knew it when it stopped its workers (protocol/preempt.py: a step, or ``NO_STEP``; None: no
+    answer). Its peers may never read the answer in the store, which can go with that node."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -143,6 +147,8 @@ class FailureRecord:
         for name in ("node_rank", "local_rank"):
             if not isinstance(kw.get(name, -1), int):
                 raise ValueError(f"{name} is not an integer")
+        if not isinstance(kw.get("stop_step"), (str, type(None))):
+            kw["stop_step"] = None  # a malformed value is no answer
         kw["summary"] = condense(kw["summary"])
         if kw.get("cause") is not None:
             kw["cause"] = asdict(cls.from_dict(kw["cause"])) if isinstance(kw["cause"], dict) else None
@@ -285,11 +291,20 @@ def with_causes(records: Iterable[FailureRecord]) -> list[FailureRecord]:
     return out
 
 
+def answer_in(records: Iterable[FailureRecord]) -> str | None:
+    """The answer to the preemption request that an agent's ``signal`` record carries
+    (``stop_step``), itself or as the cause a stopped rank's record holds; None where none does."""
+    return next((r.stop_step for r in with_causes(records)
+                 if r.kind == SIGNAL and r.rank < 0 and r.stop_step is not None), None)
+
+
 def root_cause(records: Iterable[FailureRecord]) -> FailureRecord | None:
     """The failure that ended the job: first-hand before echoes (and before a rank inferred to have
     finished first), then the earliest (then lowest rank). Causes carried by stopped records count too."""
     records = with_causes(records)
     return min(records, key=_order) if records else None
+
+
 
 
 def stopped_by(cause: FailureRecord, *, rank: int, node_rank: int, host: str, local_rank: int, t: float,
