@@ -3,6 +3,7 @@ it waits (agent/rendezvous_poll.py): a real two-node c10d rendezvous in two thre
 recorded."""
 
 import threading
+import time
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
@@ -18,35 +19,33 @@ def test_the_poll_is_a_tenth_of_a_second_for_small_jobs_and_torchs_second_from_1
 
 def test_a_waiting_node_polls_at_the_short_interval_and_keeps_torchs_cache_once_joined(monkeypatch):
     delays: list[tuple[str, object]] = []
-    monkeypatch.setattr(dr, "_delay", lambda seconds: delays.append((threading.current_thread().name, seconds)))
+
+    def recorded(seconds: object) -> None:  # torch's _delay, recorded
+        delays.append((threading.current_thread().name, seconds))
+        if not isinstance(seconds, tuple) and threading.current_thread().name.startswith("node"):
+            time.sleep(float(seconds))  # type: ignore[arg-type]  # a waiting node's poll, as torch's
+
+    monkeypatch.setattr(dr, "_delay", recorded)
     port = free_port()
     handlers = [registry.get_rendezvous_handler(RendezvousParameters(
         backend="c10d", endpoint=f"127.0.0.1:{port}", run_id="poll", min_nodes=2, max_nodes=2,
         is_host="1" if i == 0 else "0", join_timeout="20")) for i in range(2)]
     assert [rendezvous_poll.quicken(h) for h in handlers] == [0.1, 0.1]
     got: dict[int, object] = {}
-
-    def join(i: int) -> None:
-        if i == 0:  # node 0 alone in the round: it must wait (and poll) until node 1 comes
-            got[i] = handlers[i].next_rendezvous()
-        else:
-            while not delays:  # node 0 polls already
-                threading.Event().wait(0.01)
-            got[i] = handlers[i].next_rendezvous()
-
-    threads = [threading.Thread(target=join, args=(i,), name=f"node{i}") for i in range(2)]
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, handlers[i].next_rendezvous()), name=f"node{i}")
+               for i in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=30)
     try:
         assert not any(t.is_alive() for t in threads)
-        assert sorted(info.rank for info in got.values()) == [0, 1]
-        assert {info.world_size for info in got.values()} == {2}
-        polls = [s for name, s in delays if name == "node0" and not isinstance(s, tuple)]
-        assert polls and set(polls) == {0.1}, delays  # torch's poll is 1 s: every one of them shortened
-        # round 0's random start skew, a tuple, is torch's own
-        assert all(s == 0.1 or isinstance(s, tuple) for _, s in delays), delays
+        assert sorted(info.rank for info in got.values()) == [0, 1]  # type: ignore[attr-defined]
+        assert {info.world_size for info in got.values()} == {2}  # type: ignore[attr-defined]
+        # the node that joined first waited for the other: torch's 1 s polls, every one of them shortened;
+        # round 0's random start skew (a tuple) is torch's own
+        polls = [s for _, s in delays if not isinstance(s, tuple)]
+        assert polls and set(polls) == {0.1}, delays
         assert [h._state_holder._cache_duration for h in handlers] == [1, 1]  # torch's, once joined
         dr._delay(1)  # another thread, not waiting in a rendezvous: torch's second
         assert delays[-1] == (threading.current_thread().name, 1)
