@@ -600,7 +600,7 @@ class AgentFailures:
         name = fr.signal_name(-sig)
         cause = fr.FailureRecord(fr.SIGNAL, -1, why or f"its agent got {name} and stopped its workers",
                                  self._node, self.host, signal=name, by="agent", t=time.time(),
-                                 stop_step=self.preempt_stop if self.preempt_request is not None else None)
+                                 stop_step=self.preempt_stop)  # set only once a request was read
         self.stopping_for = cause
         self._publish(cause)
         with self._lock:
