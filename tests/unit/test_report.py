@@ -118,3 +118,26 @@ print(matplotlib.get_backend(), plt.get_fignums())
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["svg", "[1]"]
+
+
+def test_the_warm_up_imports_what_the_report_draws_with_and_leaves_pyplot_alone(tmp_path):
+    """The agent of rank 0's node warms the report up on a thread while the job runs (agent/run.py,
+    warm_run_report); a report written meanwhile waits for the import instead of importing twice."""
+    script = f"""
+import sys, threading
+from ddprun.report import warm_up, write_report
+assert "matplotlib" not in sys.modules
+t = threading.Thread(target=warm_up)
+t.start()
+html = open(write_report({str(tmp_path)!r})).read()
+t.join(60)
+print(not t.is_alive(), html.count("data:image/png;base64,"),
+      sorted(m for m in ("matplotlib.figure", "matplotlib.backends.backend_agg", "matplotlib.pyplot")
+             if m in sys.modules))
+"""
+    make_run(tmp_path)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    # pyplot, which picks a backend for the whole process, is never imported
+    assert out.stdout.split() == ["True", str(len(PLOTS)), "['matplotlib.backends.backend_agg',",
+                                  "'matplotlib.figure']"]

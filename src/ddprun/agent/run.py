@@ -11,6 +11,7 @@ and one line or summary per way it can end (:func:`ending`).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
@@ -474,6 +475,8 @@ class _AgentRun:
         """The rendezvous round of the latest worker start (0: a backend without rounds)."""
         self.job: JobRecord | None = None
         """The job record this agent published at its latest worker start."""
+        self._report_warm = False
+        """Whether the report's warm-up started (once per launch, on the node of rank 0)."""
         self.attempts = attempts = AttemptIds(run.spec.rdzv_backend)
         self.logs_specs = RankLogsSpecs(run.rundir.path, follower, tee, run.wenv, run.extra_env,
                                         on_workers_start=watcher.stop if watcher else None,
@@ -487,6 +490,7 @@ class _AgentRun:
         store = (group.master_addr, int(group.master_port)) if group.master_addr and group.master_port else None
         self.failures.on_workers_started(self.logs_specs.attempt, group.group_rank, group.group_world_size, workers,
                                          world, store, last_attempt=restarts_left == 0)
+        self._warm_report_once()
         attempt = self.logs_specs.attempt
         # r<rendezvous round> under c10d, c<restart count> under static: either counts the starts
         self._round = int(attempt[1:]) if attempt[1:].isdigit() else 0
@@ -495,6 +499,16 @@ class _AgentRun:
             self.job = JobRecord(run.run_id, self._round, group.group_world_size, run.spec.min_nodes,
                                  run.spec.max_nodes, time.time())
             admission.publish_start(run.endpoint_store, self.job, group.group_rank, run.host, os.getpid())
+
+    def _warm_report_once(self) -> None:
+        """The report's warm-up (:func:`warm_run_report`): on the node of rank 0, once a launch, where
+        the machine has a CPU its workers do not take."""
+        if not self.logs_specs.has_rank0 or self._report_warm:
+            return
+        self._report_warm = True
+        spec = self.run_.spec
+        if spare_cpu(processes_here(spec.nproc_per_node, spec.max_nodes, spec.master_addr), cpu_count()):
+            warm_run_report()
 
     def _reforming(self) -> None:
         """torch is about to restart this round's group: a node coming back is let in from now on."""
@@ -703,6 +717,38 @@ def ending(e: BaseException, agent: _AgentRun, err: TextIO) -> Outcome:
 
     return _from_records(agent, err, f"ddprun: the launcher failed: {name}: {e}{exhausted_hint(e)}\n"
                                      f"See {run.rundir.agent_log(run.host)}")
+
+
+def spare_cpu(processes: int | None, cpus: int) -> bool:
+    """Whether this machine has a CPU beyond the worker processes it runs (``processes``:
+    :func:`processes_here`; None: not known), which the run report's warm-up may take."""
+    return processes is not None and cpus > processes
+
+
+def warm_run_report() -> None:
+    """Start :func:`ddprun.report.warm_up` on a daemon thread, so that the report written when the run
+    ends (:func:`write_run_report`) does not wait for matplotlib's import (about 0.4 s of CPU, on the
+    exit tail of the node of rank 0, the last node to exit). Only on a machine with a spare CPU
+    (:func:`spare_cpu`): where the workers take every CPU, the warm-up's CPU is taken from them, and
+    the job's wall did not change (benchmarks/launch_speed.py, 2 x 1 on 2 cores). Where the warm-up
+    fails (matplotlib missing or broken) nothing is said here: the report itself says why it is not
+    written."""
+    import importlib.util
+    import threading
+
+    if importlib.util.find_spec("matplotlib") is None:
+        return
+    logging.getLogger("ddprun.agent.run").info("run report: importing matplotlib while the workers run")
+
+    def warm() -> None:
+        from ddprun.report import warm_up
+
+        try:
+            warm_up()
+        except Exception:  # noqa: BLE001, S110 - write_run_report names the failure, once
+            pass
+
+    threading.Thread(target=warm, name="ddprun-report-warm-up", daemon=True).start()
 
 
 def write_run_report(run_dir: str, console: TextIO) -> None:
