@@ -141,3 +141,12 @@ print(not t.is_alive(), html.count("data:image/png;base64,"),
     # pyplot, which picks a backend for the whole process, is never imported
     assert out.stdout.split() == ["True", str(len(PLOTS)), "['matplotlib.backends.backend_agg',",
                                   "'matplotlib.figure']"]
+
+
+def test_the_warm_up_wants_a_cpu_more_than_the_worker_processes_the_machine_runs():
+    from ddprun.agent.run import processes_here, spare_cpu
+
+    assert spare_cpu(processes_here(8, 4, "10.0.0.1"), 96) and spare_cpu(processes_here(1, 1, None), 2)
+    assert not spare_cpu(processes_here(1, 2, "127.0.0.1"), 2)  # 2 nodes on loopback: both run here
+    assert not spare_cpu(processes_here(8, 1, None), 8)
+    assert not spare_cpu(processes_here(8, 2, None), 96)  # the rendezvous host is not known
