@@ -672,3 +672,49 @@ def test_a_records_answer_is_a_string_or_nothing():
     bad = json.loads(rec.to_json()) | {"stop_step": 35}
     assert fr.FailureRecord.from_dict(bad).stop_step is None  # never trusted
     assert fr.answer_in([fr.FailureRecord(fr.ERROR, 1, "x")]) is None
+
+
+def _failures_in(store, attempt: str) -> int:
+    return int(store.add(Keys(f"ddprun/job/{attempt}/").failures, 0))
+
+
+def test_a_neighbour_that_dies_while_torch_re_forms_the_group_is_not_named_lost(tmp_path, store):
+    """A restart (or a node joining) re-forms the group: torch's rendezvous leaves a dead node out of
+    the next round, and a node that comes back takes its rank. Naming the dead one lost meanwhile (13 s
+    after its last beat, while the next round waited for its keep-alive) put a lost record in the next
+    attempt and ended a job that had its node back (tests/faults/test_runs.py)."""
+    out = io.StringIO()
+    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", out, lost_after_s=1.0,
+                      connect=preconnected(store.port))
+    a.on_workers_started("r1", 0, 2, {0: (0, 0, "")}, world_size=2, store=("127.0.0.1", store.port))
+    store.set(Keys("ddprun/job/r1/").agent(1), json.dumps({"host": "host-b", "beat": 2}))  # its last beat
+    a.on_reforming()
+    try:
+        time.sleep(2.5)  # more than lost_after past its last beat, and ticks that look
+        assert a.lost is None, a.lost.headline()
+        assert _failures_in(store, "r1") == 0 and not (tmp_path / "failures").exists()
+        a.on_workers_started("r2", 0, 2, {0: (0, 0, "")}, world_size=2, store=("127.0.0.1", store.port))
+        store.set(Keys("ddprun/job/r2/").agent(1), json.dumps({"host": "host-c", "beat": 2}))  # the node back
+        time.sleep(0.6)
+        assert a.lost is None and _failures_in(store, "r2") == 0
+    finally:
+        a.stop()
+
+
+def test_a_tick_of_the_attempt_before_names_no_node_lost_in_this_one(tmp_path, store):
+    """The failure thread's tick reads the attempt's keys once; a new attempt may start while it runs.
+    Its look at the old attempt's neighbour must not name that node lost under the new attempt's keys,
+    whose node of that rank is another (the thread's own timing: called here as the thread would)."""
+    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", io.StringIO(),
+                      lost_after_s=1.0, connect=preconnected(store.port))
+    a.on_workers_started("r1", 0, 2, {0: (0, 0, "")}, world_size=2, store=("127.0.0.1", store.port))
+    old = Keys("ddprun/job/r1/")
+    a.on_workers_started("r2", 0, 2, {0: (0, 0, "")}, world_size=2, store=("127.0.0.1", store.port))
+    try:
+        seen = (old.agent(1), None, time.monotonic() - 13)  # the old neighbour, silent for 13 s
+        a._watch_neighbour(a._client(), old, seen)
+        assert a.lost is None and _failures_in(store, "r2") == 0 and _failures_in(store, "r1") == 0
+        a._watch_neighbour(a._client(), a._keys, (a._keys.agent(1), None, time.monotonic() - 13))
+        assert a.lost is not None and _failures_in(store, "r2") == 1  # this attempt's own silent neighbour
+    finally:
+        a.stop()

@@ -270,8 +270,9 @@ class AgentFailures:
         now = cgroups.oom_kills()
         return f"the cgroup's oom_kill count went {self._oom0} -> {now}" if now is not None and now > self._oom0 else ""
 
-    def _publish(self, rec: fr.FailureRecord) -> None:
-        """Into the run directory and the store (best effort: the store may be gone)."""
+    def _publish(self, rec: fr.FailureRecord, keys: Keys | None = None) -> None:
+        """Into the run directory and the store (best effort: the store may be gone), under ``keys``
+        (default: this attempt's)."""
         try:
             os.makedirs(self.run_dir.failures, exist_ok=True)
             write_text_atomic(self.run_dir.failure_record(rec.rank if rec.rank >= 0 else f"node{rec.node_rank}"),
@@ -279,7 +280,7 @@ class AgentFailures:
         except OSError as e:
             print(f"ddprun: could not write the failure record of {rec.where()}: {e}", file=sys.stderr)
         try:
-            store, keys = self._client(), self._keys
+            store, keys = self._client(), keys or self._keys
             if keys is not None:
                 publish_failure(store, keys, rec)
         except Exception:  # noqa: BLE001
@@ -412,7 +413,8 @@ class AgentFailures:
 
     def on_reforming(self) -> None:
         """torch stopped this attempt's workers to re-form the group: the attempt's store may be gone
-        with a node that left (it hosted it), which is no loss to name until the next attempt starts."""
+        with a node that left (it hosted it), and a node that died is left out of the next round by
+        torch's rendezvous; neither is a loss to name until the next attempt starts."""
         self._reforming = True
 
     def _lost_since(self, failing_since: float | None) -> None:
@@ -569,9 +571,18 @@ class AgentFailures:
             return key, value, now
         # also a neighbour that never beat in this attempt (killed right after its workers started)
         if (value is None or b'"done"' not in value) and now - seen_at[2] >= self._lost_after and self.lost is None:
-            self.lost = fr.FailureRecord(fr.LOST, -1, f"its agent stopped answering for {now - seen_at[2]:.0f} s",
-                                         other, self._host_of(other, value), by="observer", t=time.time())
-            self._publish(self.lost)
+            lost = fr.FailureRecord(fr.LOST, -1, f"its agent stopped answering for {now - seen_at[2]:.0f} s",
+                                    other, self._host_of(other, value), by="observer", t=time.time())
+            with self._lock:
+                # Only a neighbour of the attempt that runs. While torch re-forms the group its rendezvous
+                # leaves a dead node out (its keep-alive), and a tick that read the attempt before
+                # on_workers_started must not name that attempt's node lost in the next one, whose node
+                # of that rank is another: both ended a re-formed job that had a node back.
+                current = keys is self._keys and not self._reforming
+                if current:
+                    self.lost = lost
+            if current:
+                self._publish(lost, keys)
         return seen_at
 
     def _store_lost(self) -> None:
