@@ -16,7 +16,7 @@ from ddprun.agent.failures import AgentFailures
 from ddprun.protocol import failure as fr
 from ddprun.protocol.rundir import RunDir
 from ddprun.protocol.store import Keys
-from tests.helpers import preconnected, store_server
+from tests.helpers import preconnected, store_client, store_server
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -718,3 +718,143 @@ def test_a_tick_of_the_attempt_before_names_no_node_lost_in_this_one(tmp_path, s
         assert a.lost is not None and _failures_in(store, "r2") == 1  # this attempt's own silent neighbour
     finally:
         a.stop()
+
+
+def test_a_store_connect_that_fails_across_a_new_attempts_start_is_not_that_attempts_loss(tmp_path, store,
+                                                                                          stand_in):
+    """Elastic: the workers' store's host (group rank 0) died and torch re-forms the group for longer than
+    lost_after (its keep-alive: 15 s by default). A tick that began before the new attempt started, in
+    a connect to the dead store, fails after it: its failure must not count against the new attempt's
+    store. It used to keep the old failing time and name the new, healthy store lost at once, stopping
+    the re-formed job's workers."""
+    broken, dialling = threading.Event(), threading.Event()
+
+    class Breakable:
+        def __getattr__(self, name):
+            if broken.is_set():
+                raise ConnectionResetError("the job store's host is gone")
+            return getattr(store, name)
+
+    def connect():
+        if broken.is_set():  # a dead host: the connect fails after a while (its SYNs unanswered)
+            dialling.set()
+            time.sleep(0.5)
+            raise ConnectionRefusedError("the old store's host is gone")
+        return Breakable()
+
+    first, second = stand_in(), stand_in()
+    out = io.StringIO()
+    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", out, lost_after_s=1.0,
+                      connect=connect, stop_grace_s=1.0)
+    a.on_workers_started("r1", 0, 1, {0: (0, first.pid, "")}, world_size=1)
+    try:
+        time.sleep(0.8)  # ticks that answer
+        broken.set()  # group rank 0's node dies; torch stops this node's workers and re-forms
+        a.on_reforming()
+        time.sleep(2.0)  # failing ticks, twice lost_after: no loss to name while re-forming
+        assert a.lost is None and first.poll() is None, out.getvalue()
+        dialling.clear()
+        assert dialling.wait(5)  # a tick is in its connect to the dead store ...
+        a.on_workers_started("r2", 0, 1, {0: (0, second.pid, "")}, world_size=1, store=("127.0.0.2", store.port))
+        broken.clear()  # ... when the new round starts, its store (a new group rank 0's) answering
+        time.sleep(1.5)  # the straddling connect fails; then more than lost_after of ticks
+        assert second.poll() is None and a.lost is None, out.getvalue()
+        assert "stopping this node's workers" not in out.getvalue()
+    finally:
+        a.stop()
+
+
+def test_a_connect_to_the_attempt_befores_store_is_dropped_for_the_new_attempts(tmp_path):
+    """torch makes a new workers' store where a later round's group rank 0 differs (a late node that
+    sorts first, agent/torch_agent.py follow_round_store), while the old one's host lives on. A connect
+    dialled to the old store that returns after the new attempt started must not become the client:
+    this node would beat in the old store for the whole attempt, and its observers, reading the new
+    one, name it lost."""
+    old, new = store_server(), store_server()
+    clients = {old.port: store_client(old.port), new.port: store_client(new.port)}
+    slow, dialling, release = threading.Event(), threading.Event(), threading.Event()
+    a: AgentFailures
+
+    def connect():
+        dialled = a._port  # what the connect dials: read as it begins
+        if slow.is_set():
+            dialling.set()
+            release.wait(3)
+        return clients[dialled]
+
+    slow.set()
+    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", old.port, "job", io.StringIO(),
+                      lost_after_s=5.0, connect=connect)
+    a.on_workers_started("r1", 0, 1, {0: (0, 0, "")}, world_size=1)
+    try:
+        assert dialling.wait(5)  # the first tick dials the old store ...
+        a.on_workers_started("r2", 0, 1, {0: (0, 0, "")}, world_size=1, store=("127.0.0.1", new.port))
+        slow.clear()
+        release.set()  # ... and it answers once the new attempt started
+        beat = Keys("ddprun/job/r2/").agent(0)
+        deadline = time.monotonic() + 3
+        while not new.check([beat]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert new.check([beat]), "no beat of the new attempt in its store"
+        assert not old.check([beat]), "the new attempt beat in the old store"
+    finally:
+        a.stop()
+
+
+def test_a_tick_of_the_attempt_before_does_not_enforce_its_cause_on_this_one(tmp_path, store, stand_in):
+    """The tick that enforces the end (SIGKILL of a local worker still running ENFORCE_S after another
+    rank's failure ended the job) decides for the attempt it read, under the lock a new attempt starts
+    under: a tick of the attempt before, called after the new start, kills none of the new workers nor
+    starts the new attempt's ENFORCE_S clock."""
+    worker = stand_in()
+    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", io.StringIO(),
+                      lost_after_s=30.0, connect=preconnected(store.port))
+    a.on_workers_started("r1", 0, 2, {0: (0, 0, "")}, world_size=2, store=("127.0.0.1", store.port))
+    old = a._keys
+    a.on_workers_started("r2", 0, 2, {0: (0, worker.pid, "")}, world_size=2, store=("127.0.0.1", store.port))
+    try:
+        publish(store, "r2", killed(1, 1))  # the new attempt's cause, read by its own ticks
+        a._read_records(a._client(), a._keys, every=True)
+        a._enforce_end(old)
+        assert a._cause_seen is None and a.stopping_for is None
+        a._enforce_end(a._keys)
+        assert a._cause_seen is not None  # this attempt's own tick starts the clock
+    finally:
+        a.stop()
+
+
+def test_a_beat_held_behind_a_slow_store_call_does_not_overwrite_the_done_stop_said(tmp_path, store):
+    """stop() waits 2 s for the thread, then says this node is done. A tick held longer by a slow store
+    (its alarm read) beats after that: the heartbeat's last word must still be "done", or a node still
+    running (its ranks wait at the end) names this one lost 10 s later. A beat every second tick (even
+    ones): the alarm read of the second tick after a beat is held."""
+    armed, held = threading.Event(), threading.Event()
+    beat, adds = Keys("ddprun/job/r1/").agent(0), [0]
+
+    class Slow:
+        def __getattr__(self, name):
+            call = getattr(store, name)
+            if name not in ("set", "add"):
+                return call
+
+            def counted(key, value):
+                if name == "set" and key == beat:
+                    adds[0] = 0
+                elif name == "add":
+                    adds[0] += 1
+                    if adds[0] == 2 and armed.is_set():
+                        armed.clear()
+                        held.set()
+                        time.sleep(3.0)
+                return call(key, value)
+            return counted
+
+    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", io.StringIO(),
+                      connect=Slow)
+    a.on_workers_started("r1", 0, 1, {0: (0, 0, "")}, world_size=1)
+    time.sleep(1.2)
+    armed.set()
+    assert held.wait(5)
+    a.stop()  # returns after its 2 s wait, the tick still held
+    time.sleep(1.5)  # the held tick goes on: its beat
+    assert b'"done"' in store.get(beat), store.get(beat)

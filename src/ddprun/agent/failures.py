@@ -128,7 +128,7 @@ class AgentFailures:
         self.run_dir, self.host, self.out = run_dir, host, out
         self._stop_grace = stop_grace_s
         self._kill_later: threading.Timer | None = None
-        """The SIGKILL of the workers a lost store stopped (:meth:`_store_lost`), until a new attempt."""
+        """The SIGKILL of the workers a lost store stopped (:meth:`_give_up_store`), until a new attempt."""
         self._relay = relay
         self._alarm = -1
         """The job's alarm counter as last read: -1 reads everything at the first beat."""
@@ -224,11 +224,14 @@ class AgentFailures:
             self._thread.join(timeout=2 * BEAT_S)
         try:
             if self._keys is not None and self._store is not None:
-                self._store.set(self._keys.agent(self._node), json.dumps({"host": self.host, "done": True,
-                                                                          "progress": self._progress}))
+                self._store.set(self._keys.agent(self._node), self._done())
         except Exception:  # noqa: BLE001
             pass
         self._store = None  # no store client outlives the launch (ddprun.launch runs in the caller's process)
+
+    def _done(self) -> str:
+        """This node's last heartbeat: its agent ended (an observer never names it lost)."""
+        return json.dumps({"host": self.host, "done": True, "progress": self._progress})
 
     # -- local deaths ----------------------------------------------------------------------
     def on_worker_exit(self, rank: int, local_rank: int, pid: int, code: int) -> None:
@@ -291,7 +294,11 @@ class AgentFailures:
         """Every record seen, once: this node's, and those read from the store while it answered (a
         cause is in the store twice: among the causes and in the job's list)."""
         with self._lock:
-            out = list(self._cache.values()) + list(self._local.values()) + ([self.lost] if self.lost else [])
+            return self._records_held()
+
+    def _records_held(self) -> list[fr.FailureRecord]:
+        """:meth:`records`, for a caller that holds the lock."""
+        out = list(self._cache.values()) + list(self._local.values()) + ([self.lost] if self.lost else [])
         return list({rec.to_json(): rec for rec in out}.values())
 
     def local_record(self, rank: int) -> fr.FailureRecord | None:
@@ -372,23 +379,30 @@ class AgentFailures:
                 raise TimeoutError("the job store stopped answering")
             if time.monotonic() < self._retry_at:  # it did not answer a moment ago: fail fast meanwhile
                 raise TimeoutError(f"the job store did not answer within {STORE_CALL_S:g} s")
+            with self._lock:
+                dialled, answered = (self._addr, self._port), self._answered
             try:  # a reconnect is tried again at the next tick: its SYN then goes out again
-                self._store = Bounded(within(RECONNECT_S if self._answered else STORE_CALL_S, self._connect),
-                                      STORE_CALL_S)
+                client = Bounded(within(RECONNECT_S if answered else STORE_CALL_S, self._connect, *dialled),
+                                 STORE_CALL_S)
             except TimeoutError:
-                if not self._answered:
-                    self._retry_at = time.monotonic() + STORE_CALL_S
+                with self._lock:  # a new attempt's store is not held back by the last one's silence
+                    if not self._answered and dialled == (self._addr, self._port):
+                        self._retry_at = time.monotonic() + STORE_CALL_S
                 raise
-            self._answered = True
+            with self._lock:
+                # a new attempt may have moved the store meanwhile (a new group rank 0 hosts it): a client of
+                # the last one would beat there for the whole attempt, and its observers name this node lost
+                if dialled != (self._addr, self._port):
+                    raise ConnectionError(f"the job store moved from {dialled[0]}:{dialled[1]} while connecting")
+                self._store, self._answered = client, True
         return self._store
 
-    def _connect(self) -> Any:
+    def _connect(self, addr: str, port: int) -> Any:
         if self._connect_fn is not None:
             return self._connect_fn()
         from torch.distributed import TCPStore
 
-        return TCPStore(self._addr, self._port, is_master=False, wait_for_workers=False,
-                        timeout=timedelta(seconds=STORE_CALL_S))
+        return TCPStore(addr, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=STORE_CALL_S))
 
     def _loop(self) -> None:
         """Every half second a tick; the store is named lost once its ticks have failed for
@@ -407,6 +421,8 @@ class AgentFailures:
             except Exception:  # noqa: BLE001 - the store is unreachable; how long decides
                 self._store = None
                 failing_since = started if failing_since is None else failing_since
+                if started < self._started_at:  # the tick began in the attempt before: that store's silence
+                    failing_since = None
                 self._lost_since(failing_since)
             if self._stop.is_set():
                 return
@@ -418,21 +434,27 @@ class AgentFailures:
         self._reforming = True
 
     def _lost_since(self, failing_since: float | None) -> None:
-        if self._reforming:
-            return
-        if failing_since is not None and time.monotonic() - failing_since >= self._lost_after and self.lost is None:
-            self._store_lost()
+        """Name the store lost once this attempt's ticks have failed since ``failing_since`` for lost_after.
+        Decided under the lock that :meth:`on_workers_started` resets under: a failure of the attempt
+        before (a tick that straddled the new start) never stops the new attempt's workers."""
+        with self._lock:
+            if (self._reforming or failing_since is None or failing_since < self._started_at
+                    or self.lost is not None or time.monotonic() - failing_since < self._lost_after):
+                return
+            lost, pids = self._give_up_store()
+        self._stop_workers(lost, pids)
 
     def _tick(self, beat: int, seen_at: tuple[Any, Any, float]) -> tuple[Any, Any, float]:
         """Every half second: the alarm, and what it announces when it moved; every second (even
         ``beat``): the heartbeat with the node's progress, its timings, the neighbour's heartbeat."""
-        store, keys = self._client(), self._keys
+        keys = self._keys  # first: a client of a later attempt's store only ever sees old keys, which it skips
+        store = self._client()
         if keys is None:
             return seen_at
         self._watch_alarm(store, keys)
         self._mark_cause_read(store, keys)
         self._forward_left(store, keys)
-        self._enforce_end()
+        self._enforce_end(keys)
         if self._relay is not None:
             with self._lock:  # the records and the alarm of this tick's attempt (a restart may clear them)
                 read, alarm, said = ((list(self._cache.values()), self._alarm, self._announced) if keys is self._keys
@@ -442,6 +464,8 @@ class AgentFailures:
             if self._relay is not None:
                 self._progress = self._relay.progress()
             store.set(keys.agent(self._node), json.dumps({"host": self.host, "beat": beat, "progress": self._progress}))
+            if self._stop.is_set():  # stop() may have said "done" while this beat was on its way: not the last word
+                store.set(keys.agent(self._node), self._done())
             timings = self._relay.timings() if self._relay is not None else None
             if timings is not None:
                 store.set(keys.node_timing(self._node), json.dumps(timings))
@@ -505,19 +529,22 @@ class AgentFailures:
             self._batch = None
             self._relay.forwarded(keys, batch.count, [r.rank for r in batch.recs])
 
-    def _enforce_end(self) -> None:
+    def _enforce_end(self, keys: Keys) -> None:
         """Another rank's failure ended the job (last attempt), but a local worker still runs after
-        ENFORCE_S: it cannot stop itself (stopped by SIGSTOP, frozen, its monitor starved): SIGKILL it."""
+        ENFORCE_S: it cannot stop itself (stopped by SIGSTOP, frozen, its monitor starved): SIGKILL it.
+        ``keys``: the tick's attempt; decided under the lock that a new attempt resets under."""
         with self._lock:  # the main thread adds records and clears them at a new attempt
             cause = fr.root_cause(list(self._cache.values()))
-        if not self._last_attempt or cause is None or cause.is_echo or cause.rank in self._workers:
-            return
-        now = time.monotonic()
-        self._cause_seen = self._cause_seen or now
-        if now - self._cause_seen < ENFORCE_S or self.stopping_for is not None:
-            return
-        self.stopping_for = cause
-        for _, pid, _ in list(self._workers.values()):
+            if (keys is not self._keys or not self._last_attempt or cause is None or cause.is_echo
+                    or cause.rank in self._workers):
+                return
+            now = time.monotonic()
+            self._cause_seen = self._cause_seen or now
+            if now - self._cause_seen < ENFORCE_S or self.stopping_for is not None:
+                return
+            self.stopping_for = cause
+            pids = [pid for _, pid, _ in self._workers.values()]
+        for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
@@ -585,24 +612,29 @@ class AgentFailures:
                 self._publish(lost, keys)
         return seen_at
 
-    def _store_lost(self) -> None:
-        """The store's host is gone: name it, stop this node's workers (torch's agent then ends)."""
-        self.lost = self._store_gone(f" for {self._lost_after:.0f} s")
+    def _give_up_store(self) -> tuple[fr.FailureRecord, list[int]]:
+        """Under the lock: the store's host is gone; name it and give it up. Returns its record and this
+        attempt's workers' pids, whose SIGKILL it schedules after the stop grace (torch's agent sees nothing
+        wrong while they run: a worker that ignores SIGTERM is killed then, unless a new attempt starts)."""
+        self.lost = lost = self._store_gone(f" for {self._lost_after:.0f} s")
         self._store_given_up = True
-        self.stopping_for = self.root_cause() if self._cache else self.lost
-        print(f"ddprun: {self.lost.headline()}; stopping this node's workers", file=self.out, flush=True)
+        self.stopping_for = fr.root_cause(self._records_held()) if self._cache else lost
+        pids = [pid for _, pid, _ in self._workers.values()]
+        self._kill_later = threading.Timer(self._stop_grace, kill_children, args=(pids, signal.SIGKILL))
+        self._kill_later.daemon = True
+        self._kill_later.start()
+        return lost, pids
+
+    def _stop_workers(self, lost: fr.FailureRecord, pids: list[int]) -> None:
+        """The store was given up (:meth:`_give_up_store`): say so, stop the workers (torch's agent then ends)."""
+        print(f"ddprun: {lost.headline()}; stopping this node's workers", file=self.out, flush=True)
         if self._relay is not None:  # the workers must not ask the lost store whether this is a preemption
             self._relay.mark_stopping(self._node)
-        pids = [pid for _, pid, _ in list(self._workers.values())]
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGTERM)
             except OSError:
                 pass
-        # torch's agent sees nothing wrong while they run: a worker that ignores SIGTERM is killed here
-        self._kill_later = threading.Timer(self._stop_grace, kill_children, args=(pids, signal.SIGKILL))
-        self._kill_later.daemon = True
-        self._kill_later.start()
 
     def on_signal(self, sig: int, why: str | None = None) -> None:
         """This agent got ``sig`` (or, ``why``, stops its workers with it for a reason of its own): say
