@@ -367,3 +367,24 @@ def test_under_nohup_torchs_agent_is_told_every_signal_it_handles_but_sighup():
     assert without_hangup(None) == "SIGTERM,SIGINT,SIGQUIT"  # torch's default, less SIGHUP
     assert without_hangup("SIGTERM, SIGHUP,SIGUSR1") == "SIGTERM,SIGUSR1"  # the user's own list, less SIGHUP
     assert without_hangup("SIGHUP") == ""
+
+
+def test_a_worker_of_a_new_attempt_whose_pid_an_earlier_failed_worker_had_is_reported(monkeypatch):
+    """pids wrap: a restarted group's worker may get the pid of one reported in an attempt before. Its
+    death is reported all the same (its agent's record is the only one a SIGKILLed worker gets)."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    said = []
+    agent = DdprunAgent.__new__(DdprunAgent)
+    agent._hooks = AgentHooks(on_worker_exit=lambda *a: said.append((a[0], a[2], a[3])))
+    agent._pcontext, agent._remaining_restarts = None, 1
+    group = SimpleNamespace(workers=[SimpleNamespace(global_rank=1)])
+    monkeypatch.setattr(LocalElasticAgent, "_start_workers", lambda self, g: {0: 4242})
+    for _ in range(2):  # two attempts
+        agent._start_workers(group)
+        agent._pcontext = SimpleNamespace(subprocess_handlers={0: SimpleNamespace(
+            proc=SimpleNamespace(poll=lambda: -9, pid=4242))})
+        agent._report_exits(group)
+        agent._report_exits(group)  # torch's poll and its close: one report an attempt
+        agent._pcontext = None
+    assert said == [(1, 4242, -9), (1, 4242, -9)]

@@ -89,7 +89,7 @@ class AgentHooks:
     on_stopping: Callable[[], None] = lambda: None
     """torch's agent is about to signal its workers (a restart, a failure, the end): not a preemption."""
     seen: set[int] = field(default_factory=set)
-    """pids already reported to on_worker_exit."""
+    """pids of this attempt's workers already reported to on_worker_exit."""
     standby: Any = None
     """A started agent/standby.py StandbyPool: the first attempt's workers are its processes; closed then."""
 
@@ -114,6 +114,8 @@ class DdprunAgent(LocalElasticAgent):
         self._joined_round: int | None = None
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        # a pid reported in an attempt before may be a new worker's now (pids wrap): its death is news
+        self._hooks.seen.clear()
         pool, self._hooks.standby = self._hooks.standby, None
         if pool is None:
             pids = super()._start_workers(worker_group)
