@@ -244,6 +244,41 @@ def test_a_node_restarted_after_its_agent_died_is_taken_back_by_a_job_with_resta
     assert_nothing_left(tmp_path)
 
 
+@pytest.mark.timeout(150)
+def test_an_elastic_job_that_loses_the_workers_store_host_re_forms_past_the_lost_bound_and_trains_on(nodes, tmp_path):
+    """3 nodes (--nnodes 2:3, a restart left) of a rendezvous whose store none of them hosts (the test's
+    here; a rendezvous service on a cluster). Group rank 0's node, which hosts the workers' store, loses
+    its agent (SIGKILL). The two others re-form under torch's default keep-alive (15 s, longer than the
+    10 s after which a silent store is named lost) with a new workers' store, and train on. A failure
+    thread's tick that was in a connect to the dead store when the new attempt began used to name the
+    new store lost and stop the re-formed job's workers."""
+    import signal
+
+    from tests.helpers import free_port, store_server
+
+    port = free_port()
+    endpoint = store_server(port)  # the rendezvous' store, which no node hosts: held to the test's end
+    until = tmp_path / "enough"
+    args = ["--steps", "20", "--step-s", "0.05", "--until", str(until)]
+    job = nodes(3, 1, args, rdzv_id=None, nnodes="2:3", port=port,
+                extra=["--max-restarts", "1", "--rdzv-conf", "last_call_timeout=1"])
+    pids = job.worker_pids(range(3))
+    victim = job.agent_of(pids[0])
+    killed_at = job.signal(victim, signal.SIGKILL)  # its worker dies with it (PR_SET_PDEATHSIG)
+    new_workers(job, set(pids.values()), range(2), timeout=60)
+    print(f"workers' store host killed -> the re-formed job stepped after {time.monotonic() - killed_at:.1f} s")
+    until.touch()
+    ended = job.finish(timeout=60)
+    survivors = [e for e in ended if e.node != victim]
+    assert ended[victim].returncode == -signal.SIGKILL, describe(ended)
+    assert [e.returncode for e in survivors] == [0, 0], describe(ended)
+    for e in survivors:
+        assert "restarting the workers (restart 1 of 1)" in e.output, describe(ended)
+        assert "stopped answering" not in e.output and "stopping this node's workers" not in e.output, describe(ended)
+    assert_nothing_left(tmp_path)
+    del endpoint
+
+
 def drop_from_rendezvous(port: int) -> int:
     """What torch's sanitizer does to a node whose keep-alive went stale (another node's view of a
     frozen agent): remove it from the round's participants; with none left, the next round. Returns
