@@ -223,8 +223,9 @@ def new_workers(job, old: set[int], ranks: range, timeout: float) -> dict[int, i
 
 @pytest.mark.timeout(150)
 def test_a_node_restarted_after_its_agent_died_is_taken_back_by_a_job_with_restarts_left(nodes, tmp_path):
-    """3 nodes; the one that hosts neither store (the endpoint's, nor the workers' on group rank 0:
-    losing either ends the job, tests/faults/test_exits.py) loses its agent and comes back at once."""
+    """3 nodes; the one that hosts neither store (the endpoint's: losing it ends the job, tests/faults/
+    test_exits.py; nor the workers' on group rank 0: below) loses its agent and comes back at once. The
+    others' restart line names it (no record of its rank comes), not their own ranks' resets."""
     import signal
 
     until = tmp_path / "enough"  # the job trains until the three restarted ranks have stepped
@@ -232,6 +233,7 @@ def test_a_node_restarted_after_its_agent_died_is_taken_back_by_a_job_with_resta
     job = nodes(3, 1, args, rdzv_id=None, extra=extra)
     pids = job.worker_pids(range(3))
     victim = ({0, 1, 2} - {job.store_host(), job.agent_of(pids[0])}).pop()
+    lost = next(r for r, pid in pids.items() if job.agent_of(pid) == victim)  # its node rank: one rank a node
     job.signal(victim, signal.SIGKILL)  # its worker dies with it (PR_SET_PDEATHSIG)
     back = nodes(1, 1, args, rdzv_id=None, nnodes="3", extra=extra, port=job.port, name="back")
     new_workers(job, set(pids.values()), range(3), timeout=60)
@@ -239,7 +241,8 @@ def test_a_node_restarted_after_its_agent_died_is_taken_back_by_a_job_with_resta
     ended = [e for e in job.finish(timeout=100) if e.node != victim] + back.finish(timeout=30)
     assert [e.returncode for e in ended] == [0, 0, 0], describe(ended)
     assert "Refused" not in ended[2].output, describe(ended)
-    assert all("restarting the workers (restart 1 of 1)" in e.output for e in ended[:2]), describe(ended)
+    line = rf"^ddprun: node {lost} \(\S+\) was lost: its agent stopped answering; restarting the workers \(restart 1 of 1\)$"
+    assert all(re.search(line, e.output, re.M) for e in ended[:2]), describe(ended)
     assert len(run_ids(ended)) == 1, describe(ended)  # the same run, agreed again
     assert_nothing_left(tmp_path)
 
@@ -272,9 +275,10 @@ def test_an_elastic_job_that_loses_the_workers_store_host_re_forms_past_the_lost
     survivors = [e for e in ended if e.node != victim]
     assert ended[victim].returncode == -signal.SIGKILL, describe(ended)
     assert [e.returncode for e in survivors] == [0, 0], describe(ended)
-    for e in survivors:
-        assert "restarting the workers (restart 1 of 1)" in e.output, describe(ended)
-        assert "stopped answering" not in e.output and "stopping this node's workers" not in e.output, describe(ended)
+    for e in survivors:  # the restart names the node that went (its ranks wrote no record), not a peer's reset
+        assert re.search(r"^ddprun: the node hosting the job store was lost: the job store at \S+:\d+ stopped "
+                         r"answering; restarting the workers \(restart 1 of 1\)$", e.output, re.M), describe(ended)
+        assert "stopping this node's workers" not in e.output and "job failed" not in e.output, describe(ended)
     assert_nothing_left(tmp_path)
     del endpoint
 

@@ -88,12 +88,77 @@ def test_a_restart_waits_for_the_first_hand_record_when_it_knows_only_an_echo(ag
     assert "(restart 1 of 2)" in out.getvalue() and time.monotonic() - t0 < 2.5
 
 
+def beating(store, attempt: str, node: int, every_s: float = 0.5) -> threading.Event:
+    """Node ``node``'s agent beats in ``attempt`` (a daemon thread) until the returned event is set."""
+    stop, key = threading.Event(), Keys(f"ddprun/job/{attempt}/").agent(node)
+
+    def beat():
+        i = 0
+        while not stop.wait(every_s if i else 0):
+            i += 1
+            store.set(key, json.dumps({"host": f"host-{node}", "beat": i}))
+    threading.Thread(target=beat, daemon=True).start()
+    return stop
+
+
 def test_a_restart_with_nothing_known_says_so_within_its_bound(agent, store):
     a, out = agent
+    stop = beating(store, "r1", 1)  # the other node is alive
     t0 = time.monotonic()
-    a.on_restarting(2, 3)
+    try:
+        a.on_restarting(2, 3)
+    finally:
+        stop.set()
     assert out.getvalue() == "ddprun: a worker failed; restarting the workers (restart 1 of 3)\n"
     assert time.monotonic() - t0 < 5
+
+
+def echo(rank: int, node: int) -> fr.FailureRecord:
+    return fr.FailureRecord(fr.ERROR, rank, "RuntimeError: [pair.cc:537] Read error [127.0.0.1]:47829: Connection "
+                            "reset by peer", node, f"host-{node}", 0, t=time.time())
+
+
+def test_a_restart_that_knows_only_an_echo_names_the_node_whose_agent_stopped_beating(agent, store):
+    """A node's agent died with its workers (kill -9, the machine went down): no record of its ranks
+    comes, and this node's ranks saw only their peers' connections close. The restart line names that
+    node, not this node's rank that saw the reset (as it did)."""
+    a, out = agent
+    store.set(Keys("ddprun/job/r1/").agent(1), json.dumps({"host": "host-b", "beat": 7}))  # its last beat
+    publish(store, "r1", echo(0, 0))
+    t0 = time.monotonic()
+    a.on_restarting(0, 1)
+    assert out.getvalue() == ("ddprun: node 1 (host-b) was lost: its agent stopped answering; restarting the "
+                              "workers (restart 1 of 1)\n"), out.getvalue()
+    assert time.monotonic() - t0 < 5  # within the wait for a first-hand record that was there already
+
+
+def test_a_restart_that_knows_only_an_echo_names_the_workers_store_host_when_it_refuses(tmp_path):
+    """Group rank 0's node, which hosts the workers' store, died with its workers: that store refuses
+    connections. The restart line names it at once, not this node's rank that saw the reset."""
+    import gc
+
+    server = store_server()
+    out = io.StringIO()
+    a = AgentFailures(RunDir(str(tmp_path)), "host-b", "127.0.0.1", server.port, "job", out,
+                      connect=preconnected(server.port))
+    a.on_workers_started("r1", 1, 2, {1: (0, 0, "")}, world_size=2, store=("127.0.0.1", server.port),
+                         last_attempt=False)
+    try:
+        publish(server, "r1", echo(1, 1))
+        a._read_records(a._client(), a._keys, every=True)
+        port = server.port
+        del server
+        gc.collect()  # the server's socket closes: its port refuses
+        from ddprun.agent.endpoint import port_open
+
+        assert not port_open("127.0.0.1", port)
+        t0 = time.monotonic()
+        a.on_restarting(0, 1)
+        assert out.getvalue() == (f"ddprun: the node hosting the job store was lost: the job store at 127.0.0.1:{port} "
+                                  "stopped answering; restarting the workers (restart 1 of 1)\n"), out.getvalue()
+        assert time.monotonic() - t0 < 2
+    finally:
+        a.stop()
 
 
 def test_node_0_waits_until_every_node_said_its_line_and_no_longer_than_its_bound(agent, store, tmp_path):

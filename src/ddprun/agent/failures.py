@@ -61,6 +61,8 @@ ENFORCE_S = 5.0
 """A local worker still running this long after another rank's failure ended the job is killed."""
 RESTART_CAUSE_WAIT_S = 3.0
 """Before a restart, how long the agent waits for a first-hand record when it knows only echoes."""
+PROBE_S = 2 * BEAT_S + 0.5
+"""A live agent's heartbeat moves within this long (it beats every BEAT_S): one that does not is gone."""
 FIRST_BEAT_S = 2 * BEAT_S + 1.0
 """Seconds after this node's workers started by which every live agent of the attempt has beaten:
 its workers start within torch's rendezvous poll (1 s) of these, its first beat within 2 beats."""
@@ -656,11 +658,14 @@ class AgentFailures:
 
     def on_restarting(self, left: int, most: int) -> None:
         """torch restarts the failed worker group: one line on this node's console naming the cause
-        (the records read from the store now, so a failure on another node is named too)."""
+        (the records read from the store now, so a failure on another node is named too). Where only
+        echoes come within RESTART_CAUSE_WAIT_S, the node that wrote none is named: the workers' store's
+        host where that store refuses, else an agent whose heartbeat stood still through the wait."""
         from ddprun.agent.endpoint import port_open
 
         keys, deadline = self._keys, time.monotonic() + RESTART_CAUSE_WAIT_S
         cause = self.root_cause()
+        looked = self._look() if cause is None or cause.is_echo else None
         # local workers that died of a peer's death (an echo) end before that peer's agent has written
         # its record: wait a little for it, so the line names the rank that failed, not a victim
         while keys is not None and (cause is None or cause.is_echo) and time.monotonic() < deadline:
@@ -674,6 +679,8 @@ class AgentFailures:
             cause = self.root_cause()
             if cause is None or cause.is_echo:
                 time.sleep(0.1)
+        if cause is None or cause.is_echo:  # no record came: a node whose agent died with its workers writes none
+            cause = next(iter(self._gone_since(looked)), cause)
         what = "a worker failed"
         if cause is not None:
             what = cause.headline()
@@ -681,35 +688,59 @@ class AgentFailures:
                 what += f" (its log: logs/rank-{cause.rank}.log on {cause.host})"
         print(f"ddprun: {what}; restarting the workers (restart {most - left} of {most})", file=self.out, flush=True)
 
-    def probe_lost(self, wait_s: float = 2 * BEAT_S + 0.5) -> list[fr.FailureRecord]:
+    def probe_lost(self, wait_s: float = PROBE_S) -> list[fr.FailureRecord]:
         """Which nodes are gone now: agents whose heartbeat does not move within ``wait_s`` (one batched
         read before and after), or the store itself when it does not answer. For a failure whose only
         record is a peer's echo; bounded by ``wait_s`` + the store's timeout."""
+        looked = self._look()
+        if looked is not None:  # an agent that never beat in this attempt is gone only once a live one would have
+            time.sleep(max(wait_s, FIRST_BEAT_S - (time.monotonic() - self._started_at)))
+        return self._gone_since(looked, wait_s)
+
+    def _look(self) -> tuple[float, dict[str, bytes]] | None:
+        """(when, the other agents' heartbeats then) for :meth:`_gone_since`; None where there is no
+        attempt or the store does not answer."""
+        from ddprun.agent.endpoint import port_open
+
+        keys = self._keys
+        if keys is None or not port_open(self._addr, self._port):  # refused at once: no client's connect wait
+            return None
+        try:
+            return time.monotonic(), self._beats([keys.agent(n) for n in range(self._nnodes) if n != self._node])
+        except Exception:  # noqa: BLE001 - the store's host is gone: _gone_since names it
+            self._store = None
+            return None
+
+    def _gone_since(self, looked: tuple[float, dict[str, bytes]] | None, wait_s: float = PROBE_S
+                    ) -> list[fr.FailureRecord]:
+        """The store, where it does not answer now; else the agents whose heartbeat has not moved since
+        ``looked`` (:meth:`_look`), when that was at least ``wait_s`` ago and this attempt has run
+        FIRST_BEAT_S (a live agent has beaten by then); else none."""
+        from ddprun.agent.endpoint import port_open
+
         keys = self._keys
         if keys is None:
             return []
-        names = [keys.agent(n) for n in range(self._nnodes) if n != self._node]
-        from ddprun.agent.endpoint import port_open
-
         if not port_open(self._addr, self._port):  # refused at once: the store's host is gone
             self._store = None
             return [self._store_gone("")]
+        now = time.monotonic()
+        if looked is None or now - looked[0] < wait_s or now - self._started_at < FIRST_BEAT_S:
+            return []
+        names = [keys.agent(n) for n in range(self._nnodes) if n != self._node]
         try:
-            before = self._beats(names)
-            # an agent that never beat in this attempt is gone only once a live one would have beaten
-            time.sleep(max(wait_s, FIRST_BEAT_S - (time.monotonic() - self._started_at)))
             after = self._beats(names)
-            out = []
-            for name in names:
-                raw = after.get(name)
-                if raw == before.get(name) and (raw is None or b'"done"' not in raw):
-                    node = int(name.rsplit("/", 1)[1])
-                    out.append(fr.FailureRecord(fr.LOST, -1, "its agent stopped answering", node,
-                                                self._host_of(node, raw), by="observer", t=time.time()))
-            return out
         except Exception:  # noqa: BLE001 - the store's host is gone
             self._store = None
             return [self._store_gone("")]
+        out = []
+        for name in names:
+            raw = after.get(name)
+            if raw == looked[1].get(name) and (raw is None or b'"done"' not in raw):
+                node = int(name.rsplit("/", 1)[1])
+                out.append(fr.FailureRecord(fr.LOST, -1, "its agent stopped answering", node,
+                                            self._host_of(node, raw), by="observer", t=time.time()))
+        return out
 
     def _host_of(self, node: int, beat: bytes | None) -> str:
         """Node ``node``'s host: from its heartbeat, else from its ranks' rows (c10d gives a node of
