@@ -181,3 +181,56 @@ def test_stall_timeout_0_turns_the_watch_off_and_only_the_first_and_last_ranks_o
 
     assert [observer(r, 0) for r in range(4)] == [None] * 4
     assert [observer(r, 300) is not None for r in range(4)] == [True, False, False, True]
+
+
+def _observer_of(rank: int, store, tmp_path) -> monitor_mod.Monitor:
+    """Rank ``rank``'s monitor (never started; a stall observer, rank 0 or 1 of 2) on ``store``."""
+    environ = {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "GROUP_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "TORCHELASTIC_RUN_ID": "a", "DDPRUN_ATTEMPT": "0"}
+    wenv = WorkerEnv(run_dir=str(tmp_path), stall_timeout=1.0, stall_end=100.0)
+    return monitor_mod.Monitor(JobChannel(environ, wenv, connect=lambda: store))
+
+
+def test_the_observer_that_did_not_report_a_stall_that_resumed_goes_on_at_once(tmp_path, monkeypatch):
+    """Both observers decided to report; rank 0 claimed it, the backup (rank 1) found it claimed. Progress
+    resumed and rank 0 cleared the report first. The backup's monitor goes on at once: it used to read
+    the cleared request with a get, which waits for a missing key the client's timeout (30 s in a
+    worker; 5 s here), during which the rank watched for no failure, preemption or stall."""
+    import json
+
+    from tests.helpers import store_server
+
+    store = store_server()
+    backup = _observer_of(1, store, tmp_path)
+    keys, total = backup.ch.keys, [5]
+    monkeypatch.setattr(backup, "_progress", lambda store: {0: total[0]})
+    t0 = time.monotonic()
+    backup.observer.update(5, t0, False)
+    store.set(keys.stall, json.dumps({"by": 0, "t": 1.0}))  # rank 0's claim
+    backup._observe(store, t0 + 40)  # past the first-step bound and the backup's grace: it tries to report
+    store.delete_key(keys.stall)  # rank 0 saw the progress first and cleared its report
+    alarm = int(store.add(keys.alarm, 0))
+    total[0] = 6
+    began = time.monotonic()
+    backup._observe(store, t0 + 41)
+    assert time.monotonic() - began < 1.0
+    assert int(store.add(keys.alarm, 0)) == alarm  # nothing of its own to clear
+
+
+def test_an_answer_to_an_earlier_report_that_came_after_its_clean_up_is_not_one_to_this_report(tmp_path):
+    """A rank answered the last stall's report late (its main thread held the GIL), after the claimant
+    had cleared the answers: that place must not be read as its answer to this stall's report, where
+    it may be somewhere else entirely. It is named as not answering instead."""
+    import json
+
+    from tests.helpers import store_server
+
+    store = store_server()
+    rank0 = _observer_of(0, store, tmp_path)
+    keys = rank0.ch.keys
+    stale = {"where": "in data loading (DataLoader)", "user_frame": "old_step.py:7 in wait_for_batch",
+             "frames": ["old_step.py:7 in wait_for_batch"], "request": json.dumps({"by": 0, "t": 1.0}), "host": "b",
+             "phase": "", "steps": 3, "loaders": [], "collectives": []}
+    store.set(keys.place(1), json.dumps(stale))
+    rank0._report(store, 40.0)
+    assert "data loading" not in rank0._summary and "rank 1 did not answer" in rank0._summary, rank0._summary

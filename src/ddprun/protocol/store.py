@@ -10,7 +10,7 @@ attempts: torch's c10d shares one store server for the whole job, see agent/atte
     progress/<N>       rank N's progress count (optimizer steps, collectives, heartbeats)
     stall              set by the observer that found no progress for the stall threshold (who, when)
     stall/summary      the hang report's one-line summary, once written (every agent prints it)
-    place/<N>          where rank N's main thread is, answered on ``stall``
+    place/<N>          where rank N's main thread is, answered on ``stall`` (the request it answers in it)
     timing/<N>         rank N's step-time medians over its latest window (telemetry), every window
     timing-final/<N>   rank N published its last window at a clean exit
     failures           a counter; failure/<k> the k-th failure record (protocol/failure.py)

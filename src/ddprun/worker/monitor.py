@@ -144,6 +144,9 @@ class Monitor:
         self._directs_read = 0
         """Readers (observers, rank 0): the ranks registered as talking to the job store, and how many."""
         self._echo_seen: float | None = None
+        self._claim: str | None = None
+        """The stall request this observer wrote (its report's), until progress resumes and it clears it.
+        Kept here: the other observer's read of a request already cleared would wait the client's 30 s."""
         self._detail = self._summary = ""
         self._signal_watch: SignalWatch | None = None
         self._handed: collections.deque[int] = collections.deque()
@@ -564,7 +567,7 @@ class Monitor:
         except OSError:
             pass
         place = stacks.main_thread_place()
-        place.update(host=self.ch.host, phase=PROGRESS.phase, steps=PROGRESS.steps,
+        place.update(request=request, host=self.ch.host, phase=PROGRESS.phase, steps=PROGRESS.steps,
                      loaders=stacks.loader_places(place, self.rundir.loader_stack_prefix(self.ch.rank)
                                                   if loaderworkers.SERVING else None),
                      collectives=collectives.last_collectives(self.rundir.flight_recorder_file(self.ch.rank)))
@@ -591,21 +594,16 @@ class Monitor:
         decision = obs.update(sum(self._progress(store).values()), now, PROGRESS.began)
         if decision == "report":
             self._report(store, now - obs.since)
-        elif decision == "resumed" and self._claimed(store):
+        elif decision == "resumed" and self._claim is not None:  # this observer wrote the report: it clears it
             for r in range(self.ch.world_size):  # the next report must not read this one's answers
                 store.delete_key(self.ch.keys.place(r))
             store.delete_key(self.ch.keys.stall_summary)
             store.delete_key(self.ch.keys.stall)
+            self._claim = None
             raise_alarm(store, self.ch.keys)  # the others answer the next report again
             self._note("progress resumed after the hang report; the job goes on")
         elif decision == "end":
             self._end_stalled(now - obs.since)
-
-    def _claimed(self, store: Any) -> bool:
-        try:
-            return json.loads(store.get(self.ch.keys.stall)).get("by") == self.ch.rank
-        except (ValueError, AttributeError, RuntimeError):
-            return False
 
     def _report(self, store: Any, stalled_s: float) -> None:
         """Claim the report; the claimant gathers every rank's place and writes and prints it once."""
@@ -613,13 +611,15 @@ class Monitor:
         mine = json.dumps({"by": ch.rank, "t": time.time()})
         if store.compare_set(keys.stall, "", mine).decode(errors="replace") != mine:
             return  # another observer reports this stall
+        self._claim = mine
         raise_alarm(store, keys)
         self._answer_stall(store)
         places_keys = [keys.place(r) for r in range(ch.world_size)]
         ch.wait_for(places_keys, defaults.PLACES_WAIT_S, store)
         got = ch.gather(places_keys, 0, store)
+        # an answer to an earlier report that came after its clean-up is not one to this report
         places = {r: got[k] for r, k in enumerate(places_keys) if isinstance(got.get(k), dict)
-                  and isinstance(got[k].get("where"), str)}
+                  and isinstance(got[k].get("where"), str) and got[k].get("request") == mine}
         steps = {r: int(p.get("steps", 0)) for r, p in places.items() if isinstance(p.get("steps", 0), int)}
         summary, report = stacks.hang_report(places, ch.world_size, stalled_s, steps, collectives.attribution(places),
                                              ch.first_clean_end(store) if len(places) < ch.world_size else None)
