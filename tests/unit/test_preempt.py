@@ -5,6 +5,7 @@ stop at the agreed optimizer step)."""
 import os
 import select
 import signal
+import threading
 import time
 
 import pytest
@@ -551,3 +552,38 @@ def test_a_forked_child_has_its_own_signals_not_the_ranks_pipe_nor_its_handlers(
     got = os.read(fd, 64) if select.select([fd], [], [], 0.3)[0] else b""
     assert signal.SIGUSR1 not in list(got), "the child's signal reached the rank's pipe"  # (another may: SIGWINCH)
     os.close(r)
+
+
+def test_a_store_call_that_fails_after_a_signals_request_is_made_again_not_the_ranks_end(rank_1, monkeypatch):
+    """The signal's request reached the job store; a later call of the same poll failed (its stop-step
+    proposal: a store timeout, as every rank asks at once). The next poll proposes again and the job
+    agrees on a step; the rank did not die by the signal (it used to: no stop step, no checkpoint)."""
+    mon, store, state, _ = rank_1
+    died = []
+    monkeypatch.setattr(preempt, "die_by", died.append)
+    state.fit_active = True
+    failed = []
+
+    class Flaky:
+        def __getattr__(self, name):
+            call = getattr(store, name)
+            if name != "compare_set":
+                return call
+
+            def compare_set(key, expected, desired):
+                if key == mon.ch.keys.preempt_stop and not failed:
+                    failed.append(key)
+                    raise RuntimeError("Socket Timeout")
+                return call(key, expected, desired)
+            return compare_set
+
+    monkeypatch.setattr(mon.ch, "connect", Flaky)
+    mon._wake = os.pipe()
+    mon._hand([signal.SIGUSR1])
+    stop = threading.Timer(1.3, mon.stop)  # two more polls (MONITOR_POLL_S 0.5 s)
+    stop.start()
+    mon._loop()
+    stop.join()
+    assert failed and died == [], died
+    assert pp.Request.parse(store.get(mon.ch.keys.preempt)).signal == "SIGUSR1"
+    assert state.requested and state.stop_step == int(store.get(mon.ch.keys.preempt_stop).decode()) >= 2

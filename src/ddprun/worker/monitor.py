@@ -217,6 +217,7 @@ class Monitor:
                 store = store or self.ch.connect()  # its own connection: never queue behind the main thread
                 if sigs:
                     self._signals(store, sigs)
+                    sigs = []  # asked: a call below that fails is made again next poll, not this signal's end
                 self._tick(store)
                 self._failed_polls = 0
             except Exception as e:  # noqa: BLE001 - say it, keep watching; the store may be briefly away
