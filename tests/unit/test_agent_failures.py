@@ -923,3 +923,32 @@ def test_a_beat_held_behind_a_slow_store_call_does_not_overwrite_the_done_stop_s
     a.stop()  # returns after its 2 s wait, the tick still held
     time.sleep(1.5)  # the held tick goes on: its beat
     assert b'"done"' in store.get(beat), store.get(beat)
+
+
+def test_a_restart_whose_store_host_is_stopped_says_its_line_within_one_store_call(tmp_path, store, monkeypatch):
+    """The workers' store's host is stopped (SIGSTOP: it accepts connections, answers nothing): the
+    restart line waits for one bounded call (STORE_CALL_S, 1 s here), not for a look at the agents'
+    heartbeats too, which needs a store that answers."""
+    from ddprun.agent import failures as failures_mod
+
+    monkeypatch.setattr(failures_mod, "STORE_CALL_S", 1.0)
+    stopped = threading.Event()
+
+    class StoppedHost:
+        def __getattr__(self, name):
+            return lambda *a, **kw: stopped.wait(30)
+
+    out = io.StringIO()
+    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", out, lost_after_s=30.0,
+                      connect=StoppedHost)  # store.port listens, as a stopped host's port does
+    a.on_workers_started("r1", 0, 2, {0: (0, 0, "")}, world_size=2, store=("127.0.0.1", store.port),
+                         last_attempt=False)
+    try:
+        t0 = time.monotonic()
+        a.on_restarting(0, 1)
+        took = time.monotonic() - t0
+    finally:
+        stopped.set()
+        a.stop()
+    assert out.getvalue() == "ddprun: a worker failed; restarting the workers (restart 1 of 1)\n", out.getvalue()
+    assert took < 2.0, took

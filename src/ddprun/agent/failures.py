@@ -664,8 +664,7 @@ class AgentFailures:
         from ddprun.agent.endpoint import port_open
 
         keys, deadline = self._keys, time.monotonic() + RESTART_CAUSE_WAIT_S
-        cause = self.root_cause()
-        looked = self._look() if cause is None or cause.is_echo else None
+        cause, looked = self.root_cause(), None
         # local workers that died of a peer's death (an echo) end before that peer's agent has written
         # its record: wait a little for it, so the line names the rank that failed, not a victim
         while keys is not None and (cause is None or cause.is_echo) and time.monotonic() < deadline:
@@ -678,6 +677,7 @@ class AgentFailures:
                 break
             cause = self.root_cause()
             if cause is None or cause.is_echo:
+                looked = looked or self._look()  # the store answers: the agents' beats as the wait begins
                 time.sleep(0.1)
         if cause is None or cause.is_echo:  # no record came: a node whose agent died with its workers writes none
             cause = next(iter(self._gone_since(looked)), cause)
