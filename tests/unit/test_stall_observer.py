@@ -234,3 +234,24 @@ def test_an_answer_to_an_earlier_report_that_came_after_its_clean_up_is_not_one_
     store.set(keys.place(1), json.dumps(stale))
     rank0._report(store, 40.0)
     assert "data loading" not in rank0._summary and "rank 1 did not answer" in rank0._summary, rank0._summary
+
+
+def test_a_claimant_whose_clean_up_failed_reports_the_next_stall(tmp_path):
+    """Progress resumed after rank 0's report, and its clean-up failed (a store call timed out): its
+    request is still in the store at the next stall. It reports that one too; its old request used to
+    block every later report of the job."""
+    import json
+
+    from tests.helpers import store_server
+
+    store = store_server()
+    rank0 = _observer_of(0, store, tmp_path)
+    keys = rank0.ch.keys
+    rank0._report(store, 40.0)
+    first = store.get(keys.stall).decode()
+    assert json.loads(first)["by"] == 0
+    time.sleep(0.01)  # (a later request: another time in it)
+    rank0._report(store, 80.0)  # the next stall; the first report's request was never cleared
+    second = store.get(keys.stall).decode()
+    assert second != first and json.loads(second)["by"] == 0
+    assert "no rank advanced for 80 s" in rank0._summary, rank0._summary

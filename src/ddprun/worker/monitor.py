@@ -610,7 +610,10 @@ class Monitor:
         """Claim the report; the claimant gathers every rank's place and writes and prints it once."""
         keys, ch = self.ch.keys, self.ch
         mine = json.dumps({"by": ch.rank, "t": time.time()})
-        if store.compare_set(keys.stall, "", mine).decode(errors="replace") != mine:
+        held = store.compare_set(keys.stall, "", mine).decode(errors="replace")
+        if held != mine and held == self._claim:  # this observer's last report, whose clean-up failed
+            held = store.compare_set(keys.stall, held, mine).decode(errors="replace")
+        if held != mine:
             return  # another observer reports this stall
         self._claim = mine
         raise_alarm(store, keys)
