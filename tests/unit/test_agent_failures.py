@@ -952,3 +952,31 @@ def test_a_restart_whose_store_host_is_stopped_says_its_line_within_one_store_ca
         a.stop()
     assert out.getvalue() == "ddprun: a worker failed; restarting the workers (restart 1 of 1)\n", out.getvalue()
     assert took < 2.0, took
+
+
+def test_the_probe_names_a_store_that_takes_connections_but_answers_nothing(tmp_path, store, monkeypatch):
+    """At the job's end with only echoes known: a stopped store host (SIGSTOP: its kernel still accepts
+    connections) is named as the lost store, within one bounded call, without the wait for beats."""
+    from ddprun.agent import failures as failures_mod
+
+    monkeypatch.setattr(failures_mod, "STORE_CALL_S", 1.0)
+    stopped = threading.Event()
+
+    class StoppedHost:
+        def __getattr__(self, name):
+            return lambda *a, **kw: stopped.wait(30)
+
+    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", io.StringIO(),
+                      lost_after_s=30.0, connect=StoppedHost)  # store.port listens, as a stopped host's port does
+    a.on_workers_started("r1", 0, 2, {0: (0, 0, "")}, world_size=2, store=("127.0.0.1", store.port),
+                         last_attempt=False)
+    try:
+        t0 = time.monotonic()
+        (lost,) = a.probe_lost()
+        took = time.monotonic() - t0
+    finally:
+        stopped.set()
+        a.stop()
+    assert lost.headline() == f"the node hosting the job store was lost: the job store at 127.0.0.1:{store.port} " \
+                              "stopped answering", lost.headline()
+    assert took < 2.0, took

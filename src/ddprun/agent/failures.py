@@ -693,13 +693,13 @@ class AgentFailures:
         read before and after), or the store itself when it does not answer. For a failure whose only
         record is a peer's echo; bounded by ``wait_s`` + the store's timeout."""
         looked = self._look()
-        if looked is not None:  # an agent that never beat in this attempt is gone only once a live one would have
+        if looked is not None and looked[1] is not None:  # a never-beaten agent is gone once a live one would have
             time.sleep(max(wait_s, FIRST_BEAT_S - (time.monotonic() - self._started_at)))
         return self._gone_since(looked, wait_s)
 
-    def _look(self) -> tuple[float, dict[str, bytes]] | None:
-        """(when, the other agents' heartbeats then) for :meth:`_gone_since`; None where there is no
-        attempt or the store does not answer."""
+    def _look(self) -> tuple[float, dict[str, bytes] | None] | None:
+        """(when, the other agents' heartbeats then, None where the store did not answer the read) for
+        :meth:`_gone_since`; None where there is no attempt or the store refuses connections."""
         from ddprun.agent.endpoint import port_open
 
         keys = self._keys
@@ -707,11 +707,11 @@ class AgentFailures:
             return None
         try:
             return time.monotonic(), self._beats([keys.agent(n) for n in range(self._nnodes) if n != self._node])
-        except Exception:  # noqa: BLE001 - the store's host is gone: _gone_since names it
+        except Exception:  # noqa: BLE001 - a store that takes connections and answers nothing (a stopped host)
             self._store = None
-            return None
+            return time.monotonic(), None
 
-    def _gone_since(self, looked: tuple[float, dict[str, bytes]] | None, wait_s: float = PROBE_S
+    def _gone_since(self, looked: tuple[float, dict[str, bytes] | None] | None, wait_s: float = PROBE_S
                     ) -> list[fr.FailureRecord]:
         """The store, where it does not answer now; else the agents whose heartbeat has not moved since
         ``looked`` (:meth:`_look`), when that was at least ``wait_s`` ago and this attempt has run
@@ -721,11 +721,11 @@ class AgentFailures:
         keys = self._keys
         if keys is None:
             return []
-        if not port_open(self._addr, self._port):  # refused at once: the store's host is gone
-            self._store = None
+        if not port_open(self._addr, self._port) or (looked is not None and looked[1] is None):
+            self._store = None  # refused at once, or it did not answer the look: the store's host is gone
             return [self._store_gone("")]
         now = time.monotonic()
-        if looked is None or now - looked[0] < wait_s or now - self._started_at < FIRST_BEAT_S:
+        if looked is None or looked[1] is None or now - looked[0] < wait_s or now - self._started_at < FIRST_BEAT_S:
             return []
         names = [keys.agent(n) for n in range(self._nnodes) if n != self._node]
         try:
