@@ -381,6 +381,25 @@ def test_a_worker_whose_error_file_was_lost_is_named_by_the_record_it_handed_its
         a.stop()
 
 
+def breakable(store, broken: threading.Event):
+    """A ``connect`` whose clients are ``store`` until ``broken`` is set, then raise as a store whose host
+    went away."""
+    class Breakable:
+        def __getattr__(self, name):
+            if broken.is_set():
+                raise ConnectionResetError("the job store's host is gone")
+            return getattr(store, name)
+    return Breakable
+
+
+def stopped_host(released: threading.Event):
+    """A ``connect`` whose clients take every call and answer none (a stopped host) until ``released``."""
+    class StoppedHost:
+        def __getattr__(self, name):
+            return lambda *a, **kw: released.wait(30)
+    return StoppedHost
+
+
 class WorkerEnvStub:
     run_dir, device_kind, node_store = "", "cpu", ""
 
@@ -403,16 +422,10 @@ def test_a_time_the_agent_itself_was_stopped_is_not_taken_for_the_stores_silence
     monkeypatch.setattr(failures_mod, "time", SimpleNamespace(
         monotonic=lambda: time.monotonic() + offset[0], time=time.time, sleep=time.sleep))
 
-    class Breakable:
-        def __getattr__(self, name):
-            if broken.is_set():
-                raise ConnectionResetError("the job store's host is gone")
-            return getattr(store, name)
-
     worker = stand_in()
     out = io.StringIO()
     a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", out, lost_after_s=1.0,
-                      connect=Breakable, stop_grace_s=1.0)
+                      connect=breakable(store, broken), stop_grace_s=1.0)
     a.on_workers_started("r1", 0, 1, {0: (0, worker.pid, "")}, world_size=1)
     try:
         time.sleep(1.2)  # ticks that answer
@@ -456,14 +469,10 @@ def test_a_stopped_store_is_named_lost_after_lost_after_not_after_a_last_try_to_
     monkeypatch.setattr(failures_mod, "BEAT_S", 0.2)
     stopped = threading.Event()
 
-    class StoppedHost:
-        def __getattr__(self, name):
-            return lambda *a, **kw: stopped.wait(30)
-
     worker = stand_in()
     out = io.StringIO()
     a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", 1, "job", out, lost_after_s=4.0,
-                      connect=StoppedHost, stop_grace_s=1.0)
+                      connect=stopped_host(stopped), stop_grace_s=1.0)
     t0 = time.monotonic()
     a.on_workers_started("r1", 0, 1, {0: (0, worker.pid, "")}, world_size=1)
     try:
@@ -484,16 +493,10 @@ def test_a_new_attempt_after_a_lost_store_is_not_stopped_for_the_old_stores_loss
     broken = threading.Event()
     broken.set()
 
-    class Breakable:
-        def __getattr__(self, name):
-            if broken.is_set():
-                raise ConnectionResetError("the job store's host is gone")
-            return getattr(store, name)
-
     first, second = stand_in(), stand_in()
     out = io.StringIO()
     a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", out, lost_after_s=1.0,
-                      connect=Breakable, stop_grace_s=1.0)
+                      connect=breakable(store, broken), stop_grace_s=1.0)
     a.on_workers_started("r1", 0, 1, {0: (0, first.pid, "")}, world_size=1)
     try:
         assert first.wait(timeout=10) == -signal.SIGTERM and a.lost is not None, out.getvalue()
@@ -794,18 +797,12 @@ def test_a_store_connect_that_fails_across_a_new_attempts_start_is_not_that_atte
     the re-formed job's workers."""
     broken, dialling = threading.Event(), threading.Event()
 
-    class Breakable:
-        def __getattr__(self, name):
-            if broken.is_set():
-                raise ConnectionResetError("the job store's host is gone")
-            return getattr(store, name)
-
     def connect():
         if broken.is_set():  # a dead host: the connect fails after a while (its SYNs unanswered)
             dialling.set()
             time.sleep(0.5)
             raise ConnectionRefusedError("the old store's host is gone")
-        return Breakable()
+        return breakable(store, broken)()
 
     first, second = stand_in(), stand_in()
     out = io.StringIO()
@@ -934,13 +931,9 @@ def test_a_restart_whose_store_host_is_stopped_says_its_line_within_one_store_ca
     monkeypatch.setattr(failures_mod, "STORE_CALL_S", 1.0)
     stopped = threading.Event()
 
-    class StoppedHost:
-        def __getattr__(self, name):
-            return lambda *a, **kw: stopped.wait(30)
-
     out = io.StringIO()
     a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", out, lost_after_s=30.0,
-                      connect=StoppedHost)  # store.port listens, as a stopped host's port does
+                      connect=stopped_host(stopped))  # store.port listens, as a stopped host's port does
     a.on_workers_started("r1", 0, 2, {0: (0, 0, "")}, world_size=2, store=("127.0.0.1", store.port),
                          last_attempt=False)
     try:
@@ -962,12 +955,8 @@ def test_the_probe_names_a_store_that_takes_connections_but_answers_nothing(tmp_
     monkeypatch.setattr(failures_mod, "STORE_CALL_S", 1.0)
     stopped = threading.Event()
 
-    class StoppedHost:
-        def __getattr__(self, name):
-            return lambda *a, **kw: stopped.wait(30)
-
     a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", io.StringIO(),
-                      lost_after_s=30.0, connect=StoppedHost)  # store.port listens, as a stopped host's port does
+                      lost_after_s=30.0, connect=stopped_host(stopped))  # store.port listens, as a stopped host's port does
     a.on_workers_started("r1", 0, 2, {0: (0, 0, "")}, world_size=2, store=("127.0.0.1", store.port),
                          last_attempt=False)
     try:
