@@ -423,9 +423,7 @@ class AgentFailures:
             except Exception:  # noqa: BLE001 - the store is unreachable; how long decides
                 self._store = None
                 failing_since = started if failing_since is None else failing_since
-                if started < self._started_at:  # the tick began in the attempt before: that store's silence
-                    failing_since = None
-                self._lost_since(failing_since)
+                self._lost_since(failing_since)  # a time before this attempt's start never counts (its store's)
             if self._stop.is_set():
                 return
 
