@@ -151,3 +151,27 @@ def test_a_full_disk_fails_the_save_clearly_and_keeps_the_previous_checkpoint(tm
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the previous one verifies: no warning
         assert checkpoint.load(str(ckdir))["step"] == 4
+
+
+def test_a_resave_of_a_step_whose_meta_write_fails_leaves_that_step_loadable(tmp_path, monkeypatch):
+    # fit saves its last step twice when checkpoint_every divides the epoch (once its epoch counted):
+    # a crash or a full disk between the new file's rename and its meta's must not leave the old meta
+    # contradicting the new file (a whole checkpoint read as corrupted: a restart from step 0)
+    state = {"step": 8, "epoch": 0, "model": {"w": torch.zeros(64)}}
+    checkpoint.save(str(tmp_path), state, keep=1)
+    write = checkpoint.write_atomic
+
+    def full_for_meta(path, fn):
+        if path.endswith(".meta.json"):
+            raise OSError(28, "No space left on device")
+        return write(path, fn)
+
+    monkeypatch.setattr(checkpoint, "write_atomic", full_for_meta)
+    with pytest.raises(CheckpointError) as err:
+        checkpoint.save(str(tmp_path), {**state, "epoch": 1, "model": {"w": torch.ones(64)}}, keep=1)
+    monkeypatch.undo()
+    assert "the checkpoint of this step on disk (step-00000008.pt) is whole" in str(err.value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # it verifies: no "corrupted" warning
+        found = checkpoint.newest_valid(str(tmp_path))
+    assert found is not None and found[1]["epoch"] == 1 and torch.equal(found[1]["model"]["w"], torch.ones(64))

@@ -61,6 +61,16 @@ def write_atomic(path: str, write: Callable[[IO[bytes]], None]) -> None:
     _fsync_dir(directory)
 
 
+def remove_durably(path: str) -> None:
+    """Unlink ``path`` (gone already: nothing to do) and fsync its directory: a crash after this
+    return never brings it back."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
 def write_text_atomic(path: str, text: str) -> None:
     def write(f: IO[bytes]) -> None:
         f.write(text.encode())

@@ -33,7 +33,7 @@ from typing import IO, Any, cast
 import torch
 
 from ddprun.errors import CheckpointError, ConfigError
-from ddprun.protocol.atomic import write_atomic
+from ddprun.protocol.atomic import remove_durably, write_atomic
 
 FORMAT_VERSION = 2
 """Bumped when the state's keys change meaning; :func:`load` refuses newer versions. 2: ``rng`` is a
@@ -175,13 +175,20 @@ def save(directory: str, state: dict[str, Any], keep: int | None = None) -> str:
                 raise (w.error or e) from e
             written.update(bytes=w.bytes, sha256=w.sha256.hexdigest())
 
+        # a re-save of this step (fit's last save, once its epoch counted): the old meta goes first, so
+        # a crash between the renames below leaves a whole file without one, never one it contradicts
+        remove_durably(meta_path(path))
         write_atomic(path, write)
         meta = {"file": os.path.basename(path), "step": step, **written}
         write_atomic(meta_path(path), _writing(json.dumps(meta).encode() + b"\n"))
         write_atomic(os.path.join(directory, LATEST), _writing(os.path.basename(path).encode() + b"\n"))
     except (OSError, RuntimeError) as e:  # torch's zip writer reports a full disk as a RuntimeError
-        kept = f"the previous checkpoint {os.path.basename(previous)} is intact" if previous else \
-            "there is no earlier checkpoint"
+        if previous == path:
+            kept = f"the checkpoint of this step on disk ({os.path.basename(path)}) is whole"
+        elif previous:
+            kept = f"the previous checkpoint {os.path.basename(previous)} is intact"
+        else:
+            kept = "there is no earlier checkpoint"
         raise CheckpointError(f"Saving the checkpoint of step {step} failed.",
                               seen=f"{path}: {_why(e)}; {_free_bytes(directory)}",
                               hint=f"Free space, or give fit() a checkpoint_dir on a larger file system, or fewer "
