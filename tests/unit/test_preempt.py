@@ -587,3 +587,29 @@ def test_a_store_call_that_fails_after_a_signals_request_is_made_again_not_the_r
     assert failed and died == [], died
     assert pp.Request.parse(store.get(mon.ch.keys.preempt)).signal == "SIGUSR1"
     assert state.requested and state.stop_step == int(store.get(mon.ch.keys.preempt_stop).decode()) >= 2
+
+
+def test_a_signal_during_fits_setup_is_answered_with_a_stop_step_and_a_failed_setup_leaves_no_consumer(
+        rank_1, monkeypatch):
+    # a preemption while fit loads a large checkpoint or builds DDP: fit stops at its step with a
+    # checkpoint (or its grace's forced stop requeues); NO_STEP would stop the job as a failure
+    from torch import nn
+
+    from ddprun.train import loop as loop_mod
+
+    mon, store, state, _ = rank_1
+    monkeypatch.setattr(loop_mod, "PREEMPT", state)
+    died = []
+    monkeypatch.setattr(preempt, "die_by", died.append)
+
+    def setup_signalled(*args):
+        mon._signals(store, [signal.SIGTERM])
+        mon._watch_preemption(store)
+        raise RuntimeError("setup failed")
+
+    monkeypatch.setattr(loop_mod, "_setup", setup_signalled)
+    with pytest.raises(RuntimeError, match="setup failed"):
+        loop_mod.fit_module(nn.Linear(2, 1), [torch.zeros(2)], loss_fn=nn.functional.mse_loss)
+    agreed = store.get(mon.ch.keys.preempt_stop).decode()
+    assert died == [] and agreed != pp.NO_STEP and state.stop_step == int(agreed) >= 2
+    assert state.fit_active is False  # a fit that raised stops nothing at a step any more

@@ -602,7 +602,6 @@ class _Loop:
         if p.resumed is not None:  # last before the first step: nothing after this may draw differently
             resume_mod.restore_rank_rng(p.resumed.state, p.info.rank)
         p.ddp.train()
-        PREEMPT.fit_active = True  # a preemption stops at this loop's step, with its checkpoint (ddprun.preempt)
         while self._more():
             self._epoch()
         return self._finish()
@@ -831,8 +830,15 @@ def fit_module(model: nn.Module, train_data: Any, *, val_data: Any = None, **opt
     rank 0 only). Raises ConfigError before any collective for a bad argument.
     """
     o = FitOptions.build(model, **options)
-    with setup_phase():  # its collectives do not start the stall watch's short bound: the first batch does
-        loop = _Loop(_setup(model, train_data, val_data, o), o)
+    # from here a preemption stops at one of this fit's steps, with its checkpoint: also one asked
+    # during setup (a large checkpoint's load, DDP's init), which would otherwise stop the job at once
+    PREEMPT.fit_active = True
+    try:
+        with setup_phase():  # its collectives do not start the stall watch's short bound: the first batch does
+            loop = _Loop(_setup(model, train_data, val_data, o), o)
+    except BaseException:
+        PREEMPT.fit_active = False
+        raise
     ended = False
     try:
         result = loop.run()
