@@ -175,3 +175,29 @@ def test_a_resave_of_a_step_whose_meta_write_fails_leaves_that_step_loadable(tmp
         warnings.simplefilter("error")  # it verifies: no "corrupted" warning
         found = checkpoint.newest_valid(str(tmp_path))
     assert found is not None and found[1]["epoch"] == 1 and torch.equal(found[1]["model"]["w"], torch.ones(64))
+
+
+class _BytesExtraState(nn.Linear):
+    """Older Transformer Engine modules keep their extra state as a BytesIO."""
+
+    def get_extra_state(self):
+        import io
+        return io.BytesIO(b"fp8 meta")
+
+    def set_extra_state(self, state):
+        pass
+
+
+def test_a_state_that_weights_only_load_refuses_fails_its_first_save_not_the_restart(tmp_path):
+    checkpoint.save(str(tmp_path), {"step": 2, "model": nn.Linear(2, 2).state_dict()})
+    with pytest.raises(CheckpointError) as err:
+        checkpoint.save(str(tmp_path), {"step": 4, "model": _BytesExtraState(2, 2).state_dict()})
+    msg = str(err.value)
+    assert msg.startswith("The checkpoint of step 4 could not be loaded back, so it was not kept.")
+    assert "step-00000004.pt holds _io.BytesIO, which torch.load(weights_only=True) refuses" in msg
+    assert "add_safe_globals" in msg
+    assert checkpoint.latest(str(tmp_path)).endswith("step-00000002.pt")
+    assert not os.path.exists(tmp_path / "step-00000004.pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert checkpoint.newest_valid(str(tmp_path))[1]["step"] == 2

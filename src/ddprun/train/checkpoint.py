@@ -152,12 +152,31 @@ def _free_bytes(directory: str) -> str:
         return "free space unknown"
 
 
+def _check_loadable(path: str, step: int) -> None:
+    """Raise CheckpointError (``path`` removed) when ``torch.load(weights_only=True)`` would refuse a
+    class in ``path``: found at the first save, not at the restart that needs it (a pickle's static
+    scan, about a millisecond)."""
+    try:
+        refused = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except (ValueError, RuntimeError, OSError):  # not torch's zip format: torch.load's own check at resume
+        return
+    if refused:
+        remove_durably(path)
+        raise CheckpointError(f"The checkpoint of step {step} could not be loaded back, so it was not kept.",
+                              seen=f"{os.path.basename(path)} holds {', '.join(sorted(refused))}, which "
+                                   "torch.load(weights_only=True) refuses",
+                              hint="A checkpoint holds tensors and plain values: find what holds that object (a "
+                                   "module's get_extra_state, an optimizer's or scheduler's state), or allow its class "
+                                   "with torch.serialization.add_safe_globals([...]) in the script before fit().")
+
+
 def save(directory: str, state: dict[str, Any], keep: int | None = None) -> str:
     """Write ``state`` as ``step-N.pt`` with its meta file, then ``latest``; keep the newest ``keep``.
 
     Returns the checkpoint's path. ``state`` must hold tensors and plain values only, and ``step``.
     Raises CheckpointError when the file system refuses (disk full, permissions): the previous
-    checkpoint and ``latest`` are then unchanged and no temp file is left.
+    checkpoint and ``latest`` are then unchanged and no temp file is left; and when the file holds a
+    class ``torch.load(weights_only=True)`` refuses (the file is then removed).
     """
     state = {"format_version": FORMAT_VERSION, **state}
     step = int(state["step"])
@@ -179,6 +198,7 @@ def save(directory: str, state: dict[str, Any], keep: int | None = None) -> str:
         # a crash between the renames below leaves a whole file without one, never one it contradicts
         remove_durably(meta_path(path))
         write_atomic(path, write)
+        _check_loadable(path, step)
         meta = {"file": os.path.basename(path), "step": step, **written}
         write_atomic(meta_path(path), _writing(json.dumps(meta).encode() + b"\n"))
         write_atomic(os.path.join(directory, LATEST), _writing(os.path.basename(path).encode() + b"\n"))
