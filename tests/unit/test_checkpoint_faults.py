@@ -201,3 +201,13 @@ def test_a_state_that_weights_only_load_refuses_fails_its_first_save_not_the_res
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert checkpoint.newest_valid(str(tmp_path))[1]["step"] == 2
+
+
+def test_the_start_removes_a_killed_writers_checkpoint_temp_files_and_no_other_writers(tmp_path):
+    # checkpoint_dir may be the run dir, where the agent writes its own files the same atomic way
+    left = [".step-00000012.pt.a1b2c3.tmp", ".step-00000012.meta.json.x9.tmp", ".latest.q7.tmp"]
+    others = [".report.json.k2.tmp", ".plan.json.z1.tmp", "notes.tmp"]
+    for name in left + others:
+        (tmp_path / name).write_bytes(b"x")
+    checkpoint.remove_temp_files(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == sorted(others)

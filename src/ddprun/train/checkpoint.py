@@ -40,6 +40,8 @@ FORMAT_VERSION = 2
 list with one entry per rank, ``sampler`` has ``samples_done``; a meta file per checkpoint."""
 LATEST = "latest"
 _NAME = re.compile(r"^step-(\d+)\.pt$")
+_TEMP = re.compile(r"^\.(step-\d+\.(pt|meta\.json)|latest)\..+\.tmp$")
+"""A temp file of :func:`~ddprun.protocol.atomic.write_atomic` for one of this module's files."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -244,13 +246,15 @@ def prune(directory: str, keep: int) -> list[str]:
 
 
 def remove_temp_files(directory: str) -> None:
-    """Remove temp files a killed writer left (``.step-N.pt.XXXX.tmp``); call before writing starts."""
+    """Remove temp files a killed checkpoint writer left (``.step-N.pt.XXXX.tmp``, a meta's, ``latest``'s);
+    call before writing starts. Only those: a checkpoint_dir may be the run dir, whose other files
+    another writer (the agent) may be writing now."""
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return
     for n in names:
-        if n.startswith(".") and n.endswith(".tmp"):
+        if _TEMP.match(n):
             try:
                 os.unlink(os.path.join(directory, n))
             except OSError:
