@@ -65,7 +65,7 @@ def test_fit_is_bitwise_the_hand_written_loop_under_torchrun(tmp_path):
     fit = assert_same_on_every_rank(out, "fit", 2)
     raw = assert_same_on_every_rank(out, "raw", 2)
     assert all(torch.equal(fit[k], raw[k]) for k in fit), "fit and the hand-written loop differ"
-    # plain torchrun: no DDPRUN_RUN_DIR, so rank 0 chose runs/<timestamp> under the cwd for both ranks
+    # plain torchrun: no DDPRUN_RUN_DIR, so both ranks took runs/<rdzv id> (--standalone: a uuid) under the cwd
     facts = [json.loads((out / f"fit-{r}.json").read_text()) for r in range(2)]
     assert facts[0]["run_dir"] == facts[1]["run_dir"]
     assert Path(facts[0]["run_dir"]).parent == tmp_path / "runs"

@@ -179,3 +179,46 @@ def test_a_second_fit_in_one_process_after_a_finished_one_starts_anew(tmp_path, 
     assert "resuming from" not in said.out + said.err  # trained again, not resumed at its end
     assert first.steps == second.steps == 4  # not "a finished run resumed: nothing left to do"
     assert all(torch.equal(a, b) for a, b in zip(first.model.parameters(), second.model.parameters()))
+
+
+def test_under_torchs_agent_a_restarted_fit_without_run_dir_resumes_in_the_run_named_by_the_rdzv_id(
+        tmp_path, monkeypatch, capsys):
+    # torchrun --max-restarts: every restart is a new process calling fit(); without a run dir of its
+    # own it picked a fresh runs/<timestamp> each time and trained from step 0, saying nothing
+    monkeypatch.chdir(tmp_path)
+    from tests.helpers import free_port
+
+    worker = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+              "MASTER_PORT": str(free_port()), "TORCHELASTIC_RUN_ID": "job42", "TORCHELASTIC_MAX_RESTARTS": "1"}
+    for k, v in worker.items():
+        monkeypatch.setenv(k, v)
+
+    def fit():
+        new_process()  # a restart is a new process
+        return ddprun.fit(mlp(), regression(), loss_fn=nn.functional.mse_loss, batch_size=8, max_steps=4,
+                          checkpoint_every=2, log_every=100)
+
+    first = fit()
+    assert first.run_dir == str(tmp_path / "runs" / "job42") and first.steps == 4
+    capsys.readouterr()
+    again = fit()
+    assert again.run_dir == first.run_dir and again.steps == 4
+    out = capsys.readouterr()
+    assert "ddprun: run job42 finished at step 4 (checkpoint of " in out.out + out.err
+    assert "names no run" not in out.err
+
+
+@pytest.mark.parametrize("run_id", [None, "none"])
+def test_under_torchs_agent_without_a_run_id_a_restart_that_starts_anew_is_named(tmp_path, monkeypatch, capsys,
+                                                                               run_id):
+    from ddprun.runtime import RankInfo
+    from ddprun.train.loop import resolve_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    info = RankInfo(0, 0, 0, 1, 1, torch.device("cpu"), True)
+    environ = {"TORCHELASTIC_MAX_RESTARTS": "3", **({"TORCHELASTIC_RUN_ID": run_id} if run_id else {})}
+    assert resolve_run_dir(None, info, environ) != resolve_run_dir(None, info, environ)
+    err = capsys.readouterr().err
+    assert f"this launch names no run (TORCHELASTIC_RUN_ID={run_id or '(unset)'})" in err
+    assert "a restart trains from step 0. HINT: give torchrun --rdzv-id" in err
+    assert resolve_run_dir(None, info, {"TORCHELASTIC_RUN_ID": "../x"}).startswith(str(tmp_path / "runs") + "/")

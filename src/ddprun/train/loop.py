@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -168,16 +169,27 @@ def launcher_run_dir() -> str | None:
     return wenv.run_dir if wenv is not None else None
 
 
-def resolve_run_dir(run_dir: str | None, info: RankInfo) -> str:
-    """``run_dir``, else DDPRUN_RUN_DIR, else ``runs/<timestamp>`` chosen by rank 0 for every rank."""
+def resolve_run_dir(run_dir: str | None, info: RankInfo, environ: Mapping[str, str] | None = None) -> str:
+    """``run_dir``, else DDPRUN_RUN_DIR, else ``runs/<TORCHELASTIC_RUN_ID>`` under torch's agent (a
+    restarted worker group resumes there: torchrun's --rdzv-id, a fresh uuid with --standalone), else
+    ``runs/<timestamp>`` chosen by rank 0 for every rank."""
     if run_dir:
         return os.path.abspath(run_dir)
     env_dir = launcher_run_dir()
     if env_dir:
         return env_dir
-    from ddprun.config import DEFAULT_RUNS_ROOT
+    from ddprun.config import DEFAULT_RUNS_ROOT, run_id_problem
     from ddprun.protocol.rundir import new_run_id
 
+    environ = os.environ if environ is None else environ
+    run_id = environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none" and not run_id_problem(run_id):  # "none": torchrun's default, every job's
+        return os.path.abspath(os.path.join(DEFAULT_RUNS_ROOT, run_id))
+    if info.is_main and environ.get("TORCHELASTIC_MAX_RESTARTS", "0") not in ("", "0"):
+        print("ddprun: torch's agent may restart the workers, but this launch names no run "
+              f"(TORCHELASTIC_RUN_ID={run_id or '(unset)'}): each start of fit() picks a new run directory, so a "
+              "restart trains from step 0. HINT: give torchrun --rdzv-id (a job id), or fit(..., run_dir=...).",
+              file=sys.stderr, flush=True)
     chosen = [os.path.abspath(os.path.join(DEFAULT_RUNS_ROOT, new_run_id()))]
     if info.distributed and info.world_size > 1:
         import torch.distributed as dist
