@@ -116,3 +116,24 @@ def test_a_proxy_in_the_environment_is_never_used_for_the_link_local_server(serv
     finally:
         monkeypatch.undo()
         importlib.reload(spot)
+
+
+def test_a_reply_cut_short_is_a_poll_that_failed_and_the_watch_goes_on(monkeypatch):
+    # http.client's IncompleteRead and BadStatusLine are no OSError: the thread died with a traceback
+    # and no later notice was seen
+    import http.client
+
+    answers = iter([http.client.IncompleteRead(b"TR"), http.client.BadStatusLine("")])
+
+    def flaky(base):
+        for e in answers:
+            raise e
+        return "a GCP preemption notice"
+
+    monkeypatch.setitem(spot.CHECKS, "gcp", flaky)
+    got, out = [], io.StringIO()
+    watch = spot.SpotWatch("gcp", "http://metadata", 0.01, got.append, out).start()
+    assert wait_for(lambda: got)
+    watch.stop()
+    assert got == ["a GCP preemption notice"]
+    assert out.getvalue().count("did not answer (IncompleteRead: ") == 1

@@ -16,6 +16,7 @@ Proxies from the environment are never used: the metadata server is link-local.
 
 from __future__ import annotations
 
+import http.client
 import json
 import sys
 import threading
@@ -107,7 +108,8 @@ class SpotWatch:
         while not self._stop.is_set():
             try:
                 notice = CHECKS[self.kind](self.base)
-            except (urllib.error.URLError, OSError, ValueError) as e:
+            # HTTPException (IncompleteRead, BadStatusLine: a reply cut short) is no OSError
+            except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
                 notice = None
                 if not said:  # once: a node outside the cloud, or a blocked metadata server
                     said = True
