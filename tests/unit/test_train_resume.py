@@ -74,7 +74,7 @@ def test_a_crashed_run_resumed_is_bitwise_the_uninterrupted_run(tmp_path, grad_a
 def test_keep_checkpoints_prunes_the_oldest(tmp_path):
     run(tmp_path, checkpoint_every=2, keep_checkpoints=2, epochs=1)
     ckdir = tmp_path / "checkpoints"
-    assert sorted(os.listdir(ckdir)) == ["latest", "step-00000006.meta.json", "step-00000006.pt",
+    assert sorted(os.listdir(ckdir)) == [".ddprun-writer.lock", "latest", "step-00000006.meta.json", "step-00000006.pt",
                                          "step-00000008.meta.json", "step-00000008.pt"]
 
 

@@ -5,6 +5,7 @@ Layout of a checkpoint directory::
     step-00000120.pt         torch.save of a dict of tensors and plain values
     step-00000120.meta.json  {"file", "step", "bytes", "sha256"} of that file, as it was written
     latest                   the file name of the newest complete checkpoint, written last
+    .ddprun-writer.lock      held by the writing fit while it runs (train/dirlock.py)
 
 Writing: a temp file in the same directory (hashed while written), flushed and fsynced, then
 ``os.replace`` (atomic on POSIX), then the directory fsynced; the meta file the same way; ``latest``

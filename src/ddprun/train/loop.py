@@ -43,8 +43,8 @@ from ddprun.protocol.env import WorkerEnv
 from ddprun.runtime import RankInfo
 from ddprun.telemetry import PROGRESS, TIMER, busy, heartbeat, setup_phase
 from ddprun.train import checkpoint as ckpt
+from ddprun.train import dirlock, timing
 from ddprun.train import resume as resume_mod
-from ddprun.train import timing
 from ddprun.train.data import build_train_loader, build_val_loader, close_workers
 from ddprun.train.metrics import MetricsLog
 from ddprun.train.options import FitOptions
@@ -599,6 +599,7 @@ class _Loop:
         """``graceful=False``: fit raised (a failure, a preemption): its DataLoader workers are killed."""
         TIMER.detailed = False
         PREEMPT.fit_active = False
+        dirlock.release()
         for loader in (self.p.loader, self.p.val_loader):  # their workers ignore SIGTERM: ended here
             close_workers(loader, graceful=graceful)
         self.progress.close()
@@ -850,6 +851,7 @@ def fit_module(model: nn.Module, train_data: Any, *, val_data: Any = None, **opt
             loop = _Loop(_setup(model, train_data, val_data, o), o)
     except BaseException:
         PREEMPT.fit_active = False
+        dirlock.release()
         raise
     ended = False
     try:

@@ -34,6 +34,7 @@ from ddprun import runtime
 from ddprun.errors import CheckpointError, ConfigError
 from ddprun.runtime import RankInfo
 from ddprun.train import checkpoint as ckpt
+from ddprun.train import dirlock
 
 MARKER = ".ddprun-shared-"
 
@@ -98,7 +99,7 @@ class Checkpoints:
                               "fit() starts anew (resume=True or a path continues from them).", stacklevel=5)
         if not _distributed(info):
             self = cls(directory, info, keep)
-            cls._prepare(directory)
+            cls._prepare(directory, lock=True)
             found = cls._find(source) if wanted else None
             resumed = Resumed(*found) if found else None
         else:
@@ -110,12 +111,16 @@ class Checkpoints:
         return self, resumed
 
     @staticmethod
-    def _prepare(directory: str) -> None:
+    def _prepare(directory: str, lock: bool = False) -> None:
+        """Create the directory and remove what a killed writer left; ``lock``: the main writer's,
+        first (train/dirlock.py: CheckpointError when another job writes there)."""
         try:
             os.makedirs(directory, exist_ok=True)
         except OSError as e:
             raise CheckpointError("The checkpoint directory cannot be created.", seen=f"{directory}: {e.strerror}",
                                   hint="Give fit() a checkpoint_dir (or run_dir) this process may write to.") from e
+        if lock:
+            dirlock.acquire(directory, os.environ)
         ckpt.remove_temp_files(directory)
         for name in os.listdir(directory):  # a marker of a fit killed during its own check
             if name.startswith(MARKER):
@@ -169,16 +174,19 @@ class Checkpoints:
         said: list[Any] = [None, None]
         if info.is_main:
             try:
-                cls._prepare(directory)
+                cls._prepare(directory, lock=True)
                 said[0] = uuid.uuid4().hex
                 with open(os.path.join(directory, MARKER + said[0]), "w") as f:
                     f.write("rank 0 of a fit() checks which nodes see this directory; removed after the check\n")
-            except (OSError, CheckpointError) as e:
-                said[1] = str(e)
+            except CheckpointError as e:
+                said[1] = (e.what, e.seen, e.hint)
+            except OSError as e:
+                said[1] = ("Rank 0 cannot write to the checkpoint directory.", str(e),
+                           "Give fit() a checkpoint_dir (or run_dir) rank 0 may write to.")
         dist.broadcast_object_list(said, src=0)
         if said[1] is not None:  # every rank raises, not only rank 0
-            raise CheckpointError("Rank 0 cannot write to the checkpoint directory.", seen=said[1],
-                                  hint="Give fit() a checkpoint_dir (or run_dir) rank 0 may write to.")
+            what, seen, hint = said[1]
+            raise CheckpointError(what, seen=seen, hint=hint)
         return os.path.join(directory, MARKER + said[0])
 
     # -- save -----------------------------------------------------------------------------------

@@ -1,0 +1,107 @@
+"""One writing job per checkpoint directory: the writer's lock (``.ddprun-writer.lock``).
+
+Two jobs that write one checkpoint directory at once (a sweep given one ``checkpoint_dir``) delete
+each other's files in flight, prune each other's checkpoints and resume from each other's state.
+fit's main writer holds a POSIX record lock on the directory's lock file while it runs, with who
+holds it written inside; a writer of another run finds it held and is refused, naming the holder.
+
+* A POSIX lock (``fcntl.lockf``), not ``flock``: it belongs to the process, so DataLoader workers
+  forked from it do not keep it after it ends; it ends with the process, also on SIGKILL; NFS
+  clients share it through the lock manager.
+* Held by a process of the same run (``TORCHELASTIC_RUN_ID``): an earlier attempt of this job,
+  e.g. a rank 0 cut off on a node the job re-formed without, whose NFS lease has not expired yet.
+  The writer goes on without the lock: a safety check never stops a healthy job.
+* A file system without locks (ENOLCK, EOPNOTSUPP, ...): no check, as before.
+* A holder that is ending (a relaunch right after a stop) is waited for, up to ``WAIT_S``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import time
+from collections.abc import Mapping
+
+from ddprun.errors import CheckpointError
+
+LOCK_NAME = ".ddprun-writer.lock"
+WAIT_S = 5.0
+"""How long a writer waits for a holder of another run to end before it is refused."""
+_HELD: dict[str, int] = {}
+"""Directories (absolute) whose lock this process holds, and the file descriptor holding it."""
+_BUSY = (errno.EACCES, errno.EAGAIN)
+
+
+def _holder(fd: int) -> dict:
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        data = json.loads(os.read(fd, 4096) or b"{}")
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _describe(holder: dict) -> str:
+    since = holder.get("since")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if isinstance(since, (int, float)) else "?"
+    return (f"held by {holder.get('host', '?')} pid {holder.get('pid', '?')} (run {holder.get('run_id') or '?'}, "
+            f"since {when})")
+
+
+def _try_lock(fd: int, me: dict, deadline: float) -> dict | None:
+    """Lock ``fd``; None when this process holds it (or nothing can), else the holder of another run."""
+    import fcntl
+
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return None
+        except OSError as e:
+            if e.errno not in _BUSY:
+                return {"unlockable": True}  # this file system has no locks: no check
+        holder = _holder(fd)
+        if me["run_id"] and holder.get("run_id") == me["run_id"]:
+            return {"same_run": True}
+        if time.monotonic() >= deadline:
+            return holder
+        time.sleep(0.25)
+
+
+def acquire(directory: str, environ: Mapping[str, str], wait_s: float | None = None) -> None:
+    """Hold ``directory``'s writer lock until :func:`release`. Raises CheckpointError when a process
+    of another run holds it past ``wait_s`` (None: :data:`WAIT_S`). The directory exists."""
+    wait_s = WAIT_S if wait_s is None else wait_s
+    path = os.path.abspath(directory)
+    if path in _HELD:
+        return
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": environ.get("TORCHELASTIC_RUN_ID", ""),
+          "since": time.time()}
+    try:
+        fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        return  # the writes themselves say what is wrong with the directory
+    found = _try_lock(fd, me, time.monotonic() + wait_s)
+    if found is not None:
+        os.close(fd)
+        if found.get("unlockable") or found.get("same_run"):
+            return
+        raise CheckpointError("Another job writes checkpoints in this directory.",
+                              seen=f"{path}: {_describe(found)}",
+                              hint="Give each job its own checkpoint_dir (or run_dir), or wait until that job ends.")
+    _HELD[path] = fd
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+    except OSError:
+        pass  # held all the same; a refused job then names no holder
+
+
+def release(directory: str | None = None) -> None:
+    """Let go of ``directory``'s lock (None: every lock this process holds)."""
+    paths = list(_HELD) if directory is None else [os.path.abspath(directory)]
+    for path in paths:
+        fd = _HELD.pop(path, None)
+        if fd is not None:
+            os.close(fd)  # closing the descriptor drops the POSIX lock
