@@ -134,11 +134,11 @@ def _from_environ(environ: Mapping[str, str], per_node: bool = True, joining: bo
     local_world = spec.nproc_per_node or 1
     # resolve() drops GROUP_RANK under c10d (arrival order); torchrun's ranks are node-major with the
     # same process count on every node, so rank // local_world_size is that node rank.
-    # Under --allow-uneven-nodes the counts differ, so a torchrun worker's GROUP_RANK (set by torch's
-    # agent after rendezvous) is read first.
-    group_rank = environ.get("GROUP_RANK", "") if spec.environment == "torchrun" else ""
+    # Under --allow-uneven-nodes (or Ray Train's placement) the counts differ, so a torchrun-style
+    # worker's GROUP_RANK (set by torch's agent after rendezvous), then NODE_RANK (Ray Train's), is read first.
+    named = environ.get("GROUP_RANK", environ.get("NODE_RANK", "")) if spec.environment == "torchrun" else ""
     node_rank = (spec.node_rank if spec.node_rank is not None else
-                 int(group_rank) if group_rank.isdigit() else spec.rank // local_world)
+                 int(named) if named.isdigit() else spec.rank // local_world)
     info = RankInfo(rank=spec.rank, local_rank=local_rank, node_rank=node_rank, world_size=spec.world_size,
                     local_world_size=local_world, device=_device(local_rank, use_cuda), is_main=spec.rank == 0)
     return spec, info

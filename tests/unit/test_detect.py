@@ -87,6 +87,20 @@ def test_local_and_torchrun_keep_working():
     assert (tr.environment, tr.rank, tr.local_rank, tr.world_size, tr.nproc_per_node) == ("torchrun", 1, 1, 2, 2)
 
 
+RAY_WORKER = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "NODE_RANK": "1",
+              "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+"""A Ray Train worker on its second node: no GROUP_WORLD_SIZE."""
+
+
+def test_a_ray_train_worker_beyond_node_0_counts_the_nodes_from_its_world_size():
+    spec = resolve(LaunchConfig(), RAY_WORKER, NODE)
+    assert (spec.rank, spec.local_rank, spec.world_size, spec.nproc_per_node) == (5, 1, 8, 4)
+    assert spec.max_nodes == 2 and "GROUP_WORLD_SIZE unset" in spec.sources["max_nodes"]
+    uneven = resolve(LaunchConfig(), merged(RAY_WORKER, {"LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "2",
+                                                         "RANK": "1", "LOCAL_RANK": "0", "NODE_RANK": "3"}), NODE)
+    assert uneven.max_nodes == 4  # the node rank is the larger bound
+
+
 def test_hostfile_flag_wins_over_detected_environments_but_not_torchrun(tmp_path):
     path = tmp_path / "hostfile"
     path.write_text("gpu01 slots=4\ngpu02 slots=4\n")

@@ -64,6 +64,17 @@ def test_rank_info_node_rank_follows_the_node_major_rule_under_c10d():
     assert info.node_rank == 2
 
 
+def test_rank_info_of_a_ray_train_worker_reads_its_node_rank():
+    # Ray Train sets NODE_RANK but neither GROUP_RANK nor GROUP_WORLD_SIZE; its nodes may hold unequal
+    # worker counts, so rank // local world size (5 // 6 = 0) would be wrong here
+    ray = {"RANK": "5", "LOCAL_RANK": "3", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "6", "NODE_RANK": "1",
+           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    info = runtime.rank_info(ray)
+    assert (info.rank, info.local_rank, info.node_rank, info.world_size, info.local_world_size) == (5, 3, 1, 8, 6)
+    even = runtime.rank_info({**ray, "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"})
+    assert (even.rank, even.local_rank, even.node_rank, even.world_size) == (5, 1, 1, 8)
+
+
 def test_a_broken_torchrun_environment_is_named():
     env = torchrun_env()
     del env["MASTER_PORT"]

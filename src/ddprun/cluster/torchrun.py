@@ -20,6 +20,24 @@ def _int(environ: Mapping[str, str], key: str) -> int:
         ) from None
 
 
+def _nodes_without_group_world(world: int, local_world: int | None, node_rank: Fact | None) -> Fact | None:
+    """The node count where GROUP_WORLD_SIZE is unset (Ray Train sets LOCAL_WORLD_SIZE and NODE_RANK
+    only): at least this node's rank + 1 and ceil(WORLD_SIZE / LOCAL_WORLD_SIZE); None if neither is known.
+
+    Without it the count would default to one node and refuse every node rank above 0.
+    """
+    parts, seen = [], []
+    if local_world is not None and local_world > 0:
+        parts.append(-(-world // local_world))
+        seen.append(f"ceil(WORLD_SIZE={world} / LOCAL_WORLD_SIZE={local_world})")
+    if node_rank is not None:
+        parts.append(node_rank.value + 1)
+        seen.append(f"{node_rank.source} + 1")
+    if not parts:
+        return None
+    return Fact(max(parts), f"GROUP_WORLD_SIZE unset: the larger of {' and '.join(seen)}")
+
+
 class TorchrunEnvironment(ClusterEnvironment):
     name = "torchrun"
 
@@ -53,12 +71,14 @@ class TorchrunEnvironment(ClusterEnvironment):
         }
         if local_world is not None:
             reading["nproc_per_node"] = Fact(local_world, f"LOCAL_WORLD_SIZE={local_world}")
-        if group_world is not None:
-            reading["min_nodes"] = reading["max_nodes"] = Fact(group_world, f"GROUP_WORLD_SIZE={group_world}")
         for key in ("GROUP_RANK", "NODE_RANK"):
             if key in environ:
                 reading["node_rank"] = Fact(_int(environ, key), f"{key}={environ[key]}")
                 break
+        nodes = (Fact(group_world, f"GROUP_WORLD_SIZE={group_world}") if group_world is not None
+                 else _nodes_without_group_world(world, local_world, reading.get("node_rank")))
+        if nodes is not None:
+            reading["min_nodes"] = reading["max_nodes"] = nodes
         if "TORCHELASTIC_RUN_ID" in environ:
             reading["run_id"] = Fact(environ["TORCHELASTIC_RUN_ID"], "TORCHELASTIC_RUN_ID")
         return reading
