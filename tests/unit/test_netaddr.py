@@ -66,6 +66,28 @@ def test_user_variables_are_kept_and_name_the_interface():
     assert (net.local_addr, net.ifname, dict(net.worker_env)) == ("10.231.7.2", "veth-b", {"GLOO_SOCKET_IFNAME": "veth-b"})
 
 
+def test_nccl_socket_ifname_is_matched_as_nccl_reads_it_by_prefix():
+    ib = {**IFS_B, "ib0": ("192.168.9.2",)}
+    net = plan_network(spec(), NetProbe(ib, ("10.231.7.1",), route_src="10.231.7.2"), {"NCCL_SOCKET_IFNAME": "ib"})
+    assert (net.local_addr, net.ifname) == ("192.168.9.2", "ib0")
+    assert net.worker_env == {"GLOO_SOCKET_IFNAME": "ib0"}  # gloo takes an exact name, NCCL keeps the user's prefix
+    # of several matches, the one that routes to the rendezvous host
+    two = {**ib, "ib1": ("192.168.8.2",)}
+    net = plan_network(spec(), NetProbe(two, ("192.168.8.1",), route_src="192.168.8.2"), {"NCCL_SOCKET_IFNAME": "ib"})
+    assert (net.local_addr, net.ifname, dict(net.worker_env)) == ("192.168.8.2", "ib1", {"GLOO_SOCKET_IFNAME": "ib1"})
+    # none of them routes there: NCCL picks among them; gloo gets the route's interface, never a guessed ib
+    net = plan_network(spec(), NetProbe(two, ("10.231.7.1",), route_src="10.231.7.2"), {"NCCL_SOCKET_IFNAME": "ib"})
+    assert (net.local_addr, net.ifname, dict(net.worker_env)) == ("10.231.7.2", "veth-b", {"GLOO_SOCKET_IFNAME": "veth-b"})
+    assert "matches ib0, ib1" in net.sources["ifname"]
+    # '=' is an exact name; nothing matching is an error naming the prefix and the interfaces seen
+    with pytest.raises(ClusterError, match="exact names"):
+        plan_network(spec(), NetProbe(ib, ("10.231.7.1",), route_src="10.231.7.2"), {"NCCL_SOCKET_IFNAME": "=ib"})
+    with pytest.raises(ClusterError) as e:
+        plan_network(spec(), NetProbe(IFS_B, ("10.231.7.1",), route_src="10.231.7.2"), {"NCCL_SOCKET_IFNAME": "hsn"})
+    msg = str(e.value)
+    assert "hsn (name prefixes" in msg and "veth-b: 10.231.7.2" in msg and "HINT" in msg
+
+
 def test_sagemaker_interface_wins_over_the_route():
     ifs = {**IFS_B, "eth0": ("172.31.0.9",)}
     s = spec(ifname="eth0", sources={"ifname": "SM_NETWORK_INTERFACE_NAME=eth0"})

@@ -12,7 +12,9 @@ addresses this node really has:
   this node's interfaces. Passed to torch's c10d rendezvous as ``is_host``; ``--rdzv-conf is_host=..``
   wins. Under static rendezvous node rank 0 hosts the store, so node rank 0 must be that host.
 * **local address**: ``--local-addr``; else the address of the interface named by the user's
-  GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME or by SageMaker (SM_NETWORK_INTERFACE_NAME); else the
+  GLOO_SOCKET_IFNAME (an exact name) / NCCL_SOCKET_IFNAME (name prefixes, or exact names after ``=``:
+  the one interface they match, or of several the one routing to the rendezvous host) or by SageMaker
+  (SM_NETWORK_INTERFACE_NAME); else the
   source address of the route to the rendezvous host (a UDP ``connect`` + ``getsockname``: the kernel
   picks the route, no packet is sent); else, on the host itself when its name resolves to loopback,
   the address of the default route's interface, or of the one interface with an address.
@@ -139,17 +141,46 @@ def needs_probe(spec: ClusterSpec) -> bool:
     return spec.max_nodes > 1 and not is_loopback(_master_host(spec))
 
 
-def _named_interface(spec: ClusterSpec, environ: Mapping[str, str]) -> tuple[str | None, str]:
-    """An interface the user or the cluster named: the user's GLOO/NCCL_SOCKET_IFNAME (a plain
-    name; lists, ``^excludes`` and prefixes are left to the library), else SageMaker's."""
-    for var in IFNAME_VARS:
-        raw = environ.get(var, "").strip()
-        name = raw.removeprefix("=") if var == "NCCL_SOCKET_IFNAME" else raw
-        if name and "," not in name and not name.startswith("^"):
-            return name, f"{var}={raw} (set by the user)"
-    if spec.ifname:
+def _named_interface(spec: ClusterSpec, probe: NetProbe, environ: Mapping[str, str]) -> tuple[str | None, str]:
+    """The interface the user or the cluster named, and why: GLOO_SOCKET_IFNAME (an exact name; a
+    list or ``^exclusion`` is left to gloo), else the interface NCCL_SOCKET_IFNAME matches
+    (:func:`_nccl_named`), else SageMaker's. ``(None, note)`` when NCCL's value matches several and
+    none can be told apart: the plan then goes on as if nothing were named."""
+    gloo = environ.get("GLOO_SOCKET_IFNAME", "").strip()
+    if gloo and "," not in gloo and not gloo.startswith("^"):
+        return gloo, f"GLOO_SOCKET_IFNAME={gloo} (set by the user)"
+    nccl = environ.get("NCCL_SOCKET_IFNAME", "").strip()
+    named, src = _nccl_named(nccl, probe) if nccl and not nccl.startswith("^") else (None, "")
+    if named is None and spec.ifname:
         return spec.ifname, spec.sources.get("ifname", "the cluster environment")
-    return None, ""
+    return named, src
+
+
+def _nccl_named(raw: str, probe: NetProbe) -> tuple[str | None, str]:
+    """NCCL_SOCKET_IFNAME as NCCL reads it: a comma list of name prefixes (``ib`` matches ``ib0``),
+    or of exact names after a leading ``=``. One match is the interface; of several, the one that owns
+    the route to the rendezvous host, else None (NCCL picks among them, and an arbitrary one would be
+    a wrong exact name for GLOO_SOCKET_IFNAME). ClusterError when nothing on this node matches."""
+    exact = raw.startswith("=")
+    wanted = [p.strip() for p in raw.removeprefix("=").split(",") if p.strip()]
+    if not wanted:
+        return None, ""
+    ifs, src = probe.interfaces, f"NCCL_SOCKET_IFNAME={raw} (set by the user)"
+    matches = [n for n in ifs if any(n == w if exact else n.startswith(w) for w in wanted)]
+    if not matches:
+        raise ClusterError(
+            "No network interface of this node matches NCCL_SOCKET_IFNAME.",
+            seen=f"{', '.join(wanted)} ({'exact names' if exact else 'name prefixes'}; {src}); "
+                 f"interfaces: {_interfaces_seen(ifs)}",
+            hint="NCCL reads a plain value as name prefixes (ib matches ib0) and =NAME as an exact name: "
+                 "name interfaces this node has (ip addr), or unset it to let ddprun pick the one that "
+                 "routes to the rendezvous host.")
+    if len(matches) == 1:
+        return matches[0], f"{src}: the one interface it matches"
+    route_if = owner(ifs, probe.route_src) if probe.route_src else None
+    if route_if in matches:
+        return route_if, f"{src}: of {', '.join(matches)}, the one that routes to the rendezvous host"
+    return None, f"{src} matches {', '.join(matches)}, none the route to the rendezvous host: NCCL picks"
 
 
 def plan_network(spec: ClusterSpec, probe: NetProbe, environ: Mapping[str, str],
@@ -158,8 +189,8 @@ def plan_network(spec: ClusterSpec, probe: NetProbe, environ: Mapping[str, str],
 
     ``local_addr``: the user's --local-addr; ``rdzv_conf``: the user's --rdzv-conf (its ``is_host``
     wins). Raises ClusterError when the job cannot work from this node: the rendezvous host does not
-    resolve, a named interface does not exist, no address is reachable, or under static rendezvous
-    node rank 0 is not the rendezvous host.
+    resolve, a named interface does not exist (or none matches NCCL_SOCKET_IFNAME), no address is
+    reachable, or under static rendezvous node rank 0 is not the rendezvous host.
     """
     rdzv_conf = rdzv_conf or {}
     if not needs_probe(spec):
@@ -180,7 +211,7 @@ def plan_network(spec: ClusterSpec, probe: NetProbe, environ: Mapping[str, str],
     is_host, is_host_src = _is_host(spec, probe, rdzv_conf)
     _check_static_host(spec, probe, is_host)
     ifs = probe.interfaces
-    named, named_src = _named_interface(spec, environ)
+    named, named_src = _named_interface(spec, probe, environ)
     if named is not None and named not in ifs:
         raise ClusterError(
             "The network interface named for this job does not exist on this node.",
@@ -195,6 +226,7 @@ def plan_network(spec: ClusterSpec, probe: NetProbe, environ: Mapping[str, str],
     else:
         ifname = owner(ifs, addr)
         if_src = f"owner of {addr}" if ifname else f"no interface of this node has {addr}; left to the libraries"
+        if_src = f"{named_src}; gloo: {if_src}" if named_src else if_src
     worker_env = {var: ifname for var in IFNAME_VARS if ifname and var not in environ}
     rdzv = {"is_host": "1" if is_host else "0"} if spec.rdzv_backend == "c10d" else {}
     return NetworkPlan(is_host=is_host, local_addr=addr, ifname=ifname,
