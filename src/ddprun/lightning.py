@@ -63,7 +63,7 @@ from ddprun.mismatch import TrainerMismatch, launch_shape
 from ddprun.runtime import RankInfo
 from ddprun.telemetry import SetupPhase, setup_phase
 from ddprun.train.loop import FitResult, resolve_run_dir
-from ddprun.train.options import PRECISIONS, int_at_least
+from ddprun.train.options import PRECISIONS, check_seed, int_at_least
 
 __all__ = ["DdprunEnvironment", "LaunchCheck", "LightningFitResult", "LoopStart", "fit_lightning", "trainer_kwargs"]
 
@@ -343,7 +343,8 @@ def _check(model: Any, train_data: Any, val_data: Any, datamodule: Any, trainer_
     int_at_least("batch_size", numbers["batch_size"], 1)
     int_at_least("grad_accum", numbers["grad_accum"], 1)
     int_at_least("log_every", numbers["log_every"], 1)
-    int_at_least("seed", numbers["seed"], 0)
+    check_seed(numbers["seed"])
+    int_at_least("num_workers", numbers["num_workers"], 0, optional=True)
     int_at_least("checkpoint_every", numbers["checkpoint_every"], 1, optional=True)
     if str(numbers["precision"]) not in PRECISIONS:
         raise ConfigError("Unknown precision.", seen=f"precision={numbers['precision']!r}",
@@ -402,7 +403,8 @@ def fit_lightning(model: pl.LightningModule, train_data: Any = None, *, val_data
     """
     _check(model, train_data, val_data, datamodule, trainer_kwargs, nn_module_only,
            {"epochs": epochs, "max_steps": max_steps, "batch_size": batch_size, "grad_accum": grad_accum,
-            "log_every": log_every, "seed": seed, "precision": precision, "checkpoint_every": checkpoint_every})
+            "log_every": log_every, "seed": seed, "num_workers": num_workers, "precision": precision,
+            "checkpoint_every": checkpoint_every})
     unknown = sorted(set(nn_module_only) - set(_NOT_FOR_LIGHTNING))
     if unknown:
         raise TypeError(f"fit_lightning() got unexpected keyword arguments {unknown}")

@@ -30,6 +30,19 @@ def int_at_least(name: str, value: Any, low: int, *, optional: bool = False) -> 
                           seen=f"{name}={value!r}", hint=f"Give e.g. {name}={max(low, 1)}.")
 
 
+SEED_LIMIT = 2**63
+"""seed is below this: torch generators take up to 2**64 - 1 and are seeded with seed + epoch (the
+sampler) and seed + rank (the DataLoader workers), so a seed just under 2**64 would fail mid-run."""
+
+
+def check_seed(value: Any) -> None:
+    """ConfigError unless ``value`` is an int (not a bool) in ``0 <= value < SEED_LIMIT``."""
+    int_at_least("seed", value, 0)
+    if value >= SEED_LIMIT:
+        raise ConfigError("seed must be an integer >= 0 and < 2**63.", seen=f"seed={value!r}",
+                          hint="Give e.g. seed=0; torch seeds its generators with seed + epoch and seed + rank.")
+
+
 def check_callable(name: str, value: Any, signature: str) -> None:
     """ConfigError unless ``value`` is None or callable."""
     if value is not None and not callable(value):
@@ -140,7 +153,8 @@ def _check_numbers(o: FitOptions) -> None:
     int_at_least("batch_size", o.batch_size, 1)
     int_at_least("grad_accum", o.grad_accum, 1)
     int_at_least("log_every", o.log_every, 1)
-    int_at_least("seed", o.seed, 0)
+    check_seed(o.seed)
+    int_at_least("num_workers", o.num_workers, 0, optional=True)
     grad_clip = o.grad_clip
     if grad_clip is not None and (isinstance(grad_clip, bool) or not isinstance(grad_clip, (int, float))
                                   or not grad_clip > 0):
