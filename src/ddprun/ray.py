@@ -84,7 +84,10 @@ def _lightning_package(model: Any) -> str | None:
 
 
 def _check(model: Any, num_workers: Any, max_failures: Any, after_fit: Any, fit_kwargs: Mapping[str, Any]) -> None:
+    """ConfigError for what the driver reads itself, before ray.init starts or joins a cluster."""
     from torch import nn
+
+    from ddprun.train.options import int_at_least
 
     if not isinstance(model, nn.Module) and not callable(model):
         raise ConfigError("ddprun.ray.fit trains an nn.Module or a LightningModule.",
@@ -106,6 +109,8 @@ def _check(model: Any, num_workers: Any, max_failures: Any, after_fit: Any, fit_
             raise ConfigError(f"ddprun.ray.fit sets {key} itself.", seen=f"{key}={fit_kwargs[key]!r}",
                               hint="Ray's checkpoint decides where a run resumes: give the same name= and "
                                    "storage_path= to continue a run, or another name to start anew.")
+    # read here by Ray's CheckpointConfig, on the driver, before any worker's fit would check it
+    int_at_least("keep_checkpoints", fit_kwargs.get("keep_checkpoints", 3), 1)
 
 
 def _resources(use_gpu: bool | None, num_workers: int | None) -> tuple[bool, int]:

@@ -156,3 +156,14 @@ def test_resume_is_rays_to_decide():
 
     with pytest.raises(ConfigError, match="sets resume itself"):
         ddprun.ray.fit(mlp(), data(), resume=True)
+
+
+def test_keep_checkpoints_is_checked_before_ray_starts(monkeypatch):
+    from ddprun.errors import ConfigError
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init before the arguments were checked"))
+    for bad in (0, "2", None):
+        with pytest.raises(ConfigError, match="keep_checkpoints must be an integer >= 1") as e:
+            ddprun.ray.fit(mlp(), data(), keep_checkpoints=bad)
+        assert "HINT" in str(e.value)
