@@ -73,6 +73,16 @@ def test_master_addr_flag_fills_what_mpi_does_not_say():
     assert (spec.local_rank, spec.world_size, spec.rdzv_backend) == (2, 8, "static")
 
 
+@pytest.mark.parametrize("addr", ["127.0.0.1", "localhost"])
+def test_a_loopback_master_addr_in_a_world_of_several_nodes_is_refused_naming_it(addr):
+    """Every node would host its own store and wait out the join timeout with no cause named."""
+    with pytest.raises(ClusterError) as e:
+        MpiEnvironment().read(ompi(1, 2, 0, 1, MASTER_ADDR=addr), NODE)
+    msg = str(e.value)
+    assert f"MASTER_ADDR={addr}" in msg and "loopback" in msg and "2 nodes" in msg and "mpirun -x" in msg
+    assert MpiEnvironment().read(ompi(1, 2, 1, 2, MASTER_ADDR=addr), NODE)["master_addr"].value == addr  # one node
+
+
 def test_uneven_layout_is_an_error_naming_the_counts():
     with pytest.raises(ClusterError) as e:
         MpiEnvironment().read(ompi(4, 6, 0, 4, MASTER_ADDR="n1"), NODE)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ddprun.cluster.netaddr import is_loopback
 from ddprun.errors import ClusterError
 
 DEFAULT_PORT = 29500
@@ -55,6 +56,16 @@ def check_rank_rule(rank: int, local_rank: int, world_size: int, node_rank: int,
             f"+ local rank {local_rank} = {node_rank * nproc + local_rank}.",
             seen=seen, hint=hint,
         )
+
+
+def refuse_loopback_master(addr: str, nnodes: int, nodes_seen: str, job: str, hint: str) -> None:
+    """ClusterError for a loopback MASTER_ADDR in a job of several nodes (left over from a one-node
+    recipe, or passed on from the submit shell): every node would dial itself, or host a store of its
+    own, and wait out the join timeout with no cause named. ``job`` names the launch, e.g. "SLURM job"."""
+    if nnodes > 1 and is_loopback(addr):
+        raise ClusterError(
+            f"MASTER_ADDR is a loopback address, but the {job} spans several nodes: the others cannot reach it.",
+            seen=f"MASTER_ADDR={addr}, {nodes_seen}", hint=hint)
 
 
 def split_endpoint(raw: str, key: str) -> tuple[str, int | None]:

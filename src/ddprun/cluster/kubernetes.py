@@ -14,7 +14,9 @@ processes; a pod that runs ``python train.py`` itself is its node's one rank
 * Without (older operator): WORLD_SIZE = number of pods, RANK = this pod's index.
 
 The rendezvous host is PET_RDZV_ENDPOINT, else PET_MASTER_ADDR/PORT, else MASTER_ADDR/PORT (the
-master pod's service). The backend is PET_RDZV_BACKEND, else static when the node rank is known.
+master pod's service). A loopback one is not refused as under SLURM and MPI: the training operator
+sets MASTER_ADDR=localhost in the master pod itself, which hosts the store. The backend is
+PET_RDZV_BACKEND, else static when the node rank is known.
 Detected on PET_NNODES, or KUBERNETES_SERVICE_HOST with MASTER_ADDR and RANK or PET_NODE_RANK; RANK
 without LOCAL_RANK is not a torchrun worker, so the torchrun environment does not claim it.
 """

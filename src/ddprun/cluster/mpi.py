@@ -12,7 +12,8 @@ default): other placements are refused. OMPI_COMM_WORLD_NODE_RANK is deliberatel
 its name it is the process's rank on its node across all jobs, not the index of the node.
 
 MPI does not say where the rendezvous host is: MASTER_ADDR must be exported to every rank
-(``mpirun -x MASTER_ADDR=$(hostname)``) unless the whole world is on one node (then 127.0.0.1).
+(``mpirun -x MASTER_ADDR=$(hostname)``) unless the whole world is on one node (then 127.0.0.1); a
+loopback MASTER_ADDR in a world of several nodes is refused, as under SLURM.
 The port is MASTER_PORT, else 29500. Rendezvous is static: node ranks are known.
 """
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ddprun.cluster._values import DEFAULT_PORT, check_rank_rule, env_int, env_port
+from ddprun.cluster._values import DEFAULT_PORT, check_rank_rule, env_int, env_port, refuse_loopback_master
 from ddprun.cluster.base import ClusterEnvironment, Fact, NodeFacts, Reading
 from ddprun.errors import ClusterError
 
@@ -100,7 +101,12 @@ class MpiEnvironment(ClusterEnvironment):
             "rdzv_backend": Fact("static", f"node ranks known from {flavour} ranks"),
         }
         if "MASTER_ADDR" in environ:
-            reading["master_addr"] = Fact(environ["MASTER_ADDR"], f"MASTER_ADDR={environ['MASTER_ADDR']}")
+            addr = environ["MASTER_ADDR"]
+            refuse_loopback_master(addr, nnodes.value, f"{nnodes.value} nodes ({nnodes.source})", f"{flavour} job",
+                                   hint="Export the address of rank 0's host to every rank: mpirun -x "
+                                        "MASTER_ADDR=$(hostname) (Open MPI) or -genv MASTER_ADDR $(hostname) "
+                                        "(MPICH/Intel MPI).")
+            reading["master_addr"] = Fact(addr, f"MASTER_ADDR={addr}")
         elif local_size == size:
             reading["master_addr"] = Fact("127.0.0.1", f"every rank on this node ({k_lsize}={k_size}={size})")
         # else: left out, so that --master-addr can still give it; resolve() raises with master_hint.

@@ -34,10 +34,9 @@ from collections.abc import Mapping, Sequence
 
 import hostlist
 
-from ddprun.cluster._values import check_rank_rule, count, env_int, env_port
+from ddprun.cluster._values import check_rank_rule, count, env_int, env_port, refuse_loopback_master
 from ddprun.cluster.base import ClusterEnvironment, Fact, NodeFacts, Reading
 from ddprun.cluster.mpi import started_by_mpi_launcher
-from ddprun.cluster.netaddr import is_loopback
 from ddprun.errors import ClusterError, ConfigError
 
 PORT_BASE = 20000
@@ -111,12 +110,9 @@ def _master_addr(environ: Mapping[str, str], nnodes: Fact, nodelist_key: str, ho
     addr = environ.get("MASTER_ADDR", "")
     if not addr:
         return Fact(hosts[0], f"first host of {nodelist_key}={environ[nodelist_key]}")
-    if nnodes.value > 1 and is_loopback(addr):
-        raise ClusterError(
-            "MASTER_ADDR is a loopback address, but the SLURM job spans several nodes: the others cannot reach it.",
-            seen=f"MASTER_ADDR={addr}, {nnodes.source}",
-            hint=f"Unset MASTER_ADDR (ddprun then uses the first host, {hosts[0]}), or set it to an address "
-                 "every node reaches.")
+    refuse_loopback_master(addr, nnodes.value, nnodes.source, "SLURM job",
+                           hint=f"Unset MASTER_ADDR (ddprun then uses the first host, {hosts[0]}), or set it to "
+                                "an address every node reaches.")
     return Fact(addr, f"MASTER_ADDR={addr}")
 
 
