@@ -50,6 +50,14 @@ def test_explain_names_lsf_and_where_each_number_came_from():
     assert "master_port: 23456  <- 20000 + LSB_JOBID % 20000 (LSB_JOBID=123456)" in lines
 
 
+@pytest.mark.parametrize("hidden", ["-1", "NoDevFiles"])
+def test_cuda_visible_devices_that_hide_every_gpu_give_ddpruns_default(hidden):
+    cpu_node = NodeFacts(hostname="gpu-b07", cpus=8)
+    spec = resolve(LaunchConfig(), lsf(CUDA_VISIBLE_DEVICES=hidden), cpu_node, launcher=True)
+    assert (spec.nproc_per_node, spec.device) == (1, "cpu")
+    assert "CUDA_VISIBLE_DEVICES" not in spec.sources["nproc_per_node"]
+
+
 def test_a_host_listed_by_address_a_job_array_element_and_master_port():
     by_addr = NodeFacts(hostname="whatever", cpus=8, addresses=("10.1.0.7",))
     spec = resolve(LaunchConfig(), lsf(LSB_MCPU_HOSTS="10.1.0.3 4 10.1.0.7 4", LSB_JOBINDEX="3",

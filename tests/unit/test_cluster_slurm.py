@@ -93,6 +93,15 @@ def test_nproc_falls_back_to_cuda_visible_devices_then_to_the_default():
     assert "nproc_per_node" not in read(job(SLURM_GPUS_ON_NODE=None, CUDA_VISIBLE_DEVICES=None))
 
 
+@pytest.mark.parametrize("hidden", ["-1", "NoDevFiles", "-1,0"])
+def test_cuda_visible_devices_that_hide_every_gpu_count_none(hidden):
+    """CUDA reads entries up to the first it cannot use: -1 and SLURM's NoDevFiles name no GPU."""
+    r = read(job(SLURM_GPUS_ON_NODE=None, CUDA_VISIBLE_DEVICES=hidden))
+    assert "nproc_per_node" not in r and "allocated_gpus" not in r
+    r = read(job(SLURM_GPUS_ON_NODE=None, CUDA_VISIBLE_DEVICES="0,1,-1,2"))
+    assert r["nproc_per_node"].value == 2 and "CUDA stops at '-1'" in r["nproc_per_node"].source
+
+
 def test_nnodes_falls_back_to_sbatch_nnodes_and_the_nodelist():
     r = read(job(SLURM_JOB_NUM_NODES=None))
     assert r["max_nodes"].source == "SLURM_NNODES=6"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ddprun.cluster.base import Fact
 from ddprun.cluster.netaddr import is_loopback
 from ddprun.errors import ClusterError
 
@@ -56,6 +57,26 @@ def check_rank_rule(rank: int, local_rank: int, world_size: int, node_rank: int,
             f"+ local rank {local_rank} = {node_rank * nproc + local_rank}.",
             seen=seen, hint=hint,
         )
+
+
+def visible_gpus(environ: Mapping[str, str]) -> Fact | None:
+    """The GPUs CUDA_VISIBLE_DEVICES names, counted as CUDA reads it; None when unset or it names none.
+
+    CUDA takes entries up to the first it cannot use, so ``-1`` (the usual "hide every GPU") and
+    SLURM's ``NoDevFiles`` name none, and ``0,1,-1,2`` names two. An entry is an index or a
+    ``GPU-``/``MIG-`` UUID; a repeated one ends the list too.
+    """
+    raw = environ.get("CUDA_VISIBLE_DEVICES", "")
+    entries = [d.strip() for d in raw.split(",")] if raw.strip() else []
+    used: list[str] = []
+    for entry in entries:
+        if entry in used or not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
+            break
+        used.append(entry)
+    if not used:
+        return None
+    stop = f": CUDA stops at {entries[len(used)]!r}" if len(used) < len(entries) else ""
+    return Fact(len(used), f"CUDA_VISIBLE_DEVICES={raw} ({count(len(used), 'GPU')}{stop})")
 
 
 def refuse_loopback_master(addr: str, nnodes: int, nodes_seen: str, job: str, hint: str) -> None:

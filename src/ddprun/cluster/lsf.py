@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ddprun.cluster._values import count, env_int, env_port
+from ddprun.cluster._values import count, env_int, env_port, visible_gpus
 from ddprun.cluster.base import ClusterEnvironment, Fact, NodeFacts, Reading
 from ddprun.cluster.hostfile import node_names
 from ddprun.errors import ClusterError
@@ -97,8 +97,7 @@ class LsfEnvironment(ClusterEnvironment):
         else:
             port = PORT_BASE + job_id % PORT_SPAN
             reading["master_port"] = Fact(port, f"{PORT_BASE} + LSB_JOBID % {PORT_SPAN} (LSB_JOBID={job_id})")
-        devices = [d for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-        if devices:
-            reading["nproc_per_node"] = Fact(
-                len(devices), f"CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']} ({len(devices)} GPUs)")
+        gpus = visible_gpus(environ)
+        if gpus is not None:
+            reading["nproc_per_node"] = gpus
         return reading

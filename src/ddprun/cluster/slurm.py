@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 
 import hostlist
 
-from ddprun.cluster._values import check_rank_rule, count, env_int, env_port, refuse_loopback_master
+from ddprun.cluster._values import check_rank_rule, count, env_int, env_port, refuse_loopback_master, visible_gpus
 from ddprun.cluster.base import ClusterEnvironment, Fact, NodeFacts, Reading
 from ddprun.cluster.mpi import started_by_mpi_launcher
 from ddprun.errors import ClusterError, ConfigError
@@ -97,10 +97,7 @@ def _visible_gpus(environ: Mapping[str, str]) -> Fact | None:
         n = env_int(environ, "SLURM_GPUS_ON_NODE")
         if n > 0:
             return Fact(n, f"SLURM_GPUS_ON_NODE={n}")
-    devices = [d for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    if devices:
-        return Fact(len(devices), f"CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']} ({len(devices)} GPUs)")
-    return None
+    return visible_gpus(environ)
 
 
 def _master_addr(environ: Mapping[str, str], nnodes: Fact, nodelist_key: str, hosts: list[str]) -> Fact:
