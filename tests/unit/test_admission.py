@@ -113,6 +113,23 @@ def test_an_ended_job_says_its_host_is_closing(store):
         admission.admit(store, me())
 
 
+def test_a_job_re_forming_is_not_refused_for_an_end_its_node_0_published():
+    ended = JobRecord("run-a", 3, 2, 2, 2, time.time() - 60, ended=True)
+    assert admission.refusal_reason(ended, 3) is None  # re-forming round 3: node 0 comes back
+    assert "it has ended" in admission.refusal_reason(ended, 2)  # an older restart's mark: it has ended
+
+
+def test_node_0_relaunched_after_a_signal_ended_its_agent_is_taken_back_by_the_re_forming_job(store):
+    # node 0's agent died of a signal (SIGQUIT, say) and published the job's end on its way out; the
+    # other node re-forms with --max-restarts: refusing the relaunched node 0 would leave it waiting
+    admission.admit(store, me(proposal="p"))
+    admission.publish_start(store, job(round_=1), 0, "node-a", 11)
+    admission.publish_start(store, job(round_=1), 1, "node-b", 22)
+    admission.publish_end(store, job(round_=1))
+    admission.publish_reforming(store, 1)
+    assert admission.admit(store, me(proposal="q")) == "p"
+
+
 def test_another_job_at_the_endpoint_is_refused_before_the_job_record_is_read(store):
     admission.admit(store, me(token="a"))
     with pytest.raises(LaunchError, match="different DDPRUN_JOB_TOKEN"):

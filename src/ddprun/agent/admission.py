@@ -177,11 +177,13 @@ def read_job(store: Any) -> tuple[JobRecord | None, int]:
 
 
 def refusal_reason(job: JobRecord | None, reforming: int) -> str | None:
-    """Why a node with the job's identity (the claim passed) may not join it (None: it may). Pure."""
-    if job is not None and job.ended:
-        return "it has ended and the node hosting its store is closing: start again in a few seconds"
+    """Why a node with the job's identity (the claim passed) may not join it (None: it may). Pure.
+    A job re-forming (``reforming >= job.round``) takes a node back even when its record says it ended:
+    node 0's agent may have ended (a signal) while the others re-form with --max-restarts."""
     if job is None or reforming >= job.round:
         return None  # the job is forming, or re-forming after a failure: torch's rendezvous decides
+    if job.ended:
+        return "it has ended and the node hosting its store is closing: start again in a few seconds"
     if job.nnodes >= job.max_nodes:
         return (f"it is full ({job.nnodes} of {job.max_nodes} node(s)), every one alive: torch would keep this "
                 "node waiting until one of them is gone")
