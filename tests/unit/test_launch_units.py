@@ -1,4 +1,5 @@
-"""Pure helpers of the launcher: OMP threads, --tee parsing, resolution of local launches."""
+"""Pure helpers of the launcher: OMP threads, --tee parsing, resolution of local launches; and what node 0
+publishes at the endpoint when its agent ends."""
 
 from types import SimpleNamespace
 
@@ -182,3 +183,46 @@ def test_the_agent_log_takes_fd_2_and_is_appended_to_and_a_launcher_error_reache
         assert (lg.handlers, lg.level, lg.propagate) == (before[name][0], before[name][1], before[name][2]), name
     err = capfd.readouterr().err
     assert err == f"to the console\nddprun: the launcher failed: RuntimeError: boom\nSee {path}\nfd 2 is the console again\n"
+
+
+@pytest.mark.parametrize("how,published", [("signal", False), ("interrupt", False), ("failed", True), ("done", True)])
+def test_node_0_publishes_the_jobs_end_only_when_its_end_ends_the_job(tmp_path, monkeypatch, how, published):
+    """A signal that stopped node 0's agent alone (SIGQUIT, a SIGTERM --preempt-signals does not name)
+    leaves the others to re-form with --max-restarts: an end published then would refuse its relaunch."""
+    import io
+    from dataclasses import replace
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from ddprun.agent import run as run_mod
+    from ddprun.agent import torch_agent
+    from ddprun.cluster.base import ClusterSpec
+    from ddprun.protocol import store as keys
+    from ddprun.protocol.store import JobRecord
+
+    class Recording:
+        def __init__(self):
+            self.sets = {}
+
+        def set(self, key, value):
+            self.sets[key] = value
+
+    def agent_ends(config, entrypoint, args, hooks):
+        hooks.on_workers_started.__self__.job = JobRecord("run-a", 1, 2, 2, 2, 1.0)  # node 0's workers ran
+        if how == "signal":
+            raise SignalException("Process 1 got signal: 3", 3)
+        if how == "interrupt":
+            raise KeyboardInterrupt
+        if how == "failed":
+            raise RuntimeError("the rendezvous closed")
+        return {}
+
+    monkeypatch.setattr(torch_agent, "run_agent", agent_ends)
+    spec = ClusterSpec(environment="test", min_nodes=2, max_nodes=2, nproc_per_node=1, node_rank=0,
+                       master_addr="127.0.0.1", master_port=29999, rdzv_backend="static", run_id="run-a", device="cpu")
+    store = Recording()
+    run = replace(run_mod.prepare(LaunchConfig(run_dir=str(tmp_path)), spec, {}, "node-a", {}),
+                  endpoint_store=store)
+    run_mod.supervise(run, set(), io.StringIO(), io.StringIO())
+    ended = JobRecord.parse(store.sets.get(keys.JOB_KEY))
+    assert (ended is not None and ended.ended) is published, store.sets

@@ -258,7 +258,8 @@ def publish_start(store: Any, job: JobRecord, node: int, host: str, pid: int) ->
 
 
 def publish_end(store: Any, job: JobRecord) -> None:
-    """Node 0's agent ended: the job is over (best effort)."""
+    """Node 0's agent ended, and the job with it (agent/run.py ``ends_the_job``): the job is over (best
+    effort)."""
     try:
         store.set(keys.JOB_KEY, replace(job, ended=True).to_json())
     except Exception:  # noqa: BLE001 - the store is gone with its host: nobody will ask

@@ -452,7 +452,7 @@ def supervise(run: _Run, tee: set[int], console: TextIO, err: TextIO, relay: Any
         failures.stop()
         if watcher is not None:
             watcher.stop()
-        if agent.job is not None and failures.node_rank == 0 and run.endpoint_store is not None:
+        if agent.final and agent.job is not None and failures.node_rank == 0 and run.endpoint_store is not None:
             admission.publish_end(run.endpoint_store, agent.job)  # a relaunch now is told the job is closing
         remove_empty_early_logs(run.rundir.path)
     if agent.logs_specs.has_rank0:
@@ -475,6 +475,8 @@ class _AgentRun:
         """The rendezvous round of the latest worker start (0: a backend without rounds)."""
         self.job: JobRecord | None = None
         """The job record this agent published at its latest worker start."""
+        self.final = True
+        """This agent's end ends the job (:func:`ends_the_job`); node 0 then publishes the end."""
         self._report_warm = False
         """Whether the report's warm-up started (once per launch, on the node of rank 0)."""
         self.attempts = attempts = AttemptIds(run.spec.rdzv_backend)
@@ -568,6 +570,7 @@ class _AgentRun:
         try:
             run_agent(self.torch_config(), sys.executable, [*WORKER_MODULE, *_entry_argv(self.run_.cfg)], hooks)
         except BaseException as e:  # noqa: BLE001 - every way torch's agent ends gets its one message
+            self.final = ends_the_job(e, self.preemption.preempting())
             return ending(e, self, err)
         finally:
             if spot is not None:
@@ -672,6 +675,13 @@ def _from_records(agent: _AgentRun, err: TextIO, fallback: str,
     print(agent_console.summary(local, known, run.rundir, run.host, {0} if agent.logs_specs.has_rank0 else ()),
           file=err, flush=True)
     return Outcome(1, run.rundir.path, 0.0, local, cause)
+
+
+def ends_the_job(e: BaseException, preempting: bool) -> bool:
+    """Whether this agent's end by ``e`` ends the job: not a signal that stopped this agent alone
+    (SIGQUIT, Ctrl-C, a SIGTERM that --preempt-signals does not name) outside a preemption, for the
+    other nodes may re-form without it (--max-restarts) and take a relaunch of it back. Pure."""
+    return preempting or not (isinstance(e, KeyboardInterrupt) or type(e).__name__ == "SignalException")
 
 
 def ending(e: BaseException, agent: _AgentRun, err: TextIO) -> Outcome:
