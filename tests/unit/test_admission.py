@@ -269,6 +269,7 @@ def test_the_launch_keeps_an_endpoint_client_whose_calls_a_stopped_host_cannot_h
 
     monkeypatch.setattr(defaults, "STORE_CALL_S", 0.3)
     monkeypatch.setattr(admission, "connect", lambda *a, **kw: (StoppedHost(), False))
+    monkeypatch.setattr(admission, "client", lambda *a, **kw: thawed.wait(20) and StoppedHost())  # it waits too
     monkeypatch.setattr(admission, "admit", lambda store, newcomer: "run-b")
     spec = ClusterSpec(environment="test", min_nodes=2, max_nodes=2, nproc_per_node=1, node_rank=1,
                        master_addr="127.0.0.1", master_port=29999, rdzv_backend="c10d", run_id="", device="cpu")
@@ -280,6 +281,57 @@ def test_the_launch_keeps_an_endpoint_client_whose_calls_a_stopped_host_cannot_h
     admission.publish_reforming(run.endpoint_store, 1)
     admission.publish_end(run.endpoint_store, job())
     assert time.monotonic() - t0 < 1.5
+    run.endpoint_store.close()
+
+
+def test_the_launchs_endpoint_client_writes_again_once_a_host_that_outlived_a_calls_bound_answers(
+        tmp_path, monkeypatch, request):
+    """The endpoint's host was stopped longer than STORE_CALL_S (SIGSTOP then SIGCONT, a paused VM) while
+    a restart's mark was written: the job record of the next start must reach the store, or the job
+    looks re-forming for ever (a newcomer is let into a full job). No call waits past the bound."""
+    from ddprun.agent import run as run_mod
+    from ddprun.cluster.base import ClusterSpec
+    from ddprun.config import LaunchConfig
+    from ddprun.protocol import defaults
+
+    thawed = threading.Event()
+    request.addfinalizer(thawed.set)  # the stuck call's helper thread ends with the test
+
+    class Store:
+        def __init__(self, frozen_s=0.0):
+            self.sets, self.frozen_s = {}, frozen_s
+
+        def set(self, key, value):
+            if self.frozen_s:  # the first call: the host is stopped past the bound
+                thawed.wait(self.frozen_s)
+                self.frozen_s = 0.0
+            self.sets[key] = value
+
+        def compare_set(self, key, expected, value):
+            return self.sets.setdefault(key, value)
+
+    first, later = Store(frozen_s=20.0), Store()
+    dialled = []
+    monkeypatch.setattr(defaults, "STORE_CALL_S", 0.3)
+    monkeypatch.setattr(admission, "connect", lambda *a, **kw: (first, False))
+    monkeypatch.setattr(admission, "admit", lambda store, newcomer: "run-b")
+    monkeypatch.setattr(admission, "client", lambda *a, **kw: dialled.append(a) or later)
+    spec = ClusterSpec(environment="test", min_nodes=2, max_nodes=2, nproc_per_node=1, node_rank=0,
+                       master_addr="127.0.0.1", master_port=29999, rdzv_backend="c10d", run_id="", device="cpu")
+    run = run_mod.admit_run(run_mod.prepare(LaunchConfig(run_dir=str(tmp_path)), spec, {}, "node-a", {}),
+                            io.StringIO())
+    t0 = time.monotonic()
+    admission.publish_reforming(run.endpoint_store, 1)  # stuck: given up at the bound
+    assert time.monotonic() - t0 < 1.0
+    waits, deadline = [], time.monotonic() + 5
+    while keys.JOB_KEY not in later.sets and time.monotonic() < deadline:
+        t0 = time.monotonic()
+        admission.publish_start(run.endpoint_store, job(round_=2), 0, "node-a", 11)
+        waits.append(time.monotonic() - t0)
+        time.sleep(0.05)
+    assert JobRecord.parse(later.sets.get(keys.JOB_KEY)) is not None, (waits, dialled)
+    assert dialled == [("127.0.0.1", 29999, 0.3)] and max(waits) < 0.3, (waits, dialled)
+    run.endpoint_store.close()
 
 
 def test_a_slow_store_is_named_with_the_hosts_lines_for_the_address_torch_dials(monkeypatch):

@@ -207,6 +207,9 @@ def test_node_0_publishes_the_jobs_end_only_when_its_end_ends_the_job(tmp_path, 
         def set(self, key, value):
             self.sets[key] = value
 
+        def close(self):
+            pass
+
     def agent_ends(config, entrypoint, args, hooks):
         hooks.on_workers_started.__self__.job = JobRecord("run-a", 1, 2, 2, 2, 1.0)  # node 0's workers ran
         if how == "signal":

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import json
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -316,6 +317,62 @@ class EndpointBeat:
             self._store.set(keys.job_beat_key(node), str(beat))
         except Exception:  # noqa: BLE001 - the endpoint's host is gone or slow: the job's own watch says
             self._store, self._retry_at = None, now + 5.0
+
+
+class EndpointClient:
+    """The agent's client of the endpoint's store after admission (the job record: :func:`publish_start`,
+    :func:`publish_reforming`, :func:`publish_end`), whose every call is made within ``timeout_s``
+    (:class:`~ddprun._util.Bounded`): a stopped host (SIGSTOP, a paused VM) never holds torch's loop.
+    A call that timed out leaves that client stuck; a thread then makes a new one with ``connect``
+    (again every ``retry_s`` until one is made, or :meth:`close`), and calls go to it once it is made.
+    Meanwhile every call raises at once, as on the stuck client: no call waits longer than
+    ``timeout_s``. The first client (on the store's host: the server itself) is kept for the launch."""
+
+    def __init__(self, store: Any, connect: Any, timeout_s: float, retry_s: float = 5.0):
+        self._first, self._connect = store, connect
+        self._store = Bounded(store, timeout_s)
+        self._timeout_s, self._retry_s = timeout_s, retry_s
+        self._dialling = threading.Lock()
+        """Held while the thread that makes a new client runs (one at a time)."""
+        self._closed = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # never the wrapper's own (copy, pickle: before __init__ ran)
+            raise AttributeError(name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            store = self._store
+            try:
+                return getattr(store, name)(*args, **kwargs)
+            finally:
+                if store.stuck_at is not None:
+                    self._redial()
+
+        return call
+
+    def close(self) -> None:
+        """No new client from now on (the launch is over)."""
+        self._closed.set()
+
+    def _redial(self) -> None:
+        if self._closed.is_set() or not self._dialling.acquire(blocking=False):
+            return
+        try:
+            threading.Thread(target=self._dial, name="ddprun-endpoint-redial", daemon=True).start()
+        except RuntimeError:  # no thread left: the next stuck call tries again
+            self._dialling.release()
+
+    def _dial(self) -> None:
+        """On its own thread: a connect to a stopped host waits until it runs again, and holds only this."""
+        try:
+            while not self._closed.is_set():
+                try:
+                    self._store = Bounded(self._connect(), self._timeout_s)
+                    return
+                except Exception:  # noqa: BLE001 - refused, or timed out: the host is gone or not back yet
+                    self._closed.wait(self._retry_s)
+        finally:
+            self._dialling.release()
 
 
 def publish_reforming(store: Any, round_: int) -> None:

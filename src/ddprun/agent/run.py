@@ -21,7 +21,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
-from ddprun._util import Bounded
 from ddprun.agent import admission
 from ddprun.agent import console as agent_console
 from ddprun.agent.endpoint import free_port
@@ -138,8 +137,8 @@ class _Run:
     when one was given, else the same default on every node."""
     explicit_id: bool = True
     endpoint_store: Any = None
-    """The admission's store client (agent/admission.py), kept for the launch (on the host: the server),
-    each call bounded by STORE_CALL_S (_util.Bounded)."""
+    """The admission's store client (agent/admission.py EndpointClient), kept for the launch (on the host:
+    the server), each call bounded by STORE_CALL_S."""
     dial: str = ""
     """The address this node's store clients use for the endpoint (the host: its bind address);
     ``addr`` unless admit_run says otherwise."""
@@ -223,9 +222,11 @@ def admit_run(run: _Run, console: TextIO) -> _Run:
     note = admission.elastic_note(me, spec.min_nodes, spec.max_nodes)
     if note:
         print(note, file=console, flush=True)
-    # from now on on torch's loop (the job record each start): a stopped endpoint host must not hold it
-    return replace(in_run_dir(run, run_id), endpoint_store=Bounded(store, defaults.STORE_CALL_S), dial=dial,
-                   hosted=hosted)
+    # from now on on torch's loop (the job record each start): a stopped endpoint host must not hold it,
+    # and one that runs again is written to again (a new client: the stuck one may never answer)
+    client = admission.EndpointClient(store, lambda: admission.client(dial, run.port, defaults.STORE_CALL_S),
+                                      defaults.STORE_CALL_S)
+    return replace(in_run_dir(run, run_id), endpoint_store=client, dial=dial, hosted=hosted)
 
 
 def in_run_dir(run: _Run, run_id: str) -> _Run:
@@ -454,6 +455,8 @@ def supervise(run: _Run, tee: set[int], console: TextIO, err: TextIO, relay: Any
             watcher.stop()
         if agent.final and agent.job is not None and failures.node_rank == 0 and run.endpoint_store is not None:
             admission.publish_end(run.endpoint_store, agent.job)  # a relaunch now is told the job is closing
+        if run.endpoint_store is not None:
+            run.endpoint_store.close()
         remove_empty_early_logs(run.rundir.path)
     if agent.logs_specs.has_rank0:
         write_run_report(run.rundir.path, console)
