@@ -76,6 +76,54 @@ def test_the_seconds_left_are_the_nearest_whole_second():
         assert w.line(snap).endswith(f"waiting up to 8 s ({left} s left)"), (elapsed, w.line(snap))
 
 
+def test_an_elastic_jobs_count_says_how_many_nodes_it_needs_and_how_many_it_takes():
+    me = Newcomer("127.0.0.1:1", "ddprun", "", False, "p")
+    w = JoinWatcher("127.0.0.1", 1, "ddprun", me, 4, 60, io.StringIO(), ("node-a", 11), min_nodes=2)
+    w.last = JoinSnapshot(reachable=True, joined=["node-a pid 11"])
+    assert w.timeout_message() == "1 of at least 2 (up to 4) nodes joined (node-a pid 11); 1 more needed"
+    assert w.line(w.last).startswith("ddprun: 1 of at least 2 (up to 4) nodes joined (node-a pid 11); waiting up to")
+    w.last = JoinSnapshot(reachable=True, joined=["node-a pid 11", "node-b pid 22"])
+    assert w.timeout_message() == "2 of at least 2 (up to 4) nodes joined (node-a pid 11, node-b pid 22)"
+    fixed = JoinWatcher("127.0.0.1", 1, "ddprun", me, 2, 60, io.StringIO(), ("node-a", 11), min_nodes=2)
+    fixed.last = JoinSnapshot(reachable=True, joined=["node-a pid 11"])
+    assert fixed.timeout_message() == "1/2 nodes joined (node-a pid 11); 1 missing"
+
+
+def test_an_elastic_launch_that_timed_out_names_the_nodes_it_needed(tmp_path, monkeypatch):
+    """--nnodes 2:4 with one node there: 1 more node was needed, not 3."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+    from ddprun.agent import joinwatch, torch_agent
+    from ddprun.agent import run as run_mod
+
+    class Watcher(JoinWatcher):
+        def start(self):  # no thread: what it saw is this node alone
+            self.last = JoinSnapshot(reachable=True, joined=["node-a pid 11"])
+            return self
+
+    def times_out(config, entrypoint, args, hooks):
+        raise RendezvousTimeoutError("timed out")
+
+    monkeypatch.setattr(joinwatch, "JoinWatcher", Watcher)
+    monkeypatch.setattr(torch_agent, "run_agent", times_out)
+    err = io.StringIO()
+    assert run_mod.supervise(elastic_run(tmp_path, "2:4"), set(), io.StringIO(), err).exit_code == 1
+    assert "ddprun: not every node joined within 120 s: 1 of at least 2 (up to 4) nodes joined (node-a pid 11); " \
+           "1 more needed.\n" in err.getvalue(), err.getvalue()
+
+
+def elastic_run(tmp_path, nnodes: str):
+    """A prepared launch of a c10d job with ``--nnodes`` ``nnodes`` at an endpoint nothing serves."""
+    from ddprun.agent import run as run_mod
+    from ddprun.cluster.base import ClusterSpec
+    from ddprun.cluster.detect import parse_nnodes
+    from ddprun.config import LaunchConfig
+
+    lo, hi = parse_nnodes(nnodes)
+    spec = ClusterSpec(environment="test", min_nodes=lo, max_nodes=hi, nproc_per_node=1, node_rank=None,
+                       master_addr="127.0.0.1", master_port=1, rdzv_backend="c10d", run_id="", device="cpu")
+    return run_mod.prepare(LaunchConfig(run_dir=str(tmp_path)), spec, {}, "node-a", {})
+
 
 # -- cost at scale: the endpoint's store serves torch's rendezvous too, and every node waits at once ---------------
 def _nodes_waiting(store, n: int, first_started: int = 0) -> None:

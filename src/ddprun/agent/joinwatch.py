@@ -125,9 +125,11 @@ class JoinWatcher:
 
     def __init__(self, host: str, port: int, run_id: str, me: Newcomer, nnodes: int, join_timeout: float,
                  out: TextIO, agent: tuple[str, int], interval_s: float = JOIN_PROGRESS_S, stale_s: float = STALE_S,
-                 hosted: bool = False):
-        """``hosted``: this agent hosts the endpoint's store; left out, it keeps serving it (below)."""
+                 hosted: bool = False, min_nodes: int | None = None):
+        """``nnodes``: the job's most nodes, ``min_nodes`` its fewest (None: ``nnodes``, not elastic);
+        ``hosted``: this agent hosts the endpoint's store; left out, it keeps serving it (below)."""
         self._hosted = hosted
+        self._min = nnodes if min_nodes is None else min_nodes
         self._run_id, self._me, self._agent = run_id, me, agent
         self.refused: str | None = None
         self._host, self._port = host, port
@@ -213,8 +215,14 @@ class JoinWatcher:
 
             return unreachable_line(f"{self._host}:{self._port}", self._timeout, left)
         who = names(snap.joined, snap.nodes) if snap.joined else "none"
-        return (f"ddprun: {snap.nodes}/{self._nnodes} nodes joined ({who}); waiting up to "
+        return (f"ddprun: {self._joined(snap.nodes)} joined ({who}); waiting up to "
                 f"{self._timeout:.0f} s ({left} s left)")
+
+    def _joined(self, nodes: int) -> str:
+        """``1/2 nodes``, or for an elastic job ``1 of at least 2 (up to 4) nodes``."""
+        if self._min == self._nnodes:
+            return f"{nodes}/{self._nnodes} nodes"
+        return f"{nodes} of at least {self._min} (up to {self._nnodes}) nodes"
 
     def _admitted(self) -> bool:
         """False (and this node's agent ended) when the job's round completed without this node and
@@ -287,6 +295,8 @@ class JoinWatcher:
         snap = self.last
         if not snap.reachable:
             return f"the rendezvous host {self._host}:{self._port} was never reachable from this node"
-        missing = self._nnodes - snap.nodes
         who = names(snap.joined, snap.nodes) or "no node"
-        return f"{snap.nodes}/{self._nnodes} nodes joined ({who}); {missing} missing"
+        missing = self._min - snap.nodes  # an elastic job starts with its fewest
+        if self._min == self._nnodes:
+            return f"{self._joined(snap.nodes)} joined ({who}); {missing} missing"
+        return f"{self._joined(snap.nodes)} joined ({who})" + (f"; {missing} more needed" if missing > 0 else "")

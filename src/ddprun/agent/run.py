@@ -441,7 +441,8 @@ def supervise(run: _Run, tee: set[int], console: TextIO, err: TextIO, relay: Any
     watcher = None
     if run.spec.rdzv_backend == "c10d" and run.spec.max_nodes > 1:
         watcher = JoinWatcher(run.dial, run.port, run.rdzv_id, run.newcomer, run.spec.max_nodes,
-                              run.cfg.join_timeout, err, (run.host, os.getpid()), hosted=run.hosted).start()
+                              run.cfg.join_timeout, err, (run.host, os.getpid()), hosted=run.hosted,
+                              min_nodes=run.spec.min_nodes).start()
     beat = admission.EndpointBeat(run.dial, run.port) if run.endpoint_store is not None else None
     failures = AgentFailures(run.rundir, run.host, run.addr, run.port, run.rdzv_id, err, on_beat=beat, relay=relay,
                              stop_grace_s=run.cfg.stop_grace)
