@@ -1,5 +1,6 @@
 """One run per launch, and one job per endpoint (agent/admission.py): a relaunch, two jobs in one
-directory, a third node at a full job, a stranger at an elastic job, two launches racing for one job."""
+directory, a third node at a full job, a stranger at an elastic job, two launches racing for one job,
+nodes started with different --nnodes."""
 
 from __future__ import annotations
 
@@ -195,6 +196,41 @@ def test_of_three_launches_racing_for_a_two_node_job_the_one_left_out_says_so(no
     (out,) = [e for e in ended if e.returncode == 1]
     assert "Refused: the job at the rendezvous endpoint" in out.output and "it is full (2 of 2 node(s))" in \
         out.output, describe(ended)
+    assert_nothing_left(tmp_path)
+
+
+def wait_for_text(path: Path, text: str, timeout: float) -> float | None:
+    """time.monotonic() when ``text`` was first seen in the file at ``path``; None after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in path.read_text(errors="replace"):
+            return time.monotonic()
+        time.sleep(0.1)
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_nodes_started_with_different_nnodes_name_the_mismatch_within_seconds(nodes, tmp_path):
+    """torch completes a round by each joining node's own MIN:MAX: a --nnodes 2 node then a --nnodes 3
+    node waited the whole join timeout, and the first said '2/2 nodes joined' naming no --nnodes."""
+    two = nodes(1, 1, [], rdzv_id=None, nnodes="2", extra=["--join-timeout", "20"], name="two")
+    assert wait_for_text(two.outs[0], "ddprun: run ", 60) is not None, two.describe()  # admitted: it set --nnodes 2
+    t0 = time.monotonic()
+    (three,) = nodes(1, 1, [], rdzv_id=None, nnodes="3", extra=["--join-timeout", "20"], port=two.port,
+                     name="three").finish(timeout=40)
+    said = wait_for_text(two.outs[0], "was refused: it was started with --nnodes 3", 10)
+    (first,) = two.finish(timeout=40)
+    assert three.returncode == 1, describe([first, three])
+    assert f"Refused: this node was started with --nnodes 3, the job at the rendezvous endpoint 127.0.0.1:{two.port} " \
+           "with --nnodes 2." in three.output and "the same --nnodes" in three.output, describe([three])
+    assert "ddprun: run " not in three.output, describe([three])  # refused before it joined the rendezvous
+    assert three.ended_at - t0 < 20, describe([three])  # its imports, then at once: not its join timeout
+    assert said is not None and said - three.ended_at < 5, describe([first, three])  # the next progress line
+    assert first.returncode == 1, describe([first])
+    assert re.search(r"^ddprun: \S+ \(agent pid \d+\) was refused: it was started with --nnodes 3, this job's nodes "
+                     r"with --nnodes 2 \(every node needs the same --nnodes\)$", first.output, re.M), describe([first])
+    assert re.search(r"^ddprun: not every node joined within 20 s: 1/2 nodes joined \(.*\); 1 missing; \S+ \(agent "
+                     r"pid \d+\) was refused: it was started with --nnodes 3", first.output, re.M), describe([first])
     assert_nothing_left(tmp_path)
 
 

@@ -20,8 +20,8 @@ from tests.helpers import store_server
 pytestmark = pytest.mark.timeout(30)
 
 
-def me(explicit=False, token="", proposal="20261201-000000-aaaaaa", rdzv_id="ddprun"):
-    return admission.Newcomer("h:1", rdzv_id, token, explicit, proposal)
+def me(explicit=False, token="", proposal="20261201-000000-aaaaaa", rdzv_id="ddprun", nnodes=None, agent=("?", 0)):
+    return admission.Newcomer("h:1", rdzv_id, token, explicit, proposal, nnodes, agent)
 
 
 def job(nnodes=2, lo=2, hi=2, round_=0):
@@ -128,6 +128,26 @@ def test_node_0_relaunched_after_a_signal_ended_its_agent_is_taken_back_by_the_r
     admission.publish_end(store, job(round_=1))
     admission.publish_reforming(store, 1)
     assert admission.admit(store, me(proposal="q")) == "p"
+
+
+def test_a_node_started_with_another_nnodes_is_refused_at_once_naming_both_and_who_set_the_jobs(store):
+    assert admission.admit(store, me(proposal="p", nnodes=(2, 2), agent=("node-a", 11))) == "p"
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as e:
+        admission.admit(store, me(proposal="q", nnodes=(3, 3), agent=("node-b", 22)))
+    assert time.monotonic() - t0 < 1.0
+    assert str(e.value).splitlines() == [
+        "Refused: this node was started with --nnodes 3, the job at the rendezvous endpoint h:1 with --nnodes 2.",
+        "Seen: --nnodes 2 from node-a (agent pid 11), the job's first node; --nnodes 3 on this node",
+        "HINT: Give every node of the job the same --nnodes: 2 to join this job, or stop its nodes and start every "
+        "one with 3. If that job has just ended, start again in a few seconds."]
+    assert admission.parse_nnodes(store.get(keys.NNODES_REFUSED_KEY)) == ((3, 3), "node-b (agent pid 22)")
+    # a node with the job's --nnodes (a relaunch of one of its nodes, a late elastic one) is let in
+    assert admission.admit(store, me(proposal="r", nnodes=(2, 2), agent=("node-a", 33))) == "p"
+    elastic = store_server()
+    admission.admit(elastic, me(nnodes=(1, 3), agent=("node-a", 11)))
+    with pytest.raises(LaunchError, match=r"started with --nnodes 2:3, .* with --nnodes 1:3\."):
+        admission.admit(elastic, me(nnodes=(2, 3), agent=("node-b", 22)))
 
 
 def test_another_job_at_the_endpoint_is_refused_before_the_job_record_is_read(store):

@@ -76,6 +76,25 @@ def test_the_seconds_left_are_the_nearest_whole_second():
         assert w.line(snap).endswith(f"waiting up to 8 s ({left} s left)"), (elapsed, w.line(snap))
 
 
+def test_a_waiting_node_names_a_node_refused_for_its_nnodes_once_and_at_the_timeout():
+    import json
+
+    store = store_server()
+    out = io.StringIO()
+    me = Newcomer(f"127.0.0.1:{store.port}", "ddprun", "", False, "p", (2, 2), ("node-a", 11))
+    w = JoinWatcher("127.0.0.1", store.port, "ddprun", me, 2, 60, out, ("node-a", 11))
+    w._say_mismatch(w._beat_once())
+    assert out.getvalue() == ""  # no node was refused
+    store.set(keys.NNODES_REFUSED_KEY, json.dumps({"min": 3, "max": 3, "host": "node-b", "pid": 22}))
+    w._say_mismatch(w._beat_once())
+    w._say_mismatch(w._beat_once())
+    said = ("node-b (agent pid 22) was refused: it was started with --nnodes 3, this job's nodes with --nnodes 2 "
+            "(every node needs the same --nnodes)")
+    assert out.getvalue() == f"ddprun: {said}\n"
+    w.last = JoinSnapshot(reachable=True, joined=["node-a pid 11"])
+    assert w.timeout_message() == f"1/2 nodes joined (node-a pid 11); 1 missing; {said}"
+
+
 def test_an_elastic_jobs_count_says_how_many_nodes_it_needs_and_how_many_it_takes():
     me = Newcomer("127.0.0.1:1", "ddprun", "", False, "p")
     w = JoinWatcher("127.0.0.1", 1, "ddprun", me, 4, 60, io.StringIO(), ("node-a", 11), min_nodes=2)

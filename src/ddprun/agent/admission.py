@@ -10,6 +10,8 @@ admitted or refused, and agree on the run id.
   arrives late being the reason for ``--nnodes MIN:MAX`` (torch restarts the running workers to add
   it). Without a token or an explicit id every node started with the same command has that identity:
   :func:`elastic_note` says so at launch.
+* ``--nnodes``: the first node's MIN:MAX is the job's; a node started with another is refused at once
+  (:func:`agree_nnodes`), where torch would keep it and the job's nodes waiting the whole join timeout.
 * The run id: an explicit one (``--rdzv-id``, a scheduler's job id) as given; else the first agent's
   proposal (a fresh id) wins in the store, so every launch is a new run and all its nodes agree.
 
@@ -51,6 +53,10 @@ class Newcomer:
     """The run id was given (--rdzv-id, a scheduler's job id), not the multi-node default."""
     proposal: str
     """A fresh run id, taken when no other node proposed one first."""
+    nnodes: tuple[int, int] | None = None
+    """``--nnodes`` as (MIN, MAX), which every node of the job must share; None: not checked."""
+    agent: tuple[str, int] = ("?", 0)
+    """This node's host name and agent pid, for the messages of the others."""
 
 
 def should_host(addr: str, rdzv_conf: Mapping[str, Any], backend: str, node_rank: int) -> bool:
@@ -234,6 +240,7 @@ def admit(store: Any, me: Newcomer) -> str:
         reason = None  # a node of the job is gone (its restarted agent, say): torch's rendezvous decides
     if job is not None and reason is not None:
         raise LaunchError(refusal_text(job, reason, me.endpoint, hosts_of(store, job), time.time()))
+    agree_nnodes(store, me)
     if me.explicit:
         return me.rdzv_id
     agreed = keys.text(store.compare_set(keys.RUN_ID_KEY, "", me.proposal))
@@ -244,6 +251,43 @@ def admit(store: Any, me: Newcomer) -> str:
                           hint="Something other than this job's nodes wrote it: give the job its own "
                                "--rdzv-endpoint port, or name the run with --rdzv-id.")
     return agreed
+
+
+def nnodes_text(nnodes: tuple[int, int]) -> str:
+    """``--nnodes`` as given: ``2``, or ``1:3`` for an elastic job."""
+    return str(nnodes[1]) if nnodes[0] == nnodes[1] else f"{nnodes[0]}:{nnodes[1]}"
+
+
+def parse_nnodes(raw: bytes | str) -> tuple[tuple[int, int], str] | None:
+    """(MIN, MAX) and ``host (agent pid N)`` of the node of a :data:`~ddprun.protocol.store.NNODES_KEY`
+    value; None for a bad one (never trusted)."""
+    try:
+        data = json.loads(raw)
+        return (int(data["min"]), int(data["max"])), f"{data['host']} (agent pid {int(data['pid'])})"
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def agree_nnodes(store: Any, me: Newcomer) -> None:
+    """Take the job's ``--nnodes`` from the first node at the endpoint (compare_set, as the run id), and
+    raise LaunchError at once when this node's differs, leaving its own for the job's waiting nodes to
+    name (:data:`~ddprun.protocol.store.NNODES_REFUSED_KEY`): torch completes a round by each joining
+    node's own MIN:MAX, so nodes that differ wait the whole join timeout, or form a round of another
+    size. The key lives as long as the store, one job's (the claim keeps other jobs out)."""
+    if me.nnodes is None:
+        return
+    mine = json.dumps({"min": me.nnodes[0], "max": me.nnodes[1], "host": me.agent[0], "pid": me.agent[1]})
+    agreed = parse_nnodes(keys.text(store.compare_set(keys.NNODES_KEY, "", mine)))
+    if agreed is None or agreed[0] == me.nnodes:
+        return  # a bad value is not this node's to judge: torch's rendezvous decides
+    store.set(keys.NNODES_REFUSED_KEY, mine)
+    theirs, ours = nnodes_text(agreed[0]), nnodes_text(me.nnodes)
+    raise LaunchError(
+        f"Refused: this node was started with --nnodes {ours}, the job at the rendezvous endpoint {me.endpoint} "
+        f"with --nnodes {theirs}.", seen=f"--nnodes {theirs} from {agreed[1]}, the job's first node; "
+        f"--nnodes {ours} on this node", hint=f"Give every node of the job the same --nnodes: {theirs} to join "
+        f"this job, or stop its nodes and start every one with {ours}. If that job has just ended, start again "
+        "in a few seconds.")
 
 
 def publish_start(store: Any, job: JobRecord, node: int, host: str, pid: int) -> None:

@@ -9,8 +9,9 @@ when this node's workers start. Nothing read here is a pickle (torch's rendezvou
 
 The endpoint's store also serves torch's rendezvous, and at 1,000 nodes every node waits at once: a
 node's calls per second stay the same whatever the job's size (a beat and the refusal check each
-second; every few seconds one batched read of the entries, none of a node that has started), and a
-line names at most :data:`NAMES_SHOWN` nodes. ``benchmarks/join_watch.py`` measures it.
+second; every few seconds one batched read of the entries, none of a node that has started, and one
+check for a node refused for its ``--nnodes``, which a line then names), and a line names at most
+:data:`NAMES_SHOWN` nodes. ``benchmarks/join_watch.py`` measures it.
 When the job's round completes without this node (it started with the job and was not taken in:
 two launches raced for one job's places), it says so and ends this node's agent (agent/admission.py
 :func:`~ddprun.agent.admission.left_out`), unless the job is elastic with room for it.
@@ -147,6 +148,9 @@ class JoinWatcher:
         self._seq = 0
         self._summary_seen: tuple[int, float] = (-1, float("-inf"))
         """The summary's last number, and when it moved (this watcher's clock)."""
+        self._refused_raw: bytes | None = None
+        self.mismatch = ""
+        """The latest node refused for its --nnodes, said (agent/admission.py agree_nnodes); "": none."""
         self._thread = threading.Thread(target=self._loop, name="ddprun-join-watch", daemon=True)
 
     def start(self) -> JoinWatcher:
@@ -255,6 +259,8 @@ class JoinWatcher:
                     got = self._snapshot(store, early=not due)
                     # nothing to read yet (_snapshot): this node, which the store has just answered, is there
                     snap, read = (got, True) if got is not None else (self._alone(), False)
+                if due:
+                    self._say_mismatch(store)
             except Exception:  # noqa: BLE001 - unreachable, or a state this torch cannot read
                 self._store = None
                 # a read that fails after the store answered (a slow moment, the rendezvous closing at its
@@ -277,6 +283,23 @@ class JoinWatcher:
                 self._out.flush()
         self._mark_started()
 
+    def _say_mismatch(self, store: TCPStore) -> None:
+        """Say, once each, a node refused for its --nnodes: it will not come (one call a line)."""
+        from ddprun.agent.admission import nnodes_text, parse_nnodes
+        from ddprun.protocol import store as keys
+
+        if self._me.nnodes is None or not store.check([keys.NNODES_REFUSED_KEY]):
+            return
+        raw = store.get(keys.NNODES_REFUSED_KEY)
+        seen = parse_nnodes(raw)
+        if seen is None or raw == self._refused_raw:
+            return
+        self._refused_raw = raw
+        self.mismatch = (f"{seen[1]} was refused: it was started with --nnodes {nnodes_text(seen[0])}, this job's "
+                         f"nodes with --nnodes {nnodes_text(self._me.nnodes)} (every node needs the same --nnodes)")
+        self._out.write(f"ddprun: {self.mismatch}\n")
+        self._out.flush()
+
     def _mark_started(self) -> None:
         """This node's entry says it is no longer waiting (another node's watcher stops counting it);
         the store's host's summary says it is no longer kept (a late node reads the entries itself)."""
@@ -297,6 +320,9 @@ class JoinWatcher:
             return f"the rendezvous host {self._host}:{self._port} was never reachable from this node"
         who = names(snap.joined, snap.nodes) or "no node"
         missing = self._min - snap.nodes  # an elastic job starts with its fewest
+        said = f"{self._joined(snap.nodes)} joined ({who})"
         if self._min == self._nnodes:
-            return f"{self._joined(snap.nodes)} joined ({who}); {missing} missing"
-        return f"{self._joined(snap.nodes)} joined ({who})" + (f"; {missing} more needed" if missing > 0 else "")
+            said += f"; {missing} missing"
+        elif missing > 0:
+            said += f"; {missing} more needed"
+        return said + (f"; {self.mismatch}" if self.mismatch else "")

@@ -162,7 +162,8 @@ class _Run:
     @property
     def newcomer(self) -> admission.Newcomer:
         """This node's identity at the endpoint (agent/admission.py)."""
-        return admission.Newcomer(self.endpoint, self.rdzv_id, self.token, self.explicit_id, self.run_id)
+        return admission.Newcomer(self.endpoint, self.rdzv_id, self.token, self.explicit_id, self.run_id,
+                                  (self.spec.min_nodes, self.spec.max_nodes), (self.host, os.getpid()))
 
 
 def prepare(cfg: LaunchConfig, spec: ClusterSpec, environ: Mapping[str, str], hostname: str,

@@ -63,6 +63,9 @@ between attempts:
     endpoint-owner     ``<rendezvous id>:<digest of the job token>`` of the job that first reached
                        the store (:func:`claim`)
     run-id             the run id the nodes agreed on (the first agent's proposal wins)
+    nnodes             JSON {min, max, host, pid}: the --nnodes of the first node at the endpoint (the
+                       first writer wins); a node started with another is refused
+    nnodes/refused     the same of the latest node refused for its --nnodes (the waiting nodes name it)
     job                JSON :class:`JobRecord`: the running round's membership, written by node 0
     job/host/<round>/<node>  JSON {host, pid} of that node's agent in that round
     job/reforming      the latest round whose group failed and is re-forming (a restart)
@@ -94,6 +97,8 @@ RUN_ID_KEY = "ddprun/run-id"
 JOB_KEY = "ddprun/job"
 REFORMING_KEY = "ddprun/job/reforming"
 SINCE_KEY = "ddprun/job/since"
+NNODES_KEY = "ddprun/nnodes"
+NNODES_REFUSED_KEY = "ddprun/nnodes/refused"
 JOINING_COUNT_KEY = "ddprun/joining"
 
 
