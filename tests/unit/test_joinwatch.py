@@ -95,6 +95,54 @@ def test_a_waiting_node_names_a_node_refused_for_its_nnodes_once_and_at_the_time
     assert w.timeout_message() == f"1/2 nodes joined (node-a pid 11); 1 missing; {said}"
 
 
+def test_a_node_still_waiting_past_its_bound_says_once_it_was_not_taken_in_and_ends_its_agent(monkeypatch):
+    """torch keeps a node that a full round left out in its redundancy list, with no deadline: where
+    the job record cannot tell (node 0 could not write it), the node waited for ever, its line saying
+    'waiting up to 2 s (0 s left)' every few seconds."""
+    import os
+    import re
+    import signal
+
+    from ddprun.agent import joinwatch
+
+    killed = []
+    monkeypatch.setattr(joinwatch.os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    store = store_server()
+    out = io.StringIO()
+    me = Newcomer(f"127.0.0.1:{store.port}", "ddprun", "", False, "p")
+    w = JoinWatcher("127.0.0.1", store.port, "ddprun", me, 2, 2, out, ("node-a", 11), interval_s=1.0,
+                    stranded_s=3.0).start()
+    w._thread.join(timeout=10)
+    assert not w._thread.is_alive() and killed == [(os.getpid(), signal.SIGTERM)], out.getvalue()
+    lines = out.getvalue().splitlines()
+    assert re.match(rf"ddprun: error: this node was not taken into the job at the rendezvous endpoint 127.0.0.1:"
+                    rf"{store.port}: its workers have not started [34] s after it came, past --join-timeout 2 s, and "
+                    r"torch would keep it waiting", lines[-2]), lines
+    assert lines[-1].startswith("HINT: ") and w.refused == "\n".join(lines[-2:])
+    assert [line for line in lines if line.startswith("ddprun: 1/2 nodes joined")], lines  # its lines until then
+    assert joinwatch.stranded_after(120, 15) >= 120 + 5 + 15  # torch's deadline, rollback and a dead node's drop
+
+
+def test_the_bound_never_ends_a_node_whose_workers_started_nor_the_stores_host(monkeypatch):
+    from ddprun.agent import joinwatch
+
+    killed = []
+    monkeypatch.setattr(joinwatch.os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    me = Newcomer("127.0.0.1:1", "ddprun", "", False, "p")
+    started = JoinWatcher("127.0.0.1", 1, "ddprun", me, 2, 8, io.StringIO(), ("node-a", 11), stranded_s=30)
+    started.stop()  # its workers started
+    started._t0 = time.monotonic() - 100
+    assert not started._stranded() and started.refused is None
+    out = io.StringIO()
+    host = JoinWatcher("127.0.0.1", 1, "ddprun", me, 2, 8, out, ("node-a", 11), stranded_s=30, hosted=True)
+    host._t0 = time.monotonic() - 29
+    assert not host._stranded()
+    host._t0 = time.monotonic() - 31
+    assert host._stranded() and killed == []  # said, and it keeps serving the job's store
+    assert out.getvalue().rstrip().endswith("ddprun: this node hosts the store of that job: it serves it until the "
+                                            "job ends (torch then closes the rendezvous and this launcher exits 1).")
+
+
 def test_an_elastic_jobs_count_says_how_many_nodes_it_needs_and_how_many_it_takes():
     me = Newcomer("127.0.0.1:1", "ddprun", "", False, "p")
     w = JoinWatcher("127.0.0.1", 1, "ddprun", me, 4, 60, io.StringIO(), ("node-a", 11), min_nodes=2)

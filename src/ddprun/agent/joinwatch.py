@@ -14,7 +14,9 @@ check for a node refused for its ``--nnodes``, which a line then names), and a l
 :data:`NAMES_SHOWN` nodes. ``benchmarks/join_watch.py`` measures it.
 When the job's round completes without this node (it started with the job and was not taken in:
 two launches raced for one job's places), it says so and ends this node's agent (agent/admission.py
-:func:`~ddprun.agent.admission.left_out`), unless the job is elastic with room for it.
+:func:`~ddprun.agent.admission.left_out`), unless the job is elastic with room for it. Where the job's
+record cannot tell, a node still waiting well past its join timeout (:func:`stranded_after`) is ended
+the same way: torch would keep it in its redundancy list, which has no deadline.
 The rendezvous itself is torch's.
 """
 
@@ -28,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TextIO
 
-from ddprun.protocol.defaults import JOIN_PROGRESS_S
+from ddprun.protocol.defaults import JOIN_PROGRESS_S, TORCH_KEEP_ALIVE_INTERVAL_S, TORCH_KEEP_ALIVE_MAX_ATTEMPT
 
 if TYPE_CHECKING:  # annotations only: torch.distributed is imported where the store is made
     from torch.distributed import TCPStore
@@ -55,6 +57,10 @@ POLL_S = 1.0
 """Seconds between this node's beats (and checks that the job's round left it out)."""
 NAMES_SHOWN = 8
 """Nodes a line names; the rest are counted (``... and 992 more``)."""
+TORCH_ROLLBACK_S = 5.0
+"""torch's join goes on this long past its deadline (withdrawing the node), then raises."""
+STRANDED_SLACK_S = 15.0
+"""This watcher starts before torch's join does (torch's agent connects to the store first): the gap."""
 SUMMARY_STALE_INTERVALS = 2
 """A summary whose number has not moved for this many line intervals (and a poll) is not used: its
 writer has started its workers, or stopped."""
@@ -121,15 +127,28 @@ def names(joined: list[str], count: int) -> str:
     return ", ".join(shown) + (f", ... and {count - len(shown)} more" if count > len(shown) else "")
 
 
+def stranded_after(join_timeout: float, keep_alive_s: float) -> float:
+    """Seconds after which a node whose workers have not started was not taken in: torch's join has
+    passed its deadline and rollback, and waits on only in its redundancy list (a round full without
+    this node), which has no deadline. ``keep_alive_s`` (interval x attempts) is added: a full round's
+    dead node is dropped that long after its last keep-alive, and the node waiting then (its relaunch)
+    gets a new deadline."""
+    return join_timeout + TORCH_ROLLBACK_S + keep_alive_s + STRANDED_SLACK_S
+
+
 class JoinWatcher:
     """Prints join progress for a c10d rendezvous until :meth:`stop` (called when workers start)."""
 
     def __init__(self, host: str, port: int, run_id: str, me: Newcomer, nnodes: int, join_timeout: float,
                  out: TextIO, agent: tuple[str, int], interval_s: float = JOIN_PROGRESS_S, stale_s: float = STALE_S,
-                 hosted: bool = False, min_nodes: int | None = None):
+                 hosted: bool = False, min_nodes: int | None = None, stranded_s: float | None = None):
         """``nnodes``: the job's most nodes, ``min_nodes`` its fewest (None: ``nnodes``, not elastic);
-        ``hosted``: this agent hosts the endpoint's store; left out, it keeps serving it (below)."""
+        ``hosted``: this agent hosts the endpoint's store; left out, it keeps serving it (below);
+        ``stranded_s``: after it this node, still waiting, was not taken in (:func:`stranded_after`;
+        None: with torch's default keep-alive)."""
         self._hosted = hosted
+        keep_alive_s = TORCH_KEEP_ALIVE_INTERVAL_S * TORCH_KEEP_ALIVE_MAX_ATTEMPT
+        self._stranded_s = stranded_after(join_timeout, keep_alive_s) if stranded_s is None else stranded_s
         self._min = nnodes if min_nodes is None else min_nodes
         self._run_id, self._me, self._agent = run_id, me, agent
         self.refused: str | None = None
@@ -237,7 +256,26 @@ class JoinWatcher:
         reason = refusal_reason(out[0], -1) if out is not None else None
         if out is None or reason is None or not job_alive(self._store, out[0]):
             return True  # a node of that round is gone: the job re-forms, with this node in it
-        self.refused = "ddprun: error: " + refusal_text(out[0], reason, self._me.endpoint, out[1], time.time())
+        self._refuse(refusal_text(out[0], reason, self._me.endpoint, out[1], time.time()))
+        return False
+
+    def _stranded(self) -> bool:
+        """True (said, and this node's agent ended) once this node has waited ``stranded_s`` with its
+        workers not started: where :meth:`_admitted` could not tell (the job record not written: its
+        node 0 could not reach the store), torch would keep it waiting for ever."""
+        waited = time.monotonic() - self._t0
+        if waited < self._stranded_s or self._stop.is_set():
+            return False
+        self._refuse(f"this node was not taken into the job at the rendezvous endpoint {self._me.endpoint}: its "
+                     f"workers have not started {waited:.0f} s after it came, past --join-timeout "
+                     f"{self._timeout:.0f} s, and torch would keep it waiting for a place in a round that is full "
+                     "without it.\nHINT: check the job's nodes' own output; to add nodes to a running job start "
+                     "it with --nnodes MIN:MAX; raise --join-timeout if nodes start late.")
+        return True
+
+    def _refuse(self, text: str) -> None:
+        """Say ``text`` once, and end this node's agent, unless it hosts the store."""
+        self.refused = "ddprun: error: " + text
         if self._hosted:  # the job's store lives in this process: ending it would end the job it refuses
             self.refused += ("\nddprun: this node hosts the store of that job: it serves it until the job ends "
                              "(torch then closes the rendezvous and this launcher exits 1).")
@@ -246,7 +284,6 @@ class JoinWatcher:
         if not self._hosted:
             # End this node's agent: torch turns SIGTERM into SignalException (agent/run.py ending()).
             os.kill(os.getpid(), signal.SIGTERM)
-        return False
 
     def _loop(self) -> None:
         next_line = time.monotonic() + self._interval
@@ -271,6 +308,8 @@ class JoinWatcher:
                     return
             except Exception:  # noqa: BLE001 - the store went away: the next round asks again
                 self._store = None
+            if self._stranded():
+                return
             if self._stop.is_set():
                 break
             # at the join timeout torch withdraws this node from the state before it raises: an empty

@@ -434,16 +434,18 @@ def _announce(run: _Run, console: TextIO) -> None:
 def supervise(run: _Run, tee: set[int], console: TextIO, err: TextIO, relay: Any = None) -> Outcome:
     """Run torch's agent with ddprun's hooks (the endpoint is claimed already, :func:`admit_run`) and
     say how it ended. ``relay``: the node store (agent/noderelay.py) whose address is in ``run.wenv``."""
-    from ddprun.agent.joinwatch import JoinWatcher
+    from ddprun.agent.joinwatch import JoinWatcher, stranded_after
     from ddprun.agent.logs import LogFollower, remove_empty_early_logs
 
     _announce(run, console)
     follower = LogFollower(console)
     watcher = None
     if run.spec.rdzv_backend == "c10d" and run.spec.max_nodes > 1:
+        interval, attempts = defaults.keep_alive(run.cfg.rdzv_conf)
         watcher = JoinWatcher(run.dial, run.port, run.rdzv_id, run.newcomer, run.spec.max_nodes,
                               run.cfg.join_timeout, err, (run.host, os.getpid()), hosted=run.hosted,
-                              min_nodes=run.spec.min_nodes).start()
+                              min_nodes=run.spec.min_nodes,
+                              stranded_s=stranded_after(run.cfg.join_timeout, interval * attempts)).start()
     beat = admission.EndpointBeat(run.dial, run.port) if run.endpoint_store is not None else None
     failures = AgentFailures(run.rundir, run.host, run.addr, run.port, run.rdzv_id, err, on_beat=beat, relay=relay,
                              stop_grace_s=run.cfg.stop_grace)
