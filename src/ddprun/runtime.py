@@ -97,7 +97,10 @@ def _use_cuda(environ: Mapping[str, str]) -> bool:
     return torch.cuda.is_available() and device_kind(environ) != "cpu"
 
 
-def _device(local_rank: int | None, use_cuda: bool) -> torch.device:
+def _device(local_rank: int | None, use_cuda: bool, bound: bool = False) -> torch.device:
+    """``cuda:<local_rank>``; ``bound``: this process was given one GPU of its own (a per-process
+    launcher set CUDA_VISIBLE_DEVICES for it: srun --gpus-per-task, an mpirun wrapper), so its one
+    visible device, ``cuda:0``, whatever its local rank."""
     import torch
 
     if not use_cuda:
@@ -105,6 +108,8 @@ def _device(local_rank: int | None, use_cuda: bool) -> torch.device:
     if local_rank is None:  # a process group the user made without LOCAL_RANK: trust their set_device
         return torch.device("cuda", torch.cuda.current_device())
     count = torch.cuda.device_count()
+    if bound and count == 1:
+        return torch.device("cuda", 0)
     if local_rank >= count:
         raise ConfigError(
             "This process's local rank has no GPU of its own.",
@@ -140,8 +145,18 @@ def _from_environ(environ: Mapping[str, str], per_node: bool = True, joining: bo
     node_rank = (spec.node_rank if spec.node_rank is not None else
                  int(named) if named.isdigit() else spec.rank // local_world)
     info = RankInfo(rank=spec.rank, local_rank=local_rank, node_rank=node_rank, world_size=spec.world_size,
-                    local_world_size=local_world, device=_device(local_rank, use_cuda), is_main=spec.rank == 0)
+                    local_world_size=local_world, device=_device(local_rank, use_cuda, _bound(spec, environ)),
+                    is_main=spec.rank == 0)
     return spec, info
+
+
+def _bound(spec: ClusterSpec, environ: Mapping[str, str]) -> bool:
+    """Whether a per-process launcher (not torch's agent, which shows every worker the node's GPUs)
+    gave this process one GPU of its own through CUDA_VISIBLE_DEVICES."""
+    from ddprun.cluster._values import visible_gpus
+
+    seen = visible_gpus(environ)
+    return spec.environment != "torchrun" and seen is not None and seen.value == 1
 
 
 def _export(spec, target: MutableMapping[str, str]) -> None:

@@ -231,3 +231,41 @@ def test_init_exports_what_env_init_needs_for_per_process_clusters():
 def test_bad_timeouts_are_config_errors():
     with pytest.raises(ConfigError, match="HINT"):
         runtime.init(timeout=0, environ={})
+
+
+def slurm_task(**extra):
+    """srun --ntasks-per-node=4 --gpus-per-task=1 on gpu[01-02]: the task with SLURM_PROCID=6 (node 1,
+    local 2), which SLURM's per-task binding shows its own GPU only."""
+    env = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_JOB_NUM_NODES": "2", "SLURM_NNODES": "2",
+           "SLURM_NODEID": "1", "SLURM_PROCID": "6", "SLURM_LOCALID": "2", "SLURM_NTASKS": "8",
+           "SLURM_NTASKS_PER_NODE": "4", "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_GPUS_ON_NODE": "4",
+           "SLURM_STEP_ID": "0", "CUDA_VISIBLE_DEVICES": "2"}
+    return {**env, **extra}
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """``gpus(n)``: torch sees n CUDA devices (no CUDA call is made)."""
+    import torch
+
+    def see(n):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    return see
+
+
+def test_a_task_a_per_process_launcher_gave_one_gpu_trains_on_it_whatever_its_local_rank(gpus):
+    gpus(1)
+    info = runtime.rank_info(slurm_task())
+    assert (info.rank, info.local_rank, info.node_rank, info.world_size) == (6, 2, 1, 8)
+    assert info.device == torch.device("cuda", 0)  # its one visible GPU (physical GPU 2)
+    gpus(4)  # srun without per-task binding: every task sees the node's GPUs
+    assert runtime.rank_info(slurm_task(CUDA_VISIBLE_DEVICES="0,1,2,3")).device == torch.device("cuda", 2)
+
+
+def test_workers_of_torchs_agent_that_see_one_gpu_are_still_refused_a_local_rank_past_it(gpus):
+    # torch's agent shows every worker the node's GPUs: one GPU for local rank 1 is a launch of too
+    # many processes, not a per-process binding
+    gpus(1)
+    with pytest.raises(ConfigError, match="local rank has no GPU of its own"):
+        runtime.rank_info({**torchrun_env(rank=1, local_rank=1, world=2, local_world=2), "CUDA_VISIBLE_DEVICES": "0"})
