@@ -271,9 +271,27 @@ def test_batch_script_of_a_multi_task_job_is_refused_not_left_waiting():
             read(env)
         msg = str(e.value)
         assert "not running in an srun step" in msg and "SLURM_STEP_ID=<unset>" in msg
-        assert "HINT" in msg and "srun ddprun run train.py" in msg
+        assert "HINT" in msg and "srun --ntasks-per-node=1 ddprun run train.py" in msg
     # the older spelling counts as a step; a one-task job needs no step
     assert read(job(SLURM_STEP_ID=None, SLURM_STEPID="3"))["node_rank"].value == 2
     one = dict(SLURM_JOB_NODELIST="gpu01", SLURM_JOB_NUM_NODES="1", SLURM_NNODES="1", SLURM_NODEID="0",
                SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_TASKS_PER_NODE="1", SLURM_STEP_ID=None)
     assert read(job(**one))["nproc_per_node"].value == 4
+
+
+def test_ddprun_run_in_the_batch_script_of_a_one_node_job_of_several_tasks_is_the_nodes_launcher():
+    """sbatch -N1 --ntasks-per-node=4 --gres=gpu:4 with `ddprun run train.py` in the script (torchrun's
+    usual place): ddprun starts the 4 workers itself. A script that is itself a rank (ddprun.init())
+    started there is still refused: the other 3 tasks never start."""
+    one = job(SLURM_JOB_NODELIST="gpu01", SLURM_JOB_NUM_NODES="1", SLURM_NNODES="1", SLURM_NODEID="0",
+              SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NTASKS="4", SLURM_NTASKS_PER_NODE="4",
+              SLURM_TASKS_PER_NODE="4", SLURM_STEP_ID=None)
+    r = SlurmEnvironment().read(one, NODE, launcher=True)
+    assert r["nproc_per_node"].value == 4 and r["node_rank"].value == 0 and "rank" not in r
+    spec = resolve(LaunchConfig(), one, NODE, launcher=True)
+    assert (spec.environment, spec.max_nodes, spec.nproc_per_node, spec.node_rank, spec.rank) == ("slurm", 1, 4, 0, None)
+    with pytest.raises(ClusterError, match="not running in an srun step"):
+        read(one)
+    with pytest.raises(ClusterError, match="not running in an srun step"):  # several nodes: srun starts them
+        SlurmEnvironment().read(job(SLURM_STEP_ID=None, SLURM_TASKS_PER_NODE="4(x6)", SLURM_NTASKS_PER_NODE="4",
+                                    SLURM_NTASKS="24"), NODE, launcher=True)

@@ -58,8 +58,9 @@ class ClusterEnvironment(ABC):
         """True when this environment's variables are present in ``environ``."""
 
     @abstractmethod
-    def read(self, environ: Mapping[str, str], node: NodeFacts) -> Reading:
-        """The facts this environment states; raise ClusterError on contradictory input."""
+    def read(self, environ: Mapping[str, str], node: NodeFacts, *, launcher: bool = False) -> Reading:
+        """The facts this environment states; raise ClusterError on contradictory input. ``launcher``:
+        this process starts the node's workers (``ddprun run``), else it is one of them."""
 
 
 @dataclass(frozen=True)

@@ -194,7 +194,7 @@ def resolve(cfg: LaunchConfig, environ: Mapping[str, str], node: NodeFacts,
     notes: list[str] = []
     if env is None:
         env, notes = choose(cfg, environ)
-    reading = env.read(environ, node)
+    reading = env.read(environ, node, launcher=launcher)
     if launcher:
         reading = one_agent_per_node(reading, env.name)
     facts = _overlay_flags(reading, cfg, node)

@@ -109,7 +109,7 @@ class HostfileEnvironment(ClusterEnvironment):
     def detect(environ: Mapping[str, str]) -> bool:
         return False  # chosen by --hostfile in resolve(), never by the environment
 
-    def read(self, environ: Mapping[str, str], node: NodeFacts) -> Reading:
+    def read(self, environ: Mapping[str, str], node: NodeFacts, *, launcher: bool = False) -> Reading:
         if not self.path:
             raise ClusterError("The hostfile environment needs a file.", seen="no --hostfile",
                                hint="Give --hostfile PATH.")

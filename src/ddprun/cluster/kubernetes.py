@@ -75,7 +75,7 @@ class KubernetesEnvironment(ClusterEnvironment):
         return ("KUBERNETES_SERVICE_HOST" in environ and "MASTER_ADDR" in environ
                 and ("RANK" in environ or "PET_NODE_RANK" in environ))
 
-    def read(self, environ: Mapping[str, str], node: NodeFacts) -> Reading:
+    def read(self, environ: Mapping[str, str], node: NodeFacts, *, launcher: bool = False) -> Reading:
         lo, hi, nodes_src = _nnodes(environ)
         reading: Reading = {"min_nodes": Fact(lo, nodes_src), "max_nodes": Fact(hi, nodes_src)}
         if "PET_NPROC_PER_NODE" in environ:

@@ -14,7 +14,7 @@ class LocalEnvironment(ClusterEnvironment):
     def detect(environ: Mapping[str, str]) -> bool:
         return True
 
-    def read(self, environ: Mapping[str, str], node: NodeFacts) -> Reading:
+    def read(self, environ: Mapping[str, str], node: NodeFacts, *, launcher: bool = False) -> Reading:
         return {
             "min_nodes": Fact(1, "default: one node"),
             "max_nodes": Fact(1, "default: one node"),

@@ -75,7 +75,7 @@ class LsfEnvironment(ClusterEnvironment):
     def detect(environ: Mapping[str, str]) -> bool:
         return "LSB_JOBID" in environ and ("LSB_MCPU_HOSTS" in environ or "LSB_HOSTS" in environ)
 
-    def read(self, environ: Mapping[str, str], node: NodeFacts) -> Reading:
+    def read(self, environ: Mapping[str, str], node: NodeFacts, *, launcher: bool = False) -> Reading:
         job_id = env_int(environ, "LSB_JOBID")
         hosts, hosts_src = job_hosts(environ)
         rank = _index_of_this_node(hosts, node, hosts_src)

@@ -60,7 +60,7 @@ class MpiEnvironment(ClusterEnvironment):
     def detect(environ: Mapping[str, str]) -> bool:
         return _flavour(environ) is not None
 
-    def read(self, environ: Mapping[str, str], node: NodeFacts) -> Reading:
+    def read(self, environ: Mapping[str, str], node: NodeFacts, *, launcher: bool = False) -> Reading:
         found = _flavour(environ)
         if found is None:
             raise ClusterError("No MPI rank variables found.",

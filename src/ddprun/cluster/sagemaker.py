@@ -82,7 +82,7 @@ class SageMakerEnvironment(ClusterEnvironment):
             return True
         return OVERRIDE in environ and os.path.isfile(environ[OVERRIDE])
 
-    def read(self, environ: Mapping[str, str], node: NodeFacts) -> Reading:
+    def read(self, environ: Mapping[str, str], node: NodeFacts, *, launcher: bool = False) -> Reading:
         path = resourceconfig_path(environ)
         need_file = "SM_HOSTS" not in environ or "SM_CURRENT_HOST" not in environ
         config = load_resourceconfig(path) if need_file else {}

@@ -43,7 +43,7 @@ class SkyPilotEnvironment(ClusterEnvironment):
     def detect(environ: Mapping[str, str]) -> bool:
         return "SKYPILOT_NODE_IPS" in environ and "SKYPILOT_NODE_RANK" in environ
 
-    def read(self, environ: Mapping[str, str], node: NodeFacts) -> Reading:
+    def read(self, environ: Mapping[str, str], node: NodeFacts, *, launcher: bool = False) -> Reading:
         ips = node_ips(environ)
         shown = ",".join(ips)
         nnodes = Fact(len(ips), f"SKYPILOT_NODE_IPS ({count(len(ips), 'node')}: {shown})")

@@ -113,19 +113,23 @@ def _master_addr(environ: Mapping[str, str], nnodes: Fact, nodelist_key: str, ho
     return Fact(addr, f"MASTER_ADDR={addr}")
 
 
+def _in_step(environ: Mapping[str, str]) -> bool:
+    return "SLURM_STEP_ID" in environ or "SLURM_STEPID" in environ
+
+
 def _check_in_step(environ: Mapping[str, str], nnodes: Fact, counts: list[int], counts_src: str) -> None:
     """A job of several tasks needs ddprun inside an srun step (which sets SLURM_STEP_ID).
 
     The batch script and an salloc shell carry the job's variables too (the batch script even
     SLURM_NODEID=0): started there, one process would wait for nodes or ranks that never start.
     """
-    if sum(counts) > 1 and "SLURM_STEP_ID" not in environ and "SLURM_STEPID" not in environ:
+    if sum(counts) > 1 and not _in_step(environ):
         raise ClusterError(
             f"ddprun is not running in an srun step, but the SLURM job has {count(sum(counts), 'task')}: "
             "started from the batch script (or an salloc shell) it runs once, and the other tasks never start.",
             seen=f"SLURM_STEP_ID=<unset>, {nnodes.source}, {counts_src}",
-            hint="Start it with srun: `srun ddprun run train.py` (one task per node), or `srun python train.py` "
-                 "for a script that calls ddprun.init()/ddprun.fit() (one task per GPU).",
+            hint="Start it with srun: `srun --ntasks-per-node=1 ddprun run train.py` (one launcher per node), or "
+                 "`srun python train.py` for a script that calls ddprun.init()/ddprun.fit() (one task per GPU).",
         )
 
 
@@ -137,11 +141,16 @@ class SlurmEnvironment(ClusterEnvironment):
         has_nodelist = "SLURM_JOB_NODELIST" in environ or "SLURM_NODELIST" in environ
         return "SLURM_JOB_ID" in environ and has_nodelist and not started_by_mpi_launcher(environ)
 
-    def read(self, environ: Mapping[str, str], node: NodeFacts) -> Reading:
+    def read(self, environ: Mapping[str, str], node: NodeFacts, *, launcher: bool = False) -> Reading:
         job_id = env_int(environ, "SLURM_JOB_ID")
         nodelist_key, hosts = _nodelist(environ)
         nnodes = _nnodes(environ, nodelist_key, hosts)
         counts, counts_src = _tasks_per_node(environ, nnodes.value)
+        if launcher and nnodes.value == 1 and not _in_step(environ):
+            # `ddprun run` in the batch script of a one-node job (torchrun's usual place): it starts the
+            # node's workers itself, whatever task count the job asked for
+            counts_src = f"{counts_src}, but this is `ddprun run` in the job's batch script: the node's one launcher"
+            counts = [1]
         _check_in_step(environ, nnodes, counts, counts_src)
         reading: Reading = {
             "min_nodes": nnodes,

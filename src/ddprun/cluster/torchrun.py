@@ -45,7 +45,7 @@ class TorchrunEnvironment(ClusterEnvironment):
     def detect(environ: Mapping[str, str]) -> bool:
         return "TORCHELASTIC_RUN_ID" in environ or all(k in environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
 
-    def read(self, environ: Mapping[str, str], node: NodeFacts) -> Reading:
+    def read(self, environ: Mapping[str, str], node: NodeFacts, *, launcher: bool = False) -> Reading:
         missing = [k for k in REQUIRED if k not in environ]
         if missing:
             raise ClusterError(
