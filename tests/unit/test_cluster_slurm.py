@@ -295,3 +295,17 @@ def test_ddprun_run_in_the_batch_script_of_a_one_node_job_of_several_tasks_is_th
     with pytest.raises(ClusterError, match="not running in an srun step"):  # several nodes: srun starts them
         SlurmEnvironment().read(job(SLURM_STEP_ID=None, SLURM_TASKS_PER_NODE="4(x6)", SLURM_NTASKS_PER_NODE="4",
                                     SLURM_NTASKS="24"), NODE, launcher=True)
+
+
+def test_a_flag_that_changes_the_node_count_slurm_states_is_noted_at_once():
+    # --nnodes 4 in a 3-node allocation: the static rendezvous would wait out its join timeout for a
+    # fourth node without a word until then
+    three = job(SLURM_JOB_NODELIST="gpu[01-03]", SLURM_JOB_NUM_NODES="3", SLURM_NNODES="3", SLURM_NODEID="1",
+                SLURM_PROCID="1", SLURM_NTASKS="3", SLURM_TASKS_PER_NODE="1(x3)")
+    spec = resolve(LaunchConfig(nnodes="4"), three, NODE, launcher=True)
+    assert spec.max_nodes == 4  # the flag wins, as documented
+    assert spec.notes == ("--nnodes 4 replaces the node count the slurm environment states (SLURM_JOB_NUM_NODES=3: "
+                          "3); a node the job does not have is waited for until --join-timeout.",)
+    assert resolve(LaunchConfig(nnodes="3"), three, NODE, launcher=True).notes == ()
+    moved = resolve(LaunchConfig(node_rank=2), three, NODE, launcher=True)
+    assert len(moved.notes) == 1 and moved.notes[0].startswith("--node-rank 2 replaces this node's rank")

@@ -198,6 +198,7 @@ def resolve(cfg: LaunchConfig, environ: Mapping[str, str], node: NodeFacts,
     if launcher:
         reading = one_agent_per_node(reading, env.name)
     facts = _overlay_flags(reading, cfg, node)
+    notes = [*notes, *override_notes(reading, facts, env.name)]
     facts, node_notes = _with_node_defaults(facts, node)
     facts = _with_master(facts, env, dry_run)
     facts, rdzv_notes = _with_rendezvous(facts)
@@ -208,6 +209,21 @@ def resolve(cfg: LaunchConfig, environ: Mapping[str, str], node: NodeFacts,
             if _multi_node(facts) else Fact("", "generated at launch")
         )
     return _spec(env.name, facts, (*notes, *node_notes, *rdzv_notes))
+
+
+def override_notes(reading: Reading, facts: Reading, env_name: str) -> list[str]:
+    """A note for each node count or node rank a flag set to another value than the scheduler's own
+    (the flag wins): a node count the job does not have is waited for until the join timeout."""
+    notes = []
+    for key, what in (("max_nodes", "the node count"), ("min_nodes", "the fewest nodes"), ("node_rank", "this node's rank")):
+        said, now = reading.get(key), facts.get(key)
+        if env_name == "local" or said is None or now is None or said.value == now.value:
+            continue
+        if key == "min_nodes" and reading.get("max_nodes") == said and facts.get("max_nodes") != reading["max_nodes"]:
+            continue  # one --nnodes changed both: one note
+        notes.append(f"{now.source} replaces {what} the {env_name} environment states ({said.source}: "
+                     f"{said.value}); a node the job does not have is waited for until --join-timeout.")
+    return notes
 
 
 def _multi_node(facts: Reading) -> bool:
