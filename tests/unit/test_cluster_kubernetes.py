@@ -105,3 +105,16 @@ def test_a_max_restarts_that_is_no_count_is_named():
     with pytest.raises(ClusterError, match="PET_MAX_RESTARTS"):
         resolve(LaunchConfig(), {"PET_NNODES": "2", "PET_NODE_RANK": "0", "PET_MASTER_ADDR": "m",
                                  "PET_MAX_RESTARTS": "lots"}, NODE, launcher=True)
+
+
+def test_a_loopback_master_in_the_master_pod_of_a_job_of_several_pods_is_that_pods_own_name():
+    # operators that set MASTER_ADDR=localhost in the master pod: read as loopback ("every node on this
+    # machine"), the store it hosts listened on 127.0.0.1 only and the other pods waited out the join
+    master_pod = NodeFacts(hostname="job-master-0", cpus=16, cuda_devices=2)
+    env = pytorchjob(MASTER_ADDR="localhost", PET_MASTER_ADDR="localhost", RANK="0", PET_NODE_RANK="0")
+    r = KubernetesEnvironment().read(env, master_pod)
+    assert r["master_addr"].value == "job-master-0"
+    assert r["master_addr"].source == "PET_MASTER_ADDR=localhost in a job of 3 pods: this pod's own name, job-master-0"
+    one = KubernetesEnvironment().read(pytorchjob(MASTER_ADDR="localhost", PET_NNODES="1", RANK="0",
+                                                  PET_NODE_RANK="0"), master_pod)
+    assert one["master_addr"].value == "localhost"  # one pod: loopback is right

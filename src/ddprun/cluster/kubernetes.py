@@ -14,8 +14,10 @@ processes; a pod that runs ``python train.py`` itself is its node's one rank
 * Without (older operator): WORLD_SIZE = number of pods, RANK = this pod's index.
 
 The rendezvous host is PET_RDZV_ENDPOINT, else PET_MASTER_ADDR/PORT, else MASTER_ADDR/PORT (the
-master pod's service). A loopback one is not refused as under SLURM and MPI: the training operator
-sets MASTER_ADDR=localhost in the master pod itself, which hosts the store. The backend is
+master pod's service). A loopback one in a job of several pods is not refused as under SLURM and
+MPI: some operators (Kubeflow's old pytorch-operator, forks of the training operator) set
+MASTER_ADDR=localhost in the master pod itself, which hosts the store; it is read as this pod's own
+name, where its peers reach it (torch's store listens on every interface there). The backend is
 PET_RDZV_BACKEND, else static when the node rank is known.
 Detected on PET_NNODES, or KUBERNETES_SERVICE_HOST with MASTER_ADDR and RANK or PET_NODE_RANK; RANK
 without LOCAL_RANK is not a torchrun worker, so the torchrun environment does not claim it.
@@ -65,6 +67,17 @@ def _nproc(environ: Mapping[str, str], node: NodeFacts) -> Fact | None:
     return Fact(env_int(environ, "PET_NPROC_PER_NODE", minimum=1), src)
 
 
+def _master(addr: str, key: str, nodes: int, node: NodeFacts) -> Fact:
+    """The rendezvous host ``key`` names. A loopback one in a job of several pods is the master pod's
+    own (operators that set ``localhost`` there): this pod's name, which its peers reach, so that the
+    store it hosts listens where they dial, not on loopback only."""
+    from ddprun.cluster.netaddr import is_loopback
+
+    if nodes > 1 and is_loopback(addr):
+        return Fact(node.hostname, f"{key}={addr} in a job of {nodes} pods: this pod's own name, {node.hostname}")
+    return Fact(addr, f"{key}={addr}")
+
+
 class KubernetesEnvironment(ClusterEnvironment):
     name = "kubernetes"
 
@@ -94,7 +107,7 @@ class KubernetesEnvironment(ClusterEnvironment):
                 reading["master_port"] = Fact(port, f"PET_RDZV_ENDPOINT={environ['PET_RDZV_ENDPOINT']}")
         for addr_key, port_key in (("PET_MASTER_ADDR", "PET_MASTER_PORT"), ("MASTER_ADDR", "MASTER_PORT")):
             if addr_key in environ and "master_addr" not in reading:
-                reading["master_addr"] = Fact(environ[addr_key], f"{addr_key}={environ[addr_key]}")
+                reading["master_addr"] = _master(environ[addr_key], addr_key, hi, node)
             if port_key in environ and "master_port" not in reading:
                 reading["master_port"] = Fact(env_port(environ, port_key), f"{port_key}={environ[port_key]}")
 
