@@ -5,13 +5,16 @@ each other's files in flight, prune each other's checkpoints and resume from eac
 fit's main writer holds a POSIX record lock on the directory's lock file while it runs, with who
 holds it written inside; a writer of another run finds it held and is refused, naming the holder.
 
+* A run is its run directory (``runs/<run id>``, absolute): the launch's own identity, where a
+  rendezvous id may be every job's default (torchrun's ``none``, ddprun's ``ddprun``).
 * A POSIX lock (``fcntl.lockf``), not ``flock``: it belongs to the process, so DataLoader workers
   forked from it do not keep it after it ends; it ends with the process, also on SIGKILL; NFS
   clients share it through the lock manager.
-* Held by a process of the same run (``TORCHELASTIC_RUN_ID``): an earlier attempt of this job,
-  e.g. a rank 0 cut off on a node the job re-formed without, whose NFS lease has not expired yet.
-  The writer goes on without the lock: a safety check never stops a healthy job.
-* A file system without locks (ENOLCK, EOPNOTSUPP, ...): no check, as before.
+* Held by a process of the same run: an earlier attempt of this job, e.g. a rank 0 cut off on a
+  node the job re-formed without, whose NFS lease has not expired yet. The writer goes on without
+  the lock: a safety check never stops a healthy job.
+* A file system without locks (ENOLCK, EOPNOTSUPP, ...), or whose lock calls do not answer within
+  ``WAIT_S`` + ``CALL_S`` (a lock manager that is gone): no check, with a warning for the latter.
 * A holder that is ending (a relaunch right after a stop) is waited for, up to ``WAIT_S``.
 """
 
@@ -22,13 +25,15 @@ import json
 import os
 import socket
 import time
-from collections.abc import Mapping
+import warnings
 
 from ddprun.errors import CheckpointError
 
 LOCK_NAME = ".ddprun-writer.lock"
 WAIT_S = 5.0
 """How long a writer waits for a holder of another run to end before it is refused."""
+CALL_S = 10.0
+"""Beyond ``WAIT_S``, how long the lock calls may take before the writer goes on without the lock."""
 _HELD: dict[str, int] = {}
 """Directories (absolute) whose lock this process holds, and the file descriptor holding it."""
 _BUSY = (errno.EACCES, errno.EAGAIN)
@@ -46,7 +51,7 @@ def _holder(fd: int) -> dict:
 def _describe(holder: dict) -> str:
     since = holder.get("since")
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if isinstance(since, (int, float)) else "?"
-    return (f"held by {holder.get('host', '?')} pid {holder.get('pid', '?')} (run {holder.get('run_id') or '?'}, "
+    return (f"held by {holder.get('host', '?')} pid {holder.get('pid', '?')} (run {holder.get('run') or '?'}, "
             f"since {when})")
 
 
@@ -62,34 +67,43 @@ def _try_lock(fd: int, me: dict, deadline: float) -> dict | None:
             if e.errno not in _BUSY:
                 return {"unlockable": True}  # this file system has no locks: no check
         holder = _holder(fd)
-        if me["run_id"] and holder.get("run_id") == me["run_id"]:
+        if holder.get("run") == me["run"]:
             return {"same_run": True}
         if time.monotonic() >= deadline:
             return holder
         time.sleep(0.25)
 
 
-def acquire(directory: str, environ: Mapping[str, str], wait_s: float | None = None) -> None:
-    """Hold ``directory``'s writer lock until :func:`release`. Raises CheckpointError when a process
-    of another run holds it past ``wait_s`` (None: :data:`WAIT_S`). The directory exists."""
+def acquire(directory: str, run: str, wait_s: float | None = None) -> None:
+    """Hold ``directory``'s writer lock for the run whose directory is ``run`` until :func:`release`.
+    Raises CheckpointError when a process of another run holds it past ``wait_s`` (None:
+    :data:`WAIT_S`). The directory exists."""
+    from ddprun._util import within
+
     wait_s = WAIT_S if wait_s is None else wait_s
     path = os.path.abspath(directory)
     if path in _HELD:
         return
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": environ.get("TORCHELASTIC_RUN_ID", ""),
-          "since": time.time()}
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "run": os.path.abspath(run), "since": time.time()}
     try:
         fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o666)
     except OSError:
         return  # the writes themselves say what is wrong with the directory
-    found = _try_lock(fd, me, time.monotonic() + wait_s)
+    try:
+        found = within(wait_s + CALL_S, _try_lock, fd, me, time.monotonic() + wait_s)
+    except TimeoutError:  # its thread keeps the descriptor: closing it under a pending lock call is unsafe
+        warnings.warn(f"ddprun: the checkpoint directory {path} did not answer its lock call within "
+                      f"{wait_s + CALL_S:g} s: this fit goes on without checking that no other job writes there.",
+                      stacklevel=2)
+        return
     if found is not None:
         os.close(fd)
         if found.get("unlockable") or found.get("same_run"):
             return
         raise CheckpointError("Another job writes checkpoints in this directory.",
                               seen=f"{path}: {_describe(found)}",
-                              hint="Give each job its own checkpoint_dir (or run_dir), or wait until that job ends.")
+                              hint="Give each job its own checkpoint_dir (or run_dir), or wait until that job ends; "
+                                   f"if it has ended on a node that is gone, remove {LOCK_NAME} there.")
     _HELD[path] = fd
     try:
         os.ftruncate(fd, 0)

@@ -506,7 +506,7 @@ def _setup(model: nn.Module, train_data: Any, val_data: Any, o: FitOptions) -> _
     sched = _make_scheduler(o.scheduler, opt)
     run_dir = resolve_run_dir(o.run_dir, info)
     ckpts, resumed = resume_mod.Checkpoints.open(o.checkpoint_dir or os.path.join(run_dir, "checkpoints"), info,
-                                                 keep=o.keep_checkpoints, resume=o.resume)
+                                                 keep=o.keep_checkpoints, resume=o.resume, run=run_dir)
     resume_mod.warn_no_periodic(info, o.checkpoint_every)
     ddp = _wrap(module, info)
     loader, sampler = train.loader, train.sampler

@@ -83,8 +83,11 @@ class Checkpoints:
 
     # -- open / resume ---------------------------------------------------------------------------
     @classmethod
-    def open(cls, directory: str, info: RankInfo, *, keep: int, resume: Any) -> tuple[Checkpoints, Resumed | None]:
-        """The checkpoint set of this run and, unless ``resume=False``, what to resume from (every rank)."""
+    def open(cls, directory: str, info: RankInfo, *, keep: int, resume: Any,
+             run: str | None = None) -> tuple[Checkpoints, Resumed | None]:
+        """The checkpoint set of this run and, unless ``resume=False``, what to resume from (every rank).
+        ``run``: the run's directory, its identity for the writer's lock (None: ``directory``'s parent)."""
+        run = run or os.path.dirname(os.path.abspath(directory))
         check_resume(resume)
         source = directory if resume in ("auto", True, False) else os.path.abspath(os.fspath(resume))
         wanted = resume is not False
@@ -99,11 +102,11 @@ class Checkpoints:
                               "fit() starts anew (resume=True or a path continues from them).", stacklevel=5)
         if not _distributed(info):
             self = cls(directory, info, keep)
-            cls._prepare(directory, lock=True)
+            cls._prepare(directory, lock=run)
             found = cls._find(source) if wanted else None
             resumed = Resumed(*found) if found else None
         else:
-            self, resumed = cls._open_distributed(directory, source, info, keep, wanted)
+            self, resumed = cls._open_distributed(directory, source, info, keep, wanted, run)
         if resumed is None and (resume is True or resume not in ("auto", True, False)):
             raise ConfigError("There is no checkpoint to resume from.", seen=f"resume={resume!r}: no usable checkpoint "
                               f"in {source}", hint="Give a directory fit() saved into (run dir/checkpoints) or a .pt "
@@ -111,16 +114,17 @@ class Checkpoints:
         return self, resumed
 
     @staticmethod
-    def _prepare(directory: str, lock: bool = False) -> None:
-        """Create the directory and remove what a killed writer left; ``lock``: the main writer's,
-        first (train/dirlock.py: CheckpointError when another job writes there)."""
+    def _prepare(directory: str, lock: str | None = None) -> None:
+        """Create the directory and remove what a killed writer left; ``lock``: the main writer's run
+        directory, whose lock it takes first (train/dirlock.py: CheckpointError when another job
+        writes there)."""
         try:
             os.makedirs(directory, exist_ok=True)
         except OSError as e:
             raise CheckpointError("The checkpoint directory cannot be created.", seen=f"{directory}: {e.strerror}",
                                   hint="Give fit() a checkpoint_dir (or run_dir) this process may write to.") from e
         if lock:
-            dirlock.acquire(directory, os.environ)
+            dirlock.acquire(directory, lock)
         ckpt.remove_temp_files(directory)
         for name in os.listdir(directory):  # a marker of a fit killed during its own check
             if name.startswith(MARKER):
@@ -137,10 +141,10 @@ class Checkpoints:
 
     @classmethod
     def _open_distributed(cls, directory: str, source: str, info: RankInfo, keep: int,
-                          wanted: bool) -> tuple[Checkpoints, Resumed | None]:
+                          wanted: bool, run: str) -> tuple[Checkpoints, Resumed | None]:
         """Steps 1 and 2 of the module docstring, on every rank: a broadcast and an all_gather_object
         (and one more broadcast when only some nodes have the newest checkpoint)."""
-        marker = cls._shared_marker(directory, info)
+        marker = cls._shared_marker(directory, info, run)
         head = info.local_rank == 0
         saw = info.is_main or (head and _exists_soon(marker))
         # 2. who has what: rank 0 and the heads of nodes that do not share its directory look
@@ -166,7 +170,7 @@ class Checkpoints:
         return self, _newest(table, heads, found, info)
 
     @classmethod
-    def _shared_marker(cls, directory: str, info: RankInfo) -> str:
+    def _shared_marker(cls, directory: str, info: RankInfo, run: str) -> str:
         """1. rank 0's marker file, named by a nonce every rank learns after it exists (a broadcast);
         its path. CheckpointError on every rank when rank 0 cannot write it."""
         import torch.distributed as dist
@@ -174,7 +178,7 @@ class Checkpoints:
         said: list[Any] = [None, None]
         if info.is_main:
             try:
-                cls._prepare(directory, lock=True)
+                cls._prepare(directory, lock=run)
                 said[0] = uuid.uuid4().hex
                 with open(os.path.join(directory, MARKER + said[0]), "w") as f:
                     f.write("rank 0 of a fit() checks which nodes see this directory; removed after the check\n")
