@@ -221,4 +221,8 @@ def test_under_torchs_agent_without_a_run_id_a_restart_that_starts_anew_is_named
     err = capsys.readouterr().err
     assert f"this launch names no run (TORCHELASTIC_RUN_ID={run_id or '(unset)'})" in err
     assert "a restart trains from step 0. HINT: give torchrun --rdzv-id" in err
-    assert resolve_run_dir(None, info, {"TORCHELASTIC_RUN_ID": "../x"}).startswith(str(tmp_path / "runs") + "/")
+    assert resolve_run_dir(None, info, {**environ, "TORCHELASTIC_RUN_ID": "../x"}).startswith(str(tmp_path / "runs") + "/")
+    # without restarts a fixed id (--rdzv-id=123 in a script) is no run name: every launch starts anew
+    fixed = {"TORCHELASTIC_RUN_ID": "123", "TORCHELASTIC_MAX_RESTARTS": "0"}
+    assert resolve_run_dir(None, info, fixed) != resolve_run_dir(None, info, fixed)
+    assert resolve_run_dir(None, info, {**fixed, "TORCHELASTIC_MAX_RESTARTS": "2"}) == str(tmp_path / "runs" / "123")

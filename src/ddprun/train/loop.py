@@ -170,32 +170,40 @@ def launcher_run_dir() -> str | None:
 
 
 def resolve_run_dir(run_dir: str | None, info: RankInfo, environ: Mapping[str, str] | None = None) -> str:
-    """``run_dir``, else DDPRUN_RUN_DIR, else ``runs/<TORCHELASTIC_RUN_ID>`` under torch's agent (a
-    restarted worker group resumes there: torchrun's --rdzv-id, a fresh uuid with --standalone), else
-    ``runs/<timestamp>`` chosen by rank 0 for every rank."""
+    """``run_dir``, else DDPRUN_RUN_DIR, else under torch's agent with restarts
+    ``runs/<TORCHELASTIC_RUN_ID>`` (a restarted worker group resumes there: torchrun's --rdzv-id, a
+    fresh uuid with --standalone), else ``runs/<timestamp>``; rank 0's choice, for every rank."""
     if run_dir:
         return os.path.abspath(run_dir)
     env_dir = launcher_run_dir()
     if env_dir:
         return env_dir
+    environ = os.environ if environ is None else environ
+    chosen = [os.path.abspath(_run_dir_here(info, environ))]
+    if info.distributed and info.world_size > 1:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(chosen, src=0)  # once, at setup: clocks and working directories differ
+    return chosen[0]
+
+
+def _run_dir_here(info: RankInfo, environ: Mapping[str, str]) -> str:
+    """This rank's proposal (rank 0's is taken): a name that outlives a restart only where torch's
+    agent restarts the workers, so that a launch without restarts is never taken for a relaunch."""
     from ddprun.config import DEFAULT_RUNS_ROOT, run_id_problem
     from ddprun.protocol.rundir import new_run_id
 
-    environ = os.environ if environ is None else environ
     run_id = environ.get("TORCHELASTIC_RUN_ID", "")
+    if environ.get("TORCHELASTIC_MAX_RESTARTS", "0") in ("", "0"):
+        return os.path.join(DEFAULT_RUNS_ROOT, new_run_id())
     if run_id and run_id != "none" and not run_id_problem(run_id):  # "none": torchrun's default, every job's
-        return os.path.abspath(os.path.join(DEFAULT_RUNS_ROOT, run_id))
-    if info.is_main and environ.get("TORCHELASTIC_MAX_RESTARTS", "0") not in ("", "0"):
+        return os.path.join(DEFAULT_RUNS_ROOT, run_id)
+    if info.is_main:
         print("ddprun: torch's agent may restart the workers, but this launch names no run "
               f"(TORCHELASTIC_RUN_ID={run_id or '(unset)'}): each start of fit() picks a new run directory, so a "
               "restart trains from step 0. HINT: give torchrun --rdzv-id (a job id), or fit(..., run_dir=...).",
               file=sys.stderr, flush=True)
-    chosen = [os.path.abspath(os.path.join(DEFAULT_RUNS_ROOT, new_run_id()))]
-    if info.distributed and info.world_size > 1:
-        import torch.distributed as dist
-
-        dist.broadcast_object_list(chosen, src=0)  # once, at setup: ranks' clocks may straddle a second
-    return chosen[0]
+    return os.path.join(DEFAULT_RUNS_ROOT, new_run_id())
 
 
 def _wrap(module: nn.Module, info: RankInfo) -> nn.Module:
