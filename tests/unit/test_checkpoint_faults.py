@@ -211,3 +211,12 @@ def test_the_start_removes_a_killed_writers_checkpoint_temp_files_and_no_other_w
         (tmp_path / name).write_bytes(b"x")
     checkpoint.remove_temp_files(str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == sorted(others)
+
+
+def test_fit_checks_that_its_checkpoint_loads_back_at_its_first_save_only(tmp_path, monkeypatch):
+    # the scan walks the pickle in Python: seconds at thousands of ranks (each rank's RNG state)
+    scans = []
+    scan = checkpoint._check_loadable
+    monkeypatch.setattr(checkpoint, "_check_loadable", lambda path, step: scans.append(step) or scan(path, step))
+    train(tmp_path, epochs=2, checkpoint_every=4)
+    assert scans == [4]

@@ -157,8 +157,9 @@ def _free_bytes(directory: str) -> str:
 
 def _check_loadable(path: str, step: int) -> None:
     """Raise CheckpointError (``path`` removed) when ``torch.load(weights_only=True)`` would refuse a
-    class in ``path``: found at the first save, not at the restart that needs it (a pickle's static
-    scan, about a millisecond)."""
+    class in ``path``: found at the first save, not at the restart that needs it. A static scan of the
+    pickle in Python: milliseconds for a small job, seconds at thousands of ranks (each rank's RNG
+    state is in it), so fit makes it at its first save only (its state's classes do not change)."""
     try:
         refused = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     except (ValueError, RuntimeError, OSError):  # not torch's zip format: torch.load's own check at resume
@@ -173,13 +174,13 @@ def _check_loadable(path: str, step: int) -> None:
                                    "with torch.serialization.add_safe_globals([...]) in the script before fit().")
 
 
-def save(directory: str, state: dict[str, Any], keep: int | None = None) -> str:
+def save(directory: str, state: dict[str, Any], keep: int | None = None, check_loadable: bool = True) -> str:
     """Write ``state`` as ``step-N.pt`` with its meta file, then ``latest``; keep the newest ``keep``.
 
     Returns the checkpoint's path. ``state`` must hold tensors and plain values only, and ``step``.
     Raises CheckpointError when the file system refuses (disk full, permissions): the previous
-    checkpoint and ``latest`` are then unchanged and no temp file is left; and when the file holds a
-    class ``torch.load(weights_only=True)`` refuses (the file is then removed).
+    checkpoint and ``latest`` are then unchanged and no temp file is left; and, ``check_loadable``,
+    when the file holds a class ``torch.load(weights_only=True)`` refuses (the file is then removed).
     """
     state = {"format_version": FORMAT_VERSION, **state}
     step = int(state["step"])
@@ -201,7 +202,8 @@ def save(directory: str, state: dict[str, Any], keep: int | None = None) -> str:
         # a crash between the renames below leaves a whole file without one, never one it contradicts
         remove_durably(meta_path(path))
         write_atomic(path, write)
-        _check_loadable(path, step)
+        if check_loadable:
+            _check_loadable(path, step)
         meta = {"file": os.path.basename(path), "step": step, **written}
         write_atomic(meta_path(path), _writing(json.dumps(meta).encode() + b"\n"))
         write_atomic(os.path.join(directory, LATEST), _writing(os.path.basename(path).encode() + b"\n"))

@@ -80,6 +80,8 @@ class Checkpoints:
         self.writer = info.is_main if writer is None else writer
         self.last_saved: tuple[int, int] | None = None
         """(step, epoch) of the last save (or of the checkpoint resumed from)."""
+        self.checked = False
+        """Whether a save of this fit was checked to load back (checkpoint.save ``check_loadable``)."""
 
     # -- open / resume ---------------------------------------------------------------------------
     @classmethod
@@ -212,7 +214,8 @@ class Checkpoints:
             rngs = [rng]
         path = None
         if self.writer:
-            path = ckpt.save(self.directory, make_state(rngs), keep=self.keep)
+            path = ckpt.save(self.directory, make_state(rngs), keep=self.keep, check_loadable=not self.checked)
+            self.checked = True
             if written is not None and self.info.is_main:
                 written(path)
         self.last_saved = (step, epoch)
