@@ -285,13 +285,16 @@ def test_ddprun_run_in_the_batch_script_of_a_one_node_job_of_several_tasks_is_th
     started there is still refused: the other 3 tasks never start."""
     one = job(SLURM_JOB_NODELIST="gpu01", SLURM_JOB_NUM_NODES="1", SLURM_NNODES="1", SLURM_NODEID="0",
               SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NTASKS="4", SLURM_NTASKS_PER_NODE="4",
-              SLURM_TASKS_PER_NODE="4", SLURM_STEP_ID=None)
+              SLURM_TASKS_PER_NODE="4", SLURM_STEP_ID=None, SLURMD_NODENAME="gpu01")
     r = SlurmEnvironment().read(one, NODE, launcher=True)
     assert r["nproc_per_node"].value == 4 and r["node_rank"].value == 0 and "rank" not in r
     spec = resolve(LaunchConfig(), one, NODE, launcher=True)
     assert (spec.environment, spec.max_nodes, spec.nproc_per_node, spec.node_rank, spec.rank) == ("slurm", 1, 4, 0, None)
     with pytest.raises(ClusterError, match="not running in an srun step"):
         read(one)
+    salloc = {k: v for k, v in one.items() if k != "SLURMD_NODENAME"}  # an salloc shell, maybe on a login host
+    with pytest.raises(ClusterError, match="not running in an srun step"):
+        SlurmEnvironment().read(salloc, NODE, launcher=True)
     with pytest.raises(ClusterError, match="not running in an srun step"):  # several nodes: srun starts them
         SlurmEnvironment().read(job(SLURM_STEP_ID=None, SLURM_TASKS_PER_NODE="4(x6)", SLURM_NTASKS_PER_NODE="4",
                                     SLURM_NTASKS="24"), NODE, launcher=True)

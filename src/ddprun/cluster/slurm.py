@@ -146,9 +146,10 @@ class SlurmEnvironment(ClusterEnvironment):
         nodelist_key, hosts = _nodelist(environ)
         nnodes = _nnodes(environ, nodelist_key, hosts)
         counts, counts_src = _tasks_per_node(environ, nnodes.value)
-        if launcher and nnodes.value == 1 and not _in_step(environ):
-            # `ddprun run` in the batch script of a one-node job (torchrun's usual place): it starts the
-            # node's workers itself, whatever task count the job asked for
+        if launcher and nnodes.value == 1 and not _in_step(environ) and environ.get("SLURMD_NODENAME") == hosts[0]:
+            # `ddprun run` in the batch script of a one-node job (torchrun's usual place; slurmd runs it
+            # on the job's node, where an salloc shell may be on a login host): it starts the node's
+            # workers itself, whatever task count the job asked for
             counts_src = f"{counts_src}, but this is `ddprun run` in the job's batch script: the node's one launcher"
             counts = [1]
         _check_in_step(environ, nnodes, counts, counts_src)
