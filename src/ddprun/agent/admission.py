@@ -276,7 +276,8 @@ def agree_nnodes(store: Any, me: Newcomer) -> None:
     size. The key lives as long as the store, one job's (the claim keeps other jobs out)."""
     if me.nnodes is None:
         return
-    mine = json.dumps({"min": me.nnodes[0], "max": me.nnodes[1], "host": me.agent[0], "pid": me.agent[1]})
+    mine = json.dumps({"min": me.nnodes[0], "max": me.nnodes[1], "host": me.agent[0], "pid": me.agent[1],
+                       "t": time.time()})
     agreed = parse_nnodes(keys.text(store.compare_set(keys.NNODES_KEY, "", mine)))
     if agreed is None or agreed[0] == me.nnodes:
         return  # a bad value is not this node's to judge: torch's rendezvous decides

@@ -136,6 +136,20 @@ def stranded_after(join_timeout: float, keep_alive_s: float) -> float:
     return join_timeout + TORCH_ROLLBACK_S + keep_alive_s + STRANDED_SLACK_S
 
 
+REFUSAL_NEWS_S = 30.0
+"""A --nnodes refusal written this long before a watcher started (by the hosts' clocks, which may
+differ by seconds) is not said: that node came and went before this one."""
+
+
+def _written_at(raw: bytes) -> float:
+    """When a refusal record says it was written (wall clock); +inf when it does not say."""
+    try:
+        t = json.loads(raw).get("t")
+        return float(t) if isinstance(t, (int, float)) else float("inf")
+    except (ValueError, AttributeError):
+        return float("inf")
+
+
 class JoinWatcher:
     """Prints join progress for a c10d rendezvous until :meth:`stop` (called when workers start)."""
 
@@ -161,6 +175,7 @@ class JoinWatcher:
         self._nnodes, self._timeout, self._out, self._interval = nnodes, join_timeout, out, interval_s
         self._stop = threading.Event()
         self._t0 = time.monotonic()
+        self._wall0 = time.time()
         self.last = JoinSnapshot()
         self._store: TCPStore | None = None
         self._known = Entries()
@@ -334,6 +349,8 @@ class JoinWatcher:
         if seen is None or raw == self._refused_raw:
             return
         self._refused_raw = raw
+        if _written_at(raw) < self._wall0 - REFUSAL_NEWS_S:  # a refusal before this node came: not news
+            return
         self.mismatch = (f"{seen[1]} was refused: it was started with --nnodes {nnodes_text(seen[0])}, this job's "
                          f"nodes with --nnodes {nnodes_text(self._me.nnodes)} (every node needs the same --nnodes)")
         self._out.write(f"ddprun: {self.mismatch}\n")
