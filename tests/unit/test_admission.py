@@ -119,6 +119,16 @@ def test_a_job_re_forming_is_not_refused_for_an_end_its_node_0_published():
     assert "it has ended" in admission.refusal_reason(ended, 2)  # an older restart's mark: it has ended
 
 
+def test_a_job_whose_restart_could_not_re_form_and_ended_tells_a_relaunch_it_ended(store):
+    # a restart marked round 1 re-forming, its rendezvous then timed out and node 0's agent ended
+    admission.admit(store, me(proposal="p"))
+    admission.publish_start(store, job(round_=1), 0, "node-a", 11)
+    admission.publish_reforming(store, 1)
+    admission.publish_end(store, job(round_=1))
+    with pytest.raises(LaunchError, match="it has ended and the node hosting its store is closing"):
+        admission.admit(store, me(proposal="q"))
+
+
 def test_node_0_relaunched_after_a_signal_ended_its_agent_is_taken_back_by_the_re_forming_job(store):
     # node 0's agent died of a signal (SIGQUIT, say) and published the job's end on its way out; the
     # other node re-forms with --max-restarts: refusing the relaunched node 0 would leave it waiting

@@ -305,8 +305,11 @@ def publish_start(store: Any, job: JobRecord, node: int, host: str, pid: int) ->
 
 def publish_end(store: Any, job: JobRecord) -> None:
     """Node 0's agent ended, and the job with it (agent/run.py ``ends_the_job``): the job is over (best
-    effort)."""
+    effort). A re-forming mark from before (a restart whose rendezvous then timed out) is cleared: a
+    relaunch is told the job ended, not admitted to a closing store; one made after (an elastic job
+    re-forming without node 0) still takes nodes in."""
     try:
+        store.set(keys.REFORMING_KEY, "-1")
         store.set(keys.JOB_KEY, replace(job, ended=True).to_json())
     except Exception:  # noqa: BLE001 - the store is gone with its host: nobody will ask
         pass
