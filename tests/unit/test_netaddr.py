@@ -1,5 +1,7 @@
 """netaddr: is_host, the reachable address and the gloo/NCCL interface, from probed facts (pure)."""
 
+import dataclasses
+
 import pytest
 
 from ddprun.cluster.base import ClusterSpec, NodeFacts
@@ -79,13 +81,18 @@ def test_nccl_socket_ifname_is_matched_as_nccl_reads_it_by_prefix():
     net = plan_network(spec(), NetProbe(two, ("10.231.7.1",), route_src="10.231.7.2"), {"NCCL_SOCKET_IFNAME": "ib"})
     assert (net.local_addr, net.ifname, dict(net.worker_env)) == ("10.231.7.2", "veth-b", {"GLOO_SOCKET_IFNAME": "veth-b"})
     assert "matches ib0, ib1" in net.sources["ifname"]
-    # '=' is an exact name; nothing matching is an error naming the prefix and the interfaces seen
+    # '=' is an exact name; in a CUDA job nothing matching is an error naming the prefix and the
+    # interfaces seen (NCCL would fail on it later)
+    gpu = dataclasses.replace(spec(), device="cuda")
     with pytest.raises(ClusterError, match="exact names"):
-        plan_network(spec(), NetProbe(ib, ("10.231.7.1",), route_src="10.231.7.2"), {"NCCL_SOCKET_IFNAME": "=ib"})
+        plan_network(gpu, NetProbe(ib, ("10.231.7.1",), route_src="10.231.7.2"), {"NCCL_SOCKET_IFNAME": "=ib"})
     with pytest.raises(ClusterError) as e:
-        plan_network(spec(), NetProbe(IFS_B, ("10.231.7.1",), route_src="10.231.7.2"), {"NCCL_SOCKET_IFNAME": "hsn"})
+        plan_network(gpu, NetProbe(IFS_B, ("10.231.7.1",), route_src="10.231.7.2"), {"NCCL_SOCKET_IFNAME": "hsn"})
     msg = str(e.value)
     assert "hsn (name prefixes" in msg and "veth-b: 10.231.7.2" in msg and "HINT" in msg
+    # a CPU job's gloo does not read it: a site-wide NCCL setting on a node without those interfaces
+    net = plan_network(spec(), NetProbe(IFS_B, ("10.231.7.1",), route_src="10.231.7.2"), {"NCCL_SOCKET_IFNAME": "hsn"})
+    assert (net.local_addr, net.ifname) == ("10.231.7.2", "veth-b") and "not read (a CPU job" in net.sources["ifname"]
 
 
 def test_sagemaker_interface_wins_over_the_route():

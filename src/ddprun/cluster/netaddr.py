@@ -150,23 +150,27 @@ def _named_interface(spec: ClusterSpec, probe: NetProbe, environ: Mapping[str, s
     if gloo and "," not in gloo and not gloo.startswith("^"):
         return gloo, f"GLOO_SOCKET_IFNAME={gloo} (set by the user)"
     nccl = environ.get("NCCL_SOCKET_IFNAME", "").strip()
-    named, src = _nccl_named(nccl, probe) if nccl and not nccl.startswith("^") else (None, "")
+    named, src = (_nccl_named(nccl, probe, strict=spec.device == "cuda") if nccl and not nccl.startswith("^")
+                  else (None, ""))
     if named is None and spec.ifname:
         return spec.ifname, spec.sources.get("ifname", "the cluster environment")
     return named, src
 
 
-def _nccl_named(raw: str, probe: NetProbe) -> tuple[str | None, str]:
+def _nccl_named(raw: str, probe: NetProbe, strict: bool = True) -> tuple[str | None, str]:
     """NCCL_SOCKET_IFNAME as NCCL reads it: a comma list of name prefixes (``ib`` matches ``ib0``),
     or of exact names after a leading ``=``. One match is the interface; of several, the one that owns
     the route to the rendezvous host, else None (NCCL picks among them, and an arbitrary one would be
-    a wrong exact name for GLOO_SOCKET_IFNAME). ClusterError when nothing on this node matches."""
+    a wrong exact name for GLOO_SOCKET_IFNAME). ClusterError when nothing on this node matches and
+    ``strict`` (a CUDA job, whose NCCL would fail on it; a CPU job's gloo does not read it: ignored)."""
     exact = raw.startswith("=")
     wanted = [p.strip() for p in raw.removeprefix("=").split(",") if p.strip()]
     if not wanted:
         return None, ""
     ifs, src = probe.interfaces, f"NCCL_SOCKET_IFNAME={raw} (set by the user)"
     matches = [n for n in ifs if any(n == w if exact else n.startswith(w) for w in wanted)]
+    if not matches and not strict:
+        return None, f"{src} matches no interface here: not read (a CPU job: gloo does not use it)"
     if not matches:
         raise ClusterError(
             "No network interface of this node matches NCCL_SOCKET_IFNAME.",
