@@ -196,6 +196,56 @@ def test_nothing_at_the_endpoint_is_said_while_waiting_and_named_at_the_bound():
     assert "ddprun: rendezvous host 127.0.0.1:1 not reachable yet" in out.getvalue()
 
 
+@pytest.fixture
+def not_a_store():
+    """A port another program holds: it takes connections, answers garbage and hangs up."""
+    import socket
+
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    srv.settimeout(0.2)
+    done = threading.Event()
+
+    def serve():
+        while not done.is_set():
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                continue
+            with c:
+                c.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    yield srv.getsockname()[1]
+    done.set()
+    t.join(5)
+    srv.close()
+
+
+def test_a_host_whose_endpoint_port_another_program_holds_names_it_long_before_the_join_timeout(not_a_store,
+                                                                                                 monkeypatch):
+    # it waited out the join timeout, then said the endpoint "was never reachable" and to start ddprun
+    # on the node that hosts it: the node it ran on
+    from ddprun.protocol import defaults
+
+    monkeypatch.setattr(defaults, "SELF_CONNECT_S", 1.0)  # a client's connect bound: max of these (60 s)
+    monkeypatch.setattr(admission, "STORE_TIMEOUT_S", 1.0)
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as e:
+        admission.connect("127.0.0.1", not_a_store, True, 120, io.StringIO(), line_every_s=0.5)
+    assert time.monotonic() - t0 < 8  # one client's bound, not the join timeout
+    msg = str(e.value)
+    assert msg.startswith(f"The rendezvous endpoint 127.0.0.1:{not_a_store} takes connections, but no rendezvous "
+                          "store answers there.\nSeen: ")
+    assert "this node is the endpoint's host, and the port is taken" in msg and "another --rdzv-endpoint port" in msg
+    # a node that only dials it says the same at its join timeout, not "never reachable"
+    with pytest.raises(LaunchError, match="takes connections, but no rendezvous store answers there"):
+        admission.connect("127.0.0.1", not_a_store, False, 1.0, io.StringIO(), line_every_s=0.5)
+
+
 def test_the_host_hosts_a_store_that_torch_can_share():
     from ddprun.agent.endpoint import free_port
 

@@ -115,6 +115,8 @@ def connect(addr: str, port: int, host_it: bool, timeout_s: float, out: TextIO, 
 
     t0 = time.monotonic()
     next_line = t0 + line_every_s
+    answered: BaseException | None = None
+    """Why the port takes connections but no store answered there (None: it did not take them)."""
     while True:
         if host_it and not port_open(addr, port):
             hosted = _timed(out, bind or addr, "start", _host, addr, port, bind)
@@ -127,9 +129,16 @@ def connect(addr: str, port: int, host_it: bool, timeout_s: float, out: TextIO, 
         if port_open(addr, port):
             try:
                 return _timed(out, addr, "answer", store_client, addr, port, STORE_TIMEOUT_S), False
-            except (RuntimeError, ValueError, TimeoutError):  # not a store yet, or it went away
-                pass
+            except (RuntimeError, ValueError, TimeoutError) as e:  # not a store yet, or it went away
+                answered = e
+        else:
+            answered = None
         now = time.monotonic()
+        # the host's client tried for its whole connect bound (SELF_CONNECT_S: a store another agent of
+        # this machine starts answers within a second): another program holds the port
+        if answered is not None and (host_it or now - t0 >= timeout_s):
+            what, seen, hint = not_a_store(addr, port, answered, host_it)
+            raise LaunchError(what, seen=seen, hint=hint)
         if now - t0 >= timeout_s:
             raise LaunchError(f"Not every node joined within {timeout_s:.0f} s: the rendezvous host {addr}:{port} "
                               "was never reachable from this node.", seen=f"nothing answered at {addr}:{port}",
@@ -140,6 +149,17 @@ def connect(addr: str, port: int, host_it: bool, timeout_s: float, out: TextIO, 
             next_line += line_every_s
             print(unreachable_line(f"{addr}:{port}", timeout_s, timeout_s - (now - t0)), file=out, flush=True)
         time.sleep(0.2)
+
+
+def not_a_store(addr: str, port: int, error: BaseException, here: bool) -> tuple[str, str, str]:
+    """(what, seen, hint) of a LaunchError for an endpoint whose port takes connections but answers
+    as no store: another program holds it (or a stopped process); ``here``: this node hosts it."""
+    why = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    what = f"The rendezvous endpoint {addr}:{port} takes connections, but no rendezvous store answers there."
+    seen = f"{type(error).__name__}: {why}" + ("; this node is the endpoint's host, and the port is taken" if here else "")
+    hint = ("Another program (or a stopped process) holds that port on the endpoint's host: free it, or give every "
+            "node another --rdzv-endpoint port.")
+    return what, seen, hint
 
 
 def client(addr: str, port: int, timeout_s: float = STORE_TIMEOUT_S) -> Any:
