@@ -83,3 +83,40 @@ def test_a_healthy_exit_runs_atexit_handlers_flushes_files_and_skips_finalizatio
     assert r.returncode == 3, r.stderr
     assert r.stdout.splitlines() == ["handler 2", "handler 1", *(["finalized"] if soft else [])], r.stdout + r.stderr
     assert (tmp_path / "out.txt").read_text() == "buffered, never flushed by the script"
+
+
+THREADS = """
+import sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
+from ddprun.worker.exit import hard_exit
+
+def later(name, after_s):
+    time.sleep(after_s)
+    open(sys.argv[1] + "/" + name, "w").write("done")
+
+threading.Thread(target=later, args=("thread", 0.3)).start()
+ThreadPoolExecutor(1).submit(later, "pool", 0.3)  # how torch's dcp.async_save runs by default
+if sys.argv[2] == "stuck":
+    threading.Thread(target=time.sleep, args=(3600,)).start()
+hard_exit(0, handlers_s=float(sys.argv[3]))
+"""
+
+
+def test_the_exit_waits_for_the_threads_the_script_left_running_as_python_does(tmp_path):
+    # an async checkpoint's last save on a thread pool: os._exit after the atexit handlers alone cut it
+    # short and the rank still exited 0
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}
+    r = subprocess.run([sys.executable, "-c", THREADS, str(tmp_path), "ends", "20"], capture_output=True, text=True,
+                       timeout=30, env=env)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pool", "thread"]
+
+
+def test_a_thread_that_never_ends_is_bounded_and_named(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", THREADS, str(tmp_path), "stuck", "1"], capture_output=True, text=True,
+                       timeout=30, env=env)
+    assert r.returncode == 1 and time.monotonic() - t0 < 15, r.stderr
+    assert "ddprun: a thread the script left running (a non-daemon thread or a thread pool: an async save?) did not " \
+        "return within 1 s; exiting anyway" in r.stderr, r.stderr

@@ -228,13 +228,22 @@ def _hung_handlers(code: int, limit_s: float, stage: list[str]) -> None:
 
 
 def hard_exit(code: int, handlers_s: float = defaults.EXIT_TIMEOUT_S) -> None:
-    """Run atexit handlers (at most ``handlers_s``), flush every open file, then ``os._exit(code)``."""
+    """As the interpreter's own exit, each step bounded together by ``handlers_s``: after a clean end
+    wait for the threads the script left running (non-daemon threads, thread pools: an async
+    checkpoint's save), run the atexit handlers, flush every open file; then ``os._exit(code)`` (no
+    finalization)."""
     if wenv.soft_exit(os.environ):
         sys.exit(code)
-    stage = ["an atexit handler"]
+    stage = ["a thread the script left running (a non-daemon thread or a thread pool: an async save?)"]
     guard = threading.Timer(handlers_s, _hung_handlers, args=(code, handlers_s, stage))
     guard.daemon = True
     guard.start()
+    if code == 0 and threading.current_thread() is threading.main_thread():  # a failure ends at once
+        try:
+            threading._shutdown()  # type: ignore[attr-defined]  # what Python's exit does before atexit
+        except Exception:  # noqa: BLE001 - a thread pool's exit hook that failed: the exit goes on
+            traceback.print_exc()
+    stage[0] = "an atexit handler"
     try:
         atexit._run_exitfuncs()
     except Exception:  # noqa: BLE001
