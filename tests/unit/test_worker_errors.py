@@ -2,6 +2,7 @@
 death seen in a collective waits for the first-hand record; the same words from the user's own
 client are this rank's error, with its traceback."""
 
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -98,3 +99,28 @@ def test_a_peers_death_after_that_peer_ended_its_script_names_it_as_having_finis
     assert not cause.is_echo and cause.hint.startswith("every rank must call the same collectives")
     err = capsys.readouterr().err
     assert err.startswith("ddprun: stopped because rank 1 (node 1, b) finished first: its script ended"), err
+
+
+def test_a_script_that_turns_a_peers_death_into_sys_exit_is_that_peers_echo_not_the_cause(recorded, capsys):
+    # a wrapper (Hydra's) catches the collective's error and calls sys.exit(1): recorded first-hand at
+    # once, "SystemExit(1)" took the blame from the OOM-killed rank whose agent wrote a moment later
+    scope: dict = {}
+    exec(compile(TORCH_FRAME, "/site-packages/torch/distributed/fake.py", "exec"), scope)
+
+    def main():
+        try:
+            scope["collective"]()
+        except RuntimeError:
+            sys.exit(1)  # sets __context__ as Hydra's does
+
+    waited: list = []
+    bootstrap._on_failed_exit(raised(main), 1, channel(waited))
+    assert waited == [defaults.ECHO_WAIT_S] and "a peer went away" in capsys.readouterr().err
+    assert recorded == [("error", "RuntimeError: [gloo] Connection reset by peer")]  # no cause came: not SystemExit(1)
+    recorded.clear()
+
+    def plain():  # the script's own exit code, no error behind it
+        raise SystemExit(3)
+
+    bootstrap._on_failed_exit(raised(plain), 3, SimpleNamespace(me=lambda kind, text, exit_code=0: (kind, text)))
+    assert recorded == [("error", "SystemExit(3)")]

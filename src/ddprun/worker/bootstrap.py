@@ -178,6 +178,22 @@ def _on_error(e: BaseException, channel: JobChannel | None, oom0: int | None = N
     ddp_exit.record(channel.me(fr.ERROR, fr.condense(text), hint=hint), channel, e)
 
 
+def _on_failed_exit(e: SystemExit, code: int, channel: JobChannel | None, oom0: int | None = None) -> None:
+    """Record a script's exit with a non-zero code. One that turned a peer's failure seen in a
+    collective into ``sys.exit(N)`` (a wrapper such as Hydra's) is that peer's echo, as the exception
+    itself would be (:func:`_on_error`): a first-hand record here would take the blame from the rank
+    that died (its agent's record comes later)."""
+    inner = e.__cause__ or e.__context__
+    if (channel is not None and inner is not None and fr.looks_like_echo(ddp_exit.error_text(inner))
+            and raised_in_torch(inner)):
+        _on_error(inner, channel, oom0)
+        return
+    summary = f"SystemExit({e.code!r})"
+    rec = channel.me(fr.ERROR, summary, exit_code=code) if channel else ddp_exit.own_record(
+        fr.ERROR, summary, os.environ, code)
+    ddp_exit.record(rec, channel)
+
+
 def _preemption_signals(wenv: WorkerEnv | None) -> int | None:
     """Catch the preemption signals (ddprun.preempt); the fd the monitor reads them from, or None."""
     from ddprun import preempt
@@ -246,10 +262,7 @@ def main(argv: list[str] | None = None) -> None:
         code = ddp_exit.exit_code_of(e)
         by_itself = code == 0
         if code != 0:
-            summary = f"SystemExit({e.code!r})"
-            rec = channel.me(fr.ERROR, summary, exit_code=code) if channel else ddp_exit.own_record(
-                fr.ERROR, summary, os.environ, code)
-            ddp_exit.record(rec, channel)
+            _on_failed_exit(e, code, channel, oom0)
     except BaseException as e:  # noqa: BLE001 - every failure must be recorded before exiting
         code = 1
         try:
