@@ -97,3 +97,30 @@ def test_a_rank_started_twice_stops_with_its_node_and_a_hint(monkeypatch, capsys
     assert err.startswith(f"ddprun: preflight: global rank 3 was started twice (this one on {ch.host}, node rank 1): "
                           "two nodes share a node rank. HINT: give each node its own --node-rank")
     assert [(r.kind, r.rank, r.node_rank) for r in recorded] == [(fr.PREFLIGHT, 3, 1)]
+
+
+def test_rank_0_waits_for_slow_starting_ranks_as_long_as_the_group_init_may_take_naming_them(tmp_path, capsys):
+    # a rank whose imports from a loaded shared file system outlast the join timeout is alive, only
+    # slow: preflight failed the healthy job with "ranks [1] did not start within 120 s"
+    import json
+    import threading
+
+    from ddprun.protocol import defaults
+    from ddprun.protocol.env import WorkerEnv
+    from ddprun.worker import preflight
+    from ddprun.worker.channel import JobChannel
+    from tests.helpers import store_server
+
+    assert preflight.start_bound(WorkerEnv(run_dir=str(tmp_path), join_timeout=1)) == defaults.INIT_TIMEOUT_S
+    assert preflight.start_bound(WorkerEnv(run_dir=str(tmp_path), join_timeout=900)) == 900
+    store = store_server()
+    environ = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(store.port), "TORCHELASTIC_RUN_ID": "a", "DDPRUN_ATTEMPT": "0"}
+    ch = JobChannel(environ, WorkerEnv(run_dir=str(tmp_path), join_timeout=1), connect=lambda: store)
+    store.set(ch.keys.rank(0), json.dumps({"rank": 0}))
+    late = threading.Timer(1.5, store.set, args=(ch.keys.rank(1), json.dumps({"rank": 1})))
+    late.start()
+    rows = preflight._rows(ch, timeout=20, say_every_s=0.5)
+    late.join()
+    assert sorted(r["rank"] for r in rows) == [0, 1]
+    assert "ddprun: preflight: rank(s) 1 not started yet after " in capsys.readouterr().err

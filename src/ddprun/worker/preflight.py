@@ -201,7 +201,7 @@ def await_verdict(ch: Any) -> None:
     from ddprun.protocol import failure as fr
     from ddprun.worker.exit import record, stopped_message
 
-    bound = ch.wenv.join_timeout + 10
+    bound = start_bound(ch.wenv) + 10
     if not ch.await_key(ch.keys.preflight, bound):
         print(f"ddprun: rank 0's preflight verdict did not come within {bound:.0f} s; going on without it",
               file=sys.stderr)
@@ -216,6 +216,37 @@ def await_verdict(ch: Any) -> None:
         raise SystemExit(1)
 
 
+def start_bound(wenv: WorkerEnv) -> float:
+    """How long rank 0 waits for every rank to start (s): as long as the process group's init may
+    take (every node's workers import and start; thousands of cold imports from a shared file system
+    take minutes), and at least the join timeout. A rank that died meanwhile is named by its agent
+    within seconds: this bound only ends the wait for one alive but not starting."""
+    from ddprun.protocol import defaults
+
+    return max(wenv.join_timeout, defaults.INIT_TIMEOUT_S)
+
+
+def _rows(ch: Any, timeout: float, say_every_s: float = 30.0) -> list[dict]:
+    """Every rank's row, waiting at most ``timeout``; every ``say_every_s`` a line naming the ranks
+    not started yet."""
+    import time
+
+    from ddprun.protocol.store import present
+
+    keys = [ch.keys.rank(r) for r in range(ch.world_size)]
+    t0 = time.monotonic()
+    while not ch.wait_for(keys, min(say_every_s, max(0.0, timeout - (time.monotonic() - t0)))):
+        waited = time.monotonic() - t0
+        if waited >= timeout:
+            break
+        started = set(present(ch.store, keys))
+        missing = [r for r, k in enumerate(keys) if k not in started]
+        shown = ", ".join(map(str, missing[:16])) + (f" and {len(missing) - 16} more" if len(missing) > 16 else "")
+        print(f"ddprun: preflight: rank(s) {shown} not started yet after {waited:.0f} s; waiting up to "
+              f"{timeout:.0f} s", file=sys.stderr, flush=True)
+    return list(ch.gather(keys, 0).values())
+
+
 def run_checks(ch: Any) -> None:
     """Rank 0: gather every row and node's facts, print the rank table, check, publish the verdict."""
     from ddprun.protocol import failure as fr
@@ -224,8 +255,8 @@ def run_checks(ch: Any) -> None:
     from ddprun.ranktable import print_rank_table, write_plan_json
     from ddprun.worker.exit import record
 
-    timeout = ch.wenv.join_timeout
-    rows = list(ch.gather((ch.keys.rank(r) for r in range(ch.world_size)), timeout).values())
+    timeout = start_bound(ch.wenv)
+    rows = _rows(ch, timeout)
     ch.hosts = {r["rank"]: r["host"] for r in rows}
     print_rank_table(rows, ch.world_size)
     rundir = RunDir(ch.run_dir)
