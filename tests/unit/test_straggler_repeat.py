@@ -35,3 +35,18 @@ def test_a_gap_under_min_abs_s_is_never_named_however_large_the_ratio():
         assert det.update(window(tiny, data=tiny / 40), HOSTS, now=w * 2 * det.repeat_after_s) == []
     (event,) = StragglerDetector(k=1).update(window(big, data=big / 40), HOSTS, now=0)
     assert (event.rank, event.what) == (3, "data") and event.value_s / event.median_s == pytest.approx(40)
+
+
+def test_a_run_dir_that_refuses_writes_leaves_detection_on_and_is_said_once(tmp_path, capsys):
+    # the OSError reached rank 0's monitor loop, which took it for a failed store poll, dropped its
+    # connection and skipped the stall check; every poll failed with a short window
+    from ddprun.worker.stragglers import StragglerWatch
+
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    watch = StragglerWatch(str(not_a_dir), 0.2, 1)
+    for w in range(1, 4):
+        watch.update({0: {"w": w, "step": 0.1}, 1: {"w": w, "step": 0.5}, 2: {"w": w, "step": 0.1}},
+                     {0: "a", 1: "b", 2: "c"}, float(w))
+    err = capsys.readouterr().err
+    assert err.count("ddprun: could not write ") == 1 and "ddprun: straggler: " in err

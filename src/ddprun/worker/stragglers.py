@@ -101,6 +101,7 @@ class StragglerWatch:
         self.rundir = RunDir(run_dir)
         self.detector = StragglerDetector(margin=margin, k=windows)
         self._seen: dict[int, int] = {}
+        self._said_write_error = False
 
     def fresh(self, values: Mapping[int, object]) -> dict[int, dict]:
         """The windows not seen before among rank -> parsed timing values (malformed ones skipped)."""
@@ -126,13 +127,16 @@ class StragglerWatch:
         if not fresh:
             return []
         path = self.rundir.timings_csv
-        new_file = not os.path.exists(path)
-        with open(path, "a") as fp:
-            if new_file:
-                fp.write(",".join(TIMING_COLUMNS) + "\n")
-            for r, s in sorted(fresh.items()):
-                row = {**s, "rank": r, "window": s["w"]}
-                fp.write(",".join("" if row.get(c) is None else str(row[c]) for c in TIMING_COLUMNS) + "\n")
+        try:
+            new_file = not os.path.exists(path)
+            with open(path, "a") as fp:
+                if new_file:
+                    fp.write(",".join(TIMING_COLUMNS) + "\n")
+                for r, s in sorted(fresh.items()):
+                    row = {**s, "rank": r, "window": s["w"]}
+                    fp.write(",".join("" if row.get(c) is None else str(row[c]) for c in TIMING_COLUMNS) + "\n")
+        except OSError as e:  # a full disk: the detection goes on (the monitor's poll must not fail of it)
+            self._cannot_write(path, e)
         if len(fresh) < 2:
             return []
         lines = []
@@ -140,8 +144,21 @@ class StragglerWatch:
             msg = f"ddprun: straggler: {event.message()}"
             print(msg, file=sys.stderr, flush=True)
             lines.append(msg)
-            with open(self.rundir.events_jsonl, "a") as fp:
-                fp.write(json.dumps({"kind": "straggler", "t": time.time(), "rank": event.rank, "host": event.host,
-                                     "what": event.what, "value_s": event.value_s, "median_s": event.median_s,
-                                     "window": fresh[event.rank]["w"], "message": event.message()}) + "\n")
+            try:
+                with open(self.rundir.events_jsonl, "a") as fp:
+                    fp.write(json.dumps({"kind": "straggler", "t": time.time(), "rank": event.rank,
+                                         "host": event.host, "what": event.what, "value_s": event.value_s,
+                                         "median_s": event.median_s, "window": fresh[event.rank]["w"],
+                                         "message": event.message()}) + "\n")
+            except OSError as e:
+                self._cannot_write(self.rundir.events_jsonl, e)
         return lines
+
+    def _cannot_write(self, path: str, e: OSError) -> None:
+        """Say once that the run dir refuses a write (the lines still reach the console)."""
+        import sys
+
+        if not self._said_write_error:
+            self._said_write_error = True
+            print(f"ddprun: could not write {path} ({e.strerror or e}); step timings and straggler events may be "
+                  "missing from the run directory (the console has the straggler lines)", file=sys.stderr, flush=True)
