@@ -124,3 +124,25 @@ def test_a_script_that_turns_a_peers_death_into_sys_exit_is_that_peers_echo_not_
 
     bootstrap._on_failed_exit(raised(plain), 3, SimpleNamespace(me=lambda kind, text, exit_code=0: (kind, text)))
     assert recorded == [("error", "SystemExit(3)")]
+
+
+def test_a_ranks_own_error_after_a_peers_record_keeps_its_traceback(monkeypatch, capsys):
+    # rank 5's own "loss is NaN" came after rank 3's record: it is stopped by rank 3 (one cause), but
+    # its traceback was lost, on the console and in its error file
+    from ddprun.protocol import failure as fr
+
+    out: list = []
+    monkeypatch.setattr(bootstrap.ddp_exit, "record", lambda rec, ch, e=None, **kw: out.append((rec, e)))
+    monkeypatch.setattr(bootstrap, "_known_failure", lambda e: None)
+    first = fr.FailureRecord(fr.ERROR, 3, "RuntimeError: CUDA error", 0, "host-b")
+    ch = SimpleNamespace(cause=lambda: first, stopped=lambda cause, seen="": ("stopped", cause.rank, seen),
+                         ack_failure=lambda: None)
+
+    def train_step():
+        raise ValueError("loss is NaN")
+
+    error = raised(train_step)
+    bootstrap._on_error(error, ch)
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "in train_step" in err and "ValueError: loss is NaN" in err
+    assert out == [(("stopped", 3, "ValueError: loss is NaN"), error)]

@@ -159,11 +159,15 @@ def _on_error(e: BaseException, channel: JobChannel | None, oom0: int | None = N
         if (cause is None or cause.is_echo) and (end := channel.first_clean_end()) is not None:
             cause = fr.finished_first(end)  # a peer that ended its script while this rank still needed it
     if cause is not None and not cause.is_echo:
-        # A peer failed first and this rank's error is its echo: one line naming the cause.
+        # A peer failed first: one line naming the cause. An error of this rank's own that is no echo
+        # (raised in the user's code, not a collective's) keeps its traceback, here and in the error file.
         first_line = (str(e).splitlines() or [""])[0][:200]
         msg = ddp_exit.stopped_message(cause)
         ddp_exit.say(f"{msg}\n  (this rank then saw {type(e).__name__}: {first_line})")
-        ddp_exit.record(channel.stopped(cause, seen=f"{type(e).__name__}: {first_line}"), channel, message=msg)
+        if not echo:
+            ddp_exit.print_user_traceback(e)
+        ddp_exit.record(channel.stopped(cause, seen=f"{type(e).__name__}: {first_line}"), channel,
+                        None if echo else e, message=msg)
         channel.ack_failure()
         return
     if echo:
