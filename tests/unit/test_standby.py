@@ -1,5 +1,7 @@
 """Which environment a standby may become a worker with (agent/standby.py env_mismatch), and when it starts."""
 
+import os
+
 import pytest
 
 from ddprun.agent.run import _flag_topology, processes_here, warm_start
@@ -75,3 +77,51 @@ def test_the_agent_starts_its_standbys_before_it_imports_torch(tmp_path, nproc):
     assert got.returncode == 7, got.stdout + got.stderr
     count = 2 if nproc else 1  # one CPU process on a node without GPUs
     assert f"standbys: {count}, argv ['{script}'], torch imported: False" in got.stdout, got.stdout + got.stderr
+
+
+def _busy_pool(n, monkeypatch):
+    """A pool of ``n`` standbys still importing: sleeping processes that never read their pipe."""
+    import subprocess
+    import sys
+
+    from ddprun.agent import standby
+
+    pool = standby.StandbyPool()
+    pool.args, pool.env = (sys.executable, "-m", "ddprun.worker"), {"A": "1"}
+    for _ in range(n):
+        r, w = os.pipe()
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], pass_fds=(r,),
+                                start_new_session=True)
+        os.close(r)  # the child holds the read end
+        pool._ready.append(standby._Standby(proc, w))
+    return pool
+
+
+def test_a_go_message_over_64_kib_reaches_a_standby_still_importing_at_once(monkeypatch):
+    # HPC module environments pass 64 KiB: the write waited GO_WRITE_S per standby, one after another
+    import time
+
+    pool, proc = _busy_pool(2, monkeypatch), None
+    try:
+        env = {"A": "1", "RANK": "0", "DDPRUN_X": "y" * 200_000}  # a launch variable: it may differ
+        t0 = time.monotonic()
+        proc = pool.take(pool.args, env, "/", "/dev/null", "/dev/null")
+        assert proc is not None and time.monotonic() - t0 < 2 and pool.size == 1
+    finally:
+        pool.close()
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_go_message_no_pipe_holds_gives_up_the_standbys_after_one_wait(monkeypatch):
+    import time
+
+    from ddprun.agent import standby
+
+    monkeypatch.setattr(standby, "GO_WRITE_S", 0.2)
+    monkeypatch.setattr(standby, "_fit_pipe", lambda fd, size: None)  # over /proc/sys/fs/pipe-max-size
+    pool = _busy_pool(3, monkeypatch)
+    t0 = time.monotonic()
+    assert pool.take(pool.args, {"A": "1", "DDPRUN_X": "y" * 200_000}, "/", "/dev/null", "/dev/null") is None
+    assert time.monotonic() - t0 < 2 and pool.size == 0  # one wait, then a fresh process for every rank

@@ -35,7 +35,7 @@ log = logging.getLogger("ddprun.agent.standby")
 
 GO_WRITE_S = 10.0
 """Seconds the agent waits for a standby to read its go message (it reads once its imports are done;
-one under the pipe's 64 KiB buffer never waits)."""
+one that fits the pipe, made up to 1 MiB, never waits). Past them no standby is used."""
 REAP_S = 5.0
 
 LAUNCH_VARS = frozenset({
@@ -124,8 +124,14 @@ class StandbyPool:
             go = json.dumps({"argv": list(args[3:]), "env": dict(env), "cwd": cwd, "stdout": stdout,
                              "stderr": stderr}).encode()
             try:
+                _fit_pipe(sb.go_w, len(go))
                 _write_all(sb.go_w, go, GO_WRITE_S)
-            except OSError as e:  # it died just now, or does not read: a fresh process instead
+            except TimeoutError as e:  # still importing, and the message is over the pipe: the others are too
+                log.info("standby worker pid %d not used, nor the others: %s", sb.proc.pid, e)
+                _kill(sb)
+                self.close()
+                return None
+            except OSError as e:  # it died just now: a fresh process instead
                 log.info("standby worker pid %d not used: %s", sb.proc.pid, e)
                 _kill(sb)
                 continue
@@ -158,6 +164,20 @@ def _reap(sb: _Standby) -> None:
     try:
         sb.proc.wait(timeout=REAP_S)
     except subprocess.TimeoutExpired:  # SIGKILL cannot end a process in D state at once; init reaps it later
+        pass
+
+
+def _fit_pipe(fd: int, size: int) -> None:
+    """Make the pipe hold ``size`` bytes where Linux lets it (up to /proc/sys/fs/pipe-max-size, 1 MiB
+    by default): a go message over the 64 KiB default (a large environment: HPC modules) is then
+    written at once, not when the standby, still importing, reads it."""
+    import fcntl
+
+    if size <= 65536 or not hasattr(fcntl, "F_SETPIPE_SZ"):
+        return
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, size)
+    except OSError:  # over the maximum: the write waits for the reader (GO_WRITE_S)
         pass
 
 
