@@ -87,7 +87,7 @@ def test_on_cuda_init_binds_the_rank_to_its_gpu_with_device_id(monkeypatch):
         raise KeyboardInterrupt  # stop before any collective: there is no GPU here
 
     monkeypatch.setattr(runtime, "_use_cuda", lambda environ: True)
-    monkeypatch.setattr(runtime, "_device", lambda local_rank, use_cuda: torch.device("cuda", local_rank))
+    monkeypatch.setattr(runtime, "_device", lambda local_rank, use_cuda, bound=False: torch.device("cuda", local_rank))
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(dist, "init_process_group", fake_init)
     with pytest.raises(KeyboardInterrupt):
