@@ -55,22 +55,23 @@ def _describe(holder: dict) -> str:
             f"since {when})")
 
 
-def _try_lock(fd: int, me: dict, deadline: float) -> dict | None:
-    """Lock ``fd``; None when this process holds it (or nothing can), else the holder of another run."""
+def _try_lock(fd: int, me: dict, deadline: float) -> tuple[bool, dict | None]:
+    """Lock ``fd``: (True, None) held; (False, None) not held, go on unchecked (no locks on this file
+    system, or held by this run's earlier attempt); (False, holder) held by another run past ``deadline``."""
     import fcntl
 
     while True:
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return None
+            return True, None
         except OSError as e:
             if e.errno not in _BUSY:
-                return {"unlockable": True}  # this file system has no locks: no check
+                return False, None  # this file system has no locks: no check
         holder = _holder(fd)
         if holder.get("run") == me["run"]:
-            return {"same_run": True}
+            return False, None
         if time.monotonic() >= deadline:
-            return holder
+            return False, holder
         time.sleep(0.25)
 
 
@@ -90,18 +91,18 @@ def acquire(directory: str, run: str, wait_s: float | None = None) -> None:
     except OSError:
         return  # the writes themselves say what is wrong with the directory
     try:
-        found = within(wait_s + CALL_S, _try_lock, fd, me, time.monotonic() + wait_s)
+        locked, holder = within(wait_s + CALL_S, _try_lock, fd, me, time.monotonic() + wait_s)
     except TimeoutError:  # its thread keeps the descriptor: closing it under a pending lock call is unsafe
         warnings.warn(f"ddprun: the checkpoint directory {path} did not answer its lock call within "
                       f"{wait_s + CALL_S:g} s: this fit goes on without checking that no other job writes there.",
                       stacklevel=2)
         return
-    if found is not None:
+    if not locked:
         os.close(fd)
-        if found.get("unlockable") or found.get("same_run"):
+        if holder is None:
             return
         raise CheckpointError("Another job writes checkpoints in this directory.",
-                              seen=f"{path}: {_describe(found)}",
+                              seen=f"{path}: {_describe(holder)}",
                               hint="Give each job its own checkpoint_dir (or run_dir), or wait until that job ends; "
                                    f"if it has ended on a node that is gone, remove {LOCK_NAME} there.")
     _HELD[path] = fd
