@@ -102,6 +102,15 @@ def test_cuda_visible_devices_that_hide_every_gpu_count_none(hidden):
     assert r["nproc_per_node"].value == 2 and "CUDA stops at '-1'" in r["nproc_per_node"].source
 
 
+@pytest.mark.parametrize("raw, gpus", [("1gpu2,3", 2), ("0,1,1", None), ("GPU-a1,2", 1), ("GPU-a1,GPU-b2", 2),
+                                       ("MIG-a1,GPU-b2", 1), (" 2, 3", 2)])
+def test_cuda_visible_devices_is_counted_as_cuda_and_torch_read_it(raw, gpus):
+    """torch.cuda._parse_visible_devices' rules: an entry is read as strtoul (``1gpu2`` is 1), a UUID
+    list ends at the first entry of another kind, and a GPU named twice hides them all."""
+    r = read(job(SLURM_GPUS_ON_NODE=None, CUDA_VISIBLE_DEVICES=raw))
+    assert (r["nproc_per_node"].value if "nproc_per_node" in r else None) == gpus
+
+
 def test_nnodes_falls_back_to_sbatch_nnodes_and_the_nodelist():
     r = read(job(SLURM_JOB_NUM_NODES=None))
     assert r["max_nodes"].source == "SLURM_NNODES=6"

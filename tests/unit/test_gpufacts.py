@@ -78,10 +78,27 @@ def test_every_field_is_read_per_local_rank_and_nvml_is_shut_down(nvml):
 
 def test_cuda_visible_devices_maps_local_ranks_by_index_or_uuid_and_stops_at_a_bad_entry(nvml):
     nvml.install(spec([h100(i) for i in range(4)]))
-    g = gpufacts.gpu_facts(nvml, {"CUDA_VISIBLE_DEVICES": "2,GPU-0000"}, nproc=2)
+    g = gpufacts.gpu_facts(nvml, {"CUDA_VISIBLE_DEVICES": "GPU-0002,GPU-0000"}, nproc=2)
     assert [(r["local_rank"], r["index"]) for r in g["ranks"]] == [(0, 2), (1, 0)]
     g = gpufacts.gpu_facts(nvml, {"CUDA_VISIBLE_DEVICES": "1,x,3"}, nproc=3)
     assert g["visible"] == 1 and [r["index"] for r in g["ranks"]] == [1]
+    # as torch and CUDA read it: ordinals stop at the first entry that is no number, a UUID included
+    assert gpufacts.gpu_facts(nvml, {"CUDA_VISIBLE_DEVICES": "2,GPU-0000"}, nproc=2)["visible"] == 1
+    assert gpufacts.gpu_facts(nvml, {"CUDA_VISIBLE_DEVICES": "3,9,1"}, nproc=2)["visible"] == 1
+
+
+def test_shortened_gpu_uuids_name_their_gpus_as_cuda_reads_them(nvml):
+    """CUDA takes a unique prefix of a GPU's UUID; NVML's lookup by UUID does not, so preflight failed
+    a healthy job started with them ("local rank 0 and up have none")."""
+    uuids = ["GPU-1a2b3c4d-0000", "GPU-5e6f7a8b-0000", "GPU-1a9f0000-0000"]
+    nvml.install(spec([h100(i, uuid=u) for i, u in enumerate(uuids)]))
+    g = gpufacts.gpu_facts(nvml, {"CUDA_VISIBLE_DEVICES": "GPU-5e6f,GPU-1a2b"}, nproc=2)
+    assert [(r["local_rank"], r["index"], r["uuid"]) for r in g["ranks"]] == [(0, 1, uuids[1]), (1, 0, uuids[0])]
+    assert g["notes"] == []
+    # an ambiguous prefix ("GPU-1a" fits two) ends the list; a GPU named twice names none
+    assert gpufacts.gpu_facts(nvml, {"CUDA_VISIBLE_DEVICES": "GPU-5e,GPU-1a,GPU-1a2b"}, nproc=1)["visible"] == 1
+    assert gpufacts.gpu_facts(nvml, {"CUDA_VISIBLE_DEVICES": "GPU-5e,GPU-5e6f"}, nproc=1)["visible"] == 0
+    assert gpufacts.gpu_facts(nvml, {"CUDA_VISIBLE_DEVICES": "0,0"}, nproc=1)["visible"] == 0
 
 
 def test_fields_a_gpu_does_not_support_are_none_without_notes(nvml):
@@ -150,11 +167,21 @@ def test_healthy_identical_nodes_give_no_finding(nvml, tmp_path):
     assert gpufacts.check(facts) == []
 
 
+def two_nodes_on_one_machine(nvml, tmp_path):
+    """Two ddprun nodes started on one machine, each with its one rank on the same GPU."""
+    return [node(r, nvml, tmp_path, [h100(0), h100(1)], nproc=1, host="h0") for r in (0, 1)]
+
+
 def test_two_ranks_on_one_gpu_uuid_is_an_error_naming_both(nvml, tmp_path):
+    (msg,) = messages(gpufacts.check(two_nodes_on_one_machine(nvml, tmp_path)), "error")
+    assert msg.startswith("GPU GPU-0000 is used by 2 ranks: node 0 (h0) local rank 0, node 1 (h0) local rank 0 "
+                          "(field gpu.uuid; NCCL would stop with 'Duplicate GPU detected'). HINT:")
+
+
+def test_a_gpu_listed_twice_in_cuda_visible_devices_hides_every_gpu_as_cuda_does(nvml, tmp_path):
     facts = [node(0, nvml, tmp_path, [h100(0), h100(1)], env={"CUDA_VISIBLE_DEVICES": "0,0"})]
     (msg,) = messages(gpufacts.check(facts), "error")
-    assert msg.startswith("GPU GPU-0000 is used by 2 ranks: node 0 (h0) local rank 0, node 0 (h0) local rank 1 "
-                          "(field gpu.uuid; NCCL would stop with 'Duplicate GPU detected'). HINT:")
+    assert msg.startswith("node 0 (h0): gpu.visible = 0 GPU(s) for 2 local ranks (CUDA_VISIBLE_DEVICES='0,0'): ")
 
 
 def test_memory_faults_are_errors_naming_node_rank_gpu_and_field(nvml, tmp_path):
@@ -237,13 +264,13 @@ def test_a_named_network_plugin_that_is_not_found_is_a_warning(nvml, tmp_path):
 # -- through the preflight --------------------------------------------------------------------------
 
 def test_the_preflight_check_and_table_include_the_gpu_findings(nvml, tmp_path):
-    facts = [node(0, nvml, tmp_path, [h100(0), h100(1)], env={"CUDA_VISIBLE_DEVICES": "0,0"})]
+    facts = two_nodes_on_one_machine(nvml, tmp_path)
     for f in facts:
         f.update(nnodes="1", torch="2.13.0", cuda="12.4", nccl="2.27", python="3.11", script_sha="a", free_disk_gb=9)
     findings = preflight_check(facts, 2)
     assert [f.level for f in findings] == ["error"] and "gpu.uuid" in findings[0].message
     text = render_facts(facts, findings)
-    assert "node 0 (h0): driver 550.54.15, CUDA 12.4, 2x NVIDIA H100 80GB HBM3; NCCL plugin none" in text
+    assert "node 0 (h0): driver 550.54.15, CUDA 12.4, 1x NVIDIA H100 80GB HBM3; NCCL plugin none" in text
     assert "preflight error: GPU GPU-0000 is used by 2 ranks" in text
 
 

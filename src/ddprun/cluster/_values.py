@@ -5,6 +5,7 @@ Each raises ClusterError naming the variable and its value, so no environment re
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 from ddprun.cluster.base import Fact
@@ -59,23 +60,46 @@ def check_rank_rule(rank: int, local_rank: int, world_size: int, node_rank: int,
         )
 
 
-def visible_gpus(environ: Mapping[str, str]) -> Fact | None:
-    """The GPUs CUDA_VISIBLE_DEVICES names, counted as CUDA reads it; None when unset or it names none.
+def _strtoul(entry: str) -> int:
+    """The number an entry starts with, as C's strtoul reads it (``1gpu`` is 1); -1 when none."""
+    m = re.match(r"[+-]?\d+", entry)
+    return int(m.group()) if m else -1
 
-    CUDA takes entries up to the first it cannot use, so ``-1`` (the usual "hide every GPU") and
-    SLURM's ``NoDevFiles`` name none, and ``0,1,-1,2`` names two. An entry is an index or a
-    ``GPU-``/``MIG-`` UUID; a repeated one ends the list too.
-    """
-    raw = environ.get("CUDA_VISIBLE_DEVICES", "")
-    entries = [d.strip() for d in raw.split(",")] if raw.strip() else []
-    used: list[str] = []
-    for entry in entries:
-        if entry in used or not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
+
+def visible_devices(raw: str) -> list[int] | list[str]:
+    """CUDA_VISIBLE_DEVICES's entries as CUDA reads them, by torch.cuda._parse_visible_devices' rules:
+    ``GPU-``/``MIG-`` UUIDs (or unique prefixes of them) up to the first entry of another kind, else
+    ordinals, each read as strtoul does, up to the first negative or non-number (``-1``, SLURM's
+    ``NoDevFiles``). A repeated entry makes the list empty: CUDA then shows no device."""
+    if raw.startswith(("GPU-", "MIG-")):
+        names: list[str] = []
+        for entry in raw.split(","):
+            if entry in names:
+                return []
+            if not entry.startswith(raw[:4]):
+                break
+            names.append(entry)
+        return names
+    ordinals: list[int] = []
+    for entry in raw.split(","):
+        number = _strtoul(entry.strip())
+        if number in ordinals:
+            return []
+        if number < 0:
             break
-        used.append(entry)
+        ordinals.append(number)
+    return ordinals
+
+
+def visible_gpus(environ: Mapping[str, str]) -> Fact | None:
+    """How many GPUs CUDA_VISIBLE_DEVICES names, counted as CUDA reads it (:func:`visible_devices`);
+    None when unset or it names none (``-1``, ``NoDevFiles``, a repeated entry)."""
+    raw = environ.get("CUDA_VISIBLE_DEVICES", "")
+    used = visible_devices(raw) if raw.strip() else []
     if not used:
         return None
-    stop = f": CUDA stops at {entries[len(used)]!r}" if len(used) < len(entries) else ""
+    entries = raw.split(",")
+    stop = f": CUDA stops at {entries[len(used)].strip()!r}" if len(used) < len(entries) else ""
     return Fact(len(used), f"CUDA_VISIBLE_DEVICES={raw} ({count(len(used), 'GPU')}{stop})")
 
 

@@ -23,6 +23,7 @@ import threading
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 
+from ddprun.cluster._values import visible_devices
 from ddprun.protocol.env import device_kind
 
 NVML_TIMEOUT_S = 20.0
@@ -84,24 +85,40 @@ class _Query:
 
 
 def _visible(nvml, environ: Mapping[str, str], q: _Query) -> list:
-    """NVML handles in CUDA's order for this process: CUDA_VISIBLE_DEVICES, else every GPU.
-
-    Like CUDA, parsing stops at the first entry that names no GPU."""
+    """NVML handles in CUDA's order for this process: CUDA_VISIBLE_DEVICES read as CUDA reads it
+    (:func:`ddprun.cluster._values.visible_devices`), else every GPU. A ``GPU-`` entry may be a unique
+    prefix of a UUID, as CUDA accepts it; the list ends at the first entry that names no one GPU."""
     count = q("gpu.count", "nvmlDeviceGetCount") or 0
     cvd = environ.get("CUDA_VISIBLE_DEVICES")
-    entries = [str(i) for i in range(count)] if cvd is None else [s.strip() for s in cvd.split(",")]
+    entries = list(range(count)) if cvd is None else visible_devices(cvd)
+    if entries and isinstance(entries[0], str) and entries[0].startswith("GPU-"):
+        entries = _ordinals(q, count, [str(e) for e in entries])
     handles = []
     for entry in entries:
-        if entry.isdigit() and int(entry) < count:
-            handle = q(f"gpu {entry}", "nvmlDeviceGetHandleByIndex", int(entry))
-        elif entry.startswith(("GPU-", "MIG-")):
+        if isinstance(entry, int):
+            handle = q(f"gpu {entry}", "nvmlDeviceGetHandleByIndex", entry) if entry < count else None
+        else:  # a MIG device: NVML finds it by its full UUID
             handle = q(f"gpu {entry}", "nvmlDeviceGetHandleByUUID", entry)
-        else:
-            break
         if handle is None:
             break
         handles.append(handle)
     return handles
+
+
+def _ordinals(q: _Query, count: int, prefixes: list[str]) -> list[int]:
+    """GPU indices of UUID prefixes (torch.cuda._transform_uuid_to_ordinals): up to the first prefix
+    that matches no GPU or several; a GPU named twice names none."""
+    uuids = [str(q(f"gpu {i}", "nvmlDeviceGetUUID", q(f"gpu {i}", "nvmlDeviceGetHandleByIndex", i)))
+             for i in range(count)]
+    found: list[int] = []
+    for prefix in prefixes:
+        matches = [i for i, uuid in enumerate(uuids) if uuid.startswith(prefix)]
+        if len(matches) != 1:
+            break
+        if matches[0] in found:
+            return []
+        found.append(matches[0])
+    return found
 
 
 def _nvlinks(q: _Query, h) -> list[int]:
@@ -295,8 +312,8 @@ def _duplicates(facts: Sequence[Mapping]) -> list[tuple[str, str]]:
             if r.get("uuid"):
                 users[r["uuid"]].append(f"{_node(f)} local rank {r['local_rank']}")
     return [("error", f"GPU {uuid} is used by {len(who)} ranks: {', '.join(who)} (field gpu.uuid; NCCL would "
-                      f"stop with 'Duplicate GPU detected'). HINT: CUDA_VISIBLE_DEVICES lists one GPU twice, or "
-                      f"two ddprun nodes share one machine's GPUs: give every rank its own GPU.")
+                      f"stop with 'Duplicate GPU detected'). HINT: two ddprun nodes on one machine use "
+                      f"the same GPUs: give each its own with CUDA_VISIBLE_DEVICES.")
             for uuid, who in users.items() if len(who) > 1]
 
 
