@@ -145,18 +145,20 @@ def _from_environ(environ: Mapping[str, str], per_node: bool = True, joining: bo
     node_rank = (spec.node_rank if spec.node_rank is not None else
                  int(named) if named.isdigit() else spec.rank // local_world)
     info = RankInfo(rank=spec.rank, local_rank=local_rank, node_rank=node_rank, world_size=spec.world_size,
-                    local_world_size=local_world, device=_device(local_rank, use_cuda, _bound(spec, environ)),
+                    local_world_size=local_world, device=_device(local_rank, use_cuda, _bound(environ)),
                     is_main=spec.rank == 0)
     return spec, info
 
 
-def _bound(spec: ClusterSpec, environ: Mapping[str, str]) -> bool:
-    """Whether a per-process launcher (not torch's agent, which shows every worker the node's GPUs)
-    gave this process one GPU of its own through CUDA_VISIBLE_DEVICES."""
+def _bound(environ: Mapping[str, str]) -> bool:
+    """Whether a per-process launcher gave this process one GPU of its own through
+    CUDA_VISIBLE_DEVICES. Not under torch's agent (torchrun, ``ddprun run``: TORCHELASTIC_RUN_ID is
+    set), which shows every worker the node's GPUs; an mpirun wrapper that exports RANK, LOCAL_RANK
+    and WORLD_SIZE itself looks like torchrun to detection but is such a launcher."""
     from ddprun.cluster._values import visible_gpus
 
     seen = visible_gpus(environ)
-    return spec.environment != "torchrun" and seen is not None and seen.value == 1
+    return "TORCHELASTIC_RUN_ID" not in environ and seen is not None and seen.value == 1
 
 
 def _export(spec, target: MutableMapping[str, str]) -> None:
@@ -187,7 +189,7 @@ def _info_from_group(environ: Mapping[str, str]) -> RankInfo:
     spec, env_info = _from_environ(environ, per_node=False)  # e.g. mp.spawn'ed ranks under srun 1 task/node
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = spec.local_rank if spec.rank is not None else None
-    device = _device(local_rank, _use_cuda(environ))
+    device = _device(local_rank, _use_cuda(environ), _bound(environ))
     local_world = env_info.local_world_size if spec.rank is not None else 1
     return RankInfo(rank=rank, local_rank=local_rank if local_rank is not None else 0,
                     node_rank=env_info.node_rank if spec.rank is not None else 0,
@@ -281,9 +283,13 @@ def _join_group(spec: ClusterSpec, info: RankInfo, backend: str | None, timeout:
     if ends_groups:
         _import_dynamo()
     # device_id binds each rank to its GPU (NCCL connects eagerly, no rank lands on another's GPU)
-    dist.init_process_group(backend=backend, init_method="env://", rank=info.rank, world_size=info.world_size,
-                            timeout=timedelta(seconds=timeout),
-                            device_id=info.device if info.device.type == "cuda" else None)
+    try:
+        dist.init_process_group(backend=backend, init_method="env://", rank=info.rank, world_size=info.world_size,
+                                timeout=timedelta(seconds=timeout),
+                                device_id=info.device if info.device.type == "cuda" else None)
+    except Exception as e:
+        _raise_if_duplicate_gpu(e, info, environ)
+        raise
     # gloo/NCCL read os.environ (exported above), so the error names what they really used
     with setup_phase():  # the probe is not the script's loop: its data preparation may follow
         first_collective(info.device, backend, info.world_size, os.environ, arrival_timeout_s=timeout,
@@ -292,6 +298,22 @@ def _join_group(spec: ClusterSpec, info: RankInfo, backend: str | None, timeout:
         keep_destroyed_groups()  # the script's own destroy_process_group too: released at exit, not freed mid-run
         atexit.register(_destroy_at_exit)
     return backend
+
+
+def _raise_if_duplicate_gpu(error: BaseException, info: RankInfo, environ: Mapping[str, str]) -> None:
+    """NCCL's "Duplicate GPU detected" named as the launch fault it is: two ranks were shown the same
+    GPU (an mpirun wrapper or a scheduler that gives every rank of a node CUDA_VISIBLE_DEVICES=0, or
+    two launches on one machine)."""
+    if "Duplicate GPU detected" not in str(error):
+        return
+    cvd = environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+    raise ClusterError(
+        "Two ranks of this job were given the same GPU, and NCCL refuses to share one.",
+        seen=f"rank {info.rank} (local rank {info.local_rank}) on {socket.gethostname()} uses {info.device}, "
+             f"CUDA_VISIBLE_DEVICES={cvd}; NCCL: {str(error).strip().splitlines()[-1]}",
+        hint="Give each rank of a node its own GPU: per rank, CUDA_VISIBLE_DEVICES=<its local rank> (or srun "
+             "--gpus-per-task=1), or leave CUDA_VISIBLE_DEVICES unset and let ddprun pick cuda:<local rank>.",
+    ) from error
 
 
 def _open_files(info: RankInfo, environ: Mapping[str, str]) -> None:

@@ -93,3 +93,28 @@ def test_on_cuda_init_binds_the_rank_to_its_gpu_with_device_id(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         runtime.init(timeout=30)
     assert seen["backend"] == "nccl" and seen["device_id"] == torch.device("cuda", 1)
+
+
+def test_two_ranks_given_one_gpu_are_named_instead_of_nccls_invalid_usage(monkeypatch):
+    """An mpirun wrapper that sets CUDA_VISIBLE_DEVICES=0 on every rank: each binds cuda:0 and NCCL's
+    eager init stops with 'Duplicate GPU detected' inside an 'invalid usage' error."""
+    os.environ.update(torchrun_env(rank=1, local_rank=1, world=2, local_world=2, port=free_port()),
+                      CUDA_VISIBLE_DEVICES="0")
+    nccl = ("NCCL error in: ProcessGroupNCCL.cpp:1234, invalid usage (run with NCCL_DEBUG=WARN for details), "
+            "NCCL version 2.27.3\nncclInvalidUsage: This usually reflects invalid usage of NCCL library.\n"
+            "Last error:\nDuplicate GPU detected : rank 1 and rank 0 both on CUDA device 1a000")
+
+    def fake_init(**kwargs):
+        raise dist.DistBackendError(nccl)
+
+    monkeypatch.setattr(runtime, "_use_cuda", lambda environ: True)
+    monkeypatch.setattr(runtime, "_device", lambda local_rank, use_cuda, bound=False: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "init_process_group", fake_init)
+    with pytest.raises(ClusterError) as e:
+        runtime.init(timeout=30)
+    text = str(e.value)
+    assert "Two ranks of this job were given the same GPU" in text
+    assert "rank 1 (local rank 1)" in text and "uses cuda:0, CUDA_VISIBLE_DEVICES=0" in text
+    assert "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1a000" in text
+    assert isinstance(e.value.__cause__, dist.DistBackendError)

@@ -269,3 +269,19 @@ def test_workers_of_torchs_agent_that_see_one_gpu_are_still_refused_a_local_rank
     gpus(1)
     with pytest.raises(ConfigError, match="local rank has no GPU of its own"):
         runtime.rank_info({**torchrun_env(rank=1, local_rank=1, world=2, local_world=2), "CUDA_VISIBLE_DEVICES": "0"})
+
+
+def test_an_mpirun_wrapper_that_exports_torchruns_variables_and_one_gpu_a_rank_binds_each_to_its_gpu(gpus):
+    """``export RANK=$OMPI_COMM_WORLD_RANK LOCAL_RANK=... WORLD_SIZE=... CUDA_VISIBLE_DEVICES=$LOCAL_RANK``:
+    the variables look like torchrun's, but no torch agent (TORCHELASTIC_RUN_ID) shows the node's GPUs."""
+    gpus(1)
+    env = {**torchrun_env(rank=3, local_rank=3, world=4, local_world=4), "CUDA_VISIBLE_DEVICES": "3"}
+    del env["TORCHELASTIC_RUN_ID"]
+    assert runtime.rank_info(env).device == torch.device("cuda", 0)
+
+
+def test_a_process_group_the_user_made_under_a_per_task_launcher_uses_the_tasks_one_gpu(gpus):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    gpus(1)
+    info = runtime.rank_info(slurm_task())  # local rank 2 of its node, its one GPU bound by srun
+    assert (info.local_rank, info.device, info.distributed) == (2, torch.device("cuda", 0), True)
