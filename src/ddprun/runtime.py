@@ -85,7 +85,7 @@ def _node_facts():
     from ddprun import cpus
     from ddprun.cluster.base import NodeFacts
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = torch.cuda.device_count()  # NVML where it answers: rank_info() initialises no CUDA
     mine = cpus.probe()
     return NodeFacts(hostname=socket.gethostname(), cpus=mine.usable, cuda_devices=gpus, cpus_note=mine.note())
 

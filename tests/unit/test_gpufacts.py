@@ -274,6 +274,20 @@ def test_the_preflight_check_and_table_include_the_gpu_findings(nvml, tmp_path):
     assert "preflight error: GPU GPU-0000 is used by 2 ranks" in text
 
 
+def test_node_facts_count_gpus_without_initialising_cuda_before_the_script(monkeypatch):
+    """torch.cuda.is_available() runs cuInit (and marks fork unsafe) in the rank before the user's
+    script: its own CUDA_VISIBLE_DEVICES would then be ignored on that rank only."""
+    import torch
+
+    from ddprun.worker.preflight import node_facts
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("CUDA initialised by preflight"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 3))
+    facts = node_facts({"LOCAL_WORLD_SIZE": "2"}, None)
+    assert (facts["gpus"], facts["nccl"]) == (2, "2.27.3")
+
+
 def test_node_facts_carry_the_gpu_facts_of_this_machine():
     from ddprun.worker.preflight import node_facts
 

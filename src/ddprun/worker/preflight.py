@@ -70,8 +70,11 @@ def node_facts(environ: Mapping[str, str], script: str | None) -> dict:
         free_gb = round(shutil.disk_usage(run_dir).free / 2**30, 1)
     except OSError:
         free_gb = -1.0
+    # device_count() asks NVML: no CUDA initialised before the script runs (is_available() would, and
+    # then a script's own CUDA_VISIBLE_DEVICES, or CUDA in children it forks, fails on this rank only)
+    gpus = torch.cuda.device_count()
     nccl = ""
-    if torch.cuda.is_available():
+    if gpus:
         try:
             nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
         except Exception:  # noqa: BLE001 - a build without NCCL
@@ -82,7 +85,7 @@ def node_facts(environ: Mapping[str, str], script: str | None) -> dict:
         "addresses": _addresses(host),
         "nproc": int(environ.get("LOCAL_WORLD_SIZE", "1")),
         "uneven_ok": bool(wenv and wenv.allow_uneven_nodes),
-        "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "gpus": gpus,
         "nnodes": f"{wenv.min_nodes}:{wenv.max_nodes}" if wenv is not None else "",
         "torch": torch.__version__,
         "cuda": torch.version.cuda or "",
