@@ -162,6 +162,28 @@ def test_the_gpu_count_asks_torch_only_on_a_node_with_a_gpu_device_file(tmp_path
     assert probe() == f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} True"
 
 
+def test_a_node_with_an_nvidia_driver_whose_gpus_torch_cannot_use_says_why_it_trains_on_cpu(tmp_path, monkeypatch):
+    """A CPU-only torch wheel on a GPU node: one CPU process a node, not four GPUs, and it is said."""
+    import torch
+
+    from ddprun.cluster.probe import unused_gpus
+
+    driver = tmp_path / "version"
+    driver.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar 5 22:23:56 UTC 2024\n")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    why = unused_gpus(0, {}, str(driver))
+    assert why.startswith("this node has NVRM version: NVIDIA UNIX x86_64 Kernel Module 550.54.15")
+    assert f"torch {torch.__version__} is a CPU-only build: install a CUDA build of torch" in why
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    assert "(CUDA 12.4) cannot use them: check nvidia-smi" in unused_gpus(0, {}, str(driver))
+    # GPUs seen, no driver, or hidden on purpose: nothing to say
+    assert unused_gpus(4, {}, str(driver)) == unused_gpus(0, {}, str(tmp_path / "none")) == ""
+    assert unused_gpus(0, {"CUDA_VISIBLE_DEVICES": "-1"}, str(driver)) == ""
+    node = NodeFacts(hostname="gpu01", cpus=32, cuda_devices=0, unused_gpus=why)
+    spec = resolve(LaunchConfig(), {}, node, launcher=True)
+    assert (spec.nproc_per_node, spec.device) == (1, "cpu") and f"gpu01: {why}" in spec.notes
+
+
 @pytest.mark.parametrize("flags, environ, source, fix", [
     ({"rdzv_backend": "etcd-v2"}, {}, "--rdzv-backend", "HINT: Use --rdzv-backend c10d"),
     ({}, {"PET_NNODES": "2", "PET_NODE_RANK": "0", "PET_MASTER_ADDR": "m", "PET_RDZV_BACKEND": "etcd"},

@@ -25,6 +25,9 @@ class NodeFacts:
     """IP addresses of this node (its name resolved, its interfaces), to find it in a hostfile."""
     cpus_note: str = ""
     """Why ``cpus`` is less than the cores this process may run on (a container's CPU limit), else ''."""
+    unused_gpus: str = ""
+    """Why torch sees no CUDA device on a node with an NVIDIA driver (a CPU-only torch build, a driver
+    torch's CUDA cannot use), else ''."""
 
     def cpus_text(self) -> str:
         """``4 CPUs``, with the note when there is one."""

@@ -248,6 +248,8 @@ def _with_node_defaults(facts: Reading, node: NodeFacts) -> tuple[Reading, list[
         notes.append(f"{allocated.source}, but torch sees no CUDA device on {node.hostname}: "
                      f"{facts['nproc_per_node'].value} process(es) per node run on cpu "
                      "(if this node has GPUs, check nvidia-smi and that torch is a CUDA build).")
+    elif node.unused_gpus and facts["device"].value == "cpu":
+        notes.append(f"{node.hostname}: {node.unused_gpus}")
     return facts, notes
 
 

@@ -44,13 +44,41 @@ def cuda_devices(device_files: tuple[str, ...] = GPU_DEVICE_FILES) -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+NVIDIA_DRIVER = "/proc/driver/nvidia/version"
+
+
+def unused_gpus(gpus: int, environ: Mapping[str, str], driver_file: str = NVIDIA_DRIVER) -> str:
+    """Why torch sees no CUDA device on a node whose NVIDIA driver is loaded ('' when it sees some,
+    when there is no driver, or when CUDA_VISIBLE_DEVICES hides them on purpose)."""
+    if gpus or "torch" not in sys.modules or not os.path.exists(driver_file):
+        return ""
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        from ddprun.cluster._values import visible_gpus
+
+        if visible_gpus(environ) is None:  # -1, NoDevFiles, empty: the GPUs are hidden on purpose
+            return ""
+    import torch
+
+    try:
+        with open(driver_file) as fp:
+            driver = " ".join(fp.readline().split()[:8])
+    except OSError:
+        driver = "an NVIDIA driver"
+    if not torch.version.cuda:
+        why = f"torch {torch.__version__} is a CPU-only build: install a CUDA build of torch to use the GPUs"
+    else:
+        why = (f"torch {torch.__version__} (CUDA {torch.version.cuda}) cannot use them: check nvidia-smi, a driver "
+               "older than that CUDA, and that the job was given GPUs")
+    return f"this node has {driver}, but torch sees no CUDA device, so it trains on cpu: {why}."
+
+
 def probe_node(environ: Mapping[str, str]):
     """The I/O behind detection: hostname (DDPRUN_HOSTNAME overrides it), addresses, CPUs, CUDA devices."""
     gpus = cuda_devices()
     hostname = environ.get("DDPRUN_HOSTNAME") or socket.gethostname()
     mine = cpus.probe()
     return NodeFacts(hostname=hostname, cpus=mine.usable, cuda_devices=gpus, addresses=_node_addresses(hostname),
-                     cpus_note=mine.note())
+                     cpus_note=mine.note(), unused_gpus=unused_gpus(gpus, environ))
 
 
 def check_endpoint(spec: ClusterSpec) -> None:
