@@ -40,7 +40,7 @@ def test_host_whose_name_resolves_to_loopback_hosts_and_advertises_its_interface
     net = plan_network(spec(), NetProbe(IFS_A, ("127.0.0.1",), route_src="127.0.0.1"), {})
     assert net.is_host is True and net.rdzv_conf == {"is_host": "1"}
     assert net.local_addr == "10.231.7.1" and net.ifname == "veth-a"
-    assert net.worker_env == {"GLOO_SOCKET_IFNAME": "veth-a", "NCCL_SOCKET_IFNAME": "veth-a"}
+    assert net.worker_env == {"GLOO_SOCKET_IFNAME": "veth-a", "NCCL_SOCKET_IFNAME": "=veth-a"}
     assert "only interface" in net.sources["local_addr"]
     assert "127.0.0.1 is this node's (lo)" in net.sources["is_host"]
 
@@ -62,7 +62,7 @@ def test_user_variables_are_kept_and_name_the_interface():
     ifs = {**IFS_B, "eth9": ("192.168.5.5",)}
     net = plan_network(spec(), NetProbe(ifs, ("10.231.7.1",), route_src="10.231.7.2"), {"GLOO_SOCKET_IFNAME": "eth9"})
     assert (net.local_addr, net.ifname) == ("192.168.5.5", "eth9")
-    assert net.worker_env == {"NCCL_SOCKET_IFNAME": "eth9"}  # GLOO_SOCKET_IFNAME is the user's already
+    assert net.worker_env == {"NCCL_SOCKET_IFNAME": "=eth9"}  # GLOO_SOCKET_IFNAME is the user's already
     # a list or an exclusion is left to the library: the route decides the address
     net = plan_network(spec(), NetProbe(ifs, ("10.231.7.1",), route_src="10.231.7.2"), {"NCCL_SOCKET_IFNAME": "^docker"})
     assert (net.local_addr, net.ifname, dict(net.worker_env)) == ("10.231.7.2", "veth-b", {"GLOO_SOCKET_IFNAME": "veth-b"})
@@ -134,6 +134,27 @@ def test_unresolvable_host_no_route_and_ambiguous_host_are_errors_with_hints():
     assert "--local-addr" in str(e.value)
     net = plan_network(spec(), NetProbe(two, ("127.0.0.1",), route_src="127.0.0.1", default_ifname="eth1"), {})
     assert (net.local_addr, net.ifname) == ("192.168.1.4", "eth1") and "default route" in net.sources["local_addr"]
+
+
+def test_nccl_is_given_the_exact_interface_unless_its_config_file_names_one(tmp_path):
+    """``=eth1`` is NCCL's exact form (a plain eth1 matches eth10 too). NCCL lets the environment win
+    over /etc/nccl.conf: an export would override the admin's setting, so there is none."""
+    from ddprun.cluster.netaddr import nccl_conf
+
+    ifs = {**IFS_B, "veth-b0": ("10.9.9.9",)}
+    probe = NetProbe(ifs, ("10.231.7.1",), route_src="10.231.7.2")
+    assert plan_network(spec(), probe, {}).worker_env == {"GLOO_SOCKET_IFNAME": "veth-b",
+                                                          "NCCL_SOCKET_IFNAME": "=veth-b"}
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc/nccl.conf").write_text("# site settings\nNCCL_SOCKET_IFNAME=ib\nNCCL_IB_HCA = mlx5 # HDR\n")
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home/.nccl.conf").write_text("NCCL_IB_HCA=mlx5_0\n")
+    conf = nccl_conf({"HOME": "/home"}, root=str(tmp_path))
+    assert conf == {"NCCL_IB_HCA": "mlx5_0", "NCCL_SOCKET_IFNAME": "ib"}  # the user's file first, as NCCL reads
+    net = plan_network(spec(), probe, {}, nccl_conf=conf)
+    assert net.worker_env == {"GLOO_SOCKET_IFNAME": "veth-b"}
+    assert net.sources["ifname"].endswith("; NCCL: NCCL_SOCKET_IFNAME=ib (its config file)")
+    assert nccl_conf({"HOME": "/nonexistent"}, root=str(tmp_path / "none")) == {}
 
 
 def test_probe_reads_this_machines_interfaces():

@@ -103,7 +103,7 @@ def test_json_carries_every_line_explain_prints():
     network = doc["network"]
     assert (network["decided"], network["is_host"], network["local_addr"], network["ifname"]) == (
         True, False, "10.0.0.2", "eth0")
-    assert network["worker_env"] == {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
+    assert network["worker_env"] == {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "=eth0"}
     assert set(network["sources"]) == {"is_host", "local_addr", "ifname"} and doc["warnings"] == []
 
 

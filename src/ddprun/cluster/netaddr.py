@@ -19,7 +19,9 @@ addresses this node really has:
   picks the route, no packet is sent); else, on the host itself when its name resolves to loopback,
   the address of the default route's interface, or of the one interface with an address.
 * **interface**: the one named above, else the interface that owns the local address. Exported to the
-  workers as GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME unless the user set them.
+  workers as GLOO_SOCKET_IFNAME and as NCCL_SOCKET_IFNAME (``=name``: NCCL's exact form, as a plain
+  ``eth1`` would match ``eth10`` too) unless the user set them, or, for NCCL, its config file does
+  (/etc/nccl.conf, ~/.nccl.conf or NCCL_CONF_FILE: NCCL lets the environment win over them).
 
 One node (or a rendezvous on a loopback address: every node on this machine) changes nothing.
 
@@ -31,6 +33,7 @@ the default route, getaddrinfo for the rendezvous host, one unconnected UDP sock
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 import struct
 from collections.abc import Callable, Mapping
@@ -188,13 +191,15 @@ def _nccl_named(raw: str, probe: NetProbe, strict: bool = True) -> tuple[str | N
 
 
 def plan_network(spec: ClusterSpec, probe: NetProbe, environ: Mapping[str, str],
-                 local_addr: str | None = None, rdzv_conf: Mapping[str, str] | None = None) -> NetworkPlan:
+                 local_addr: str | None = None, rdzv_conf: Mapping[str, str] | None = None,
+                 nccl_conf: Mapping[str, str] | None = None) -> NetworkPlan:
     """Decide is_host, the local address and the interface (module docstring). Pure.
 
     ``local_addr``: the user's --local-addr; ``rdzv_conf``: the user's --rdzv-conf (its ``is_host``
-    wins). Raises ClusterError when the job cannot work from this node: the rendezvous host does not
-    resolve, a named interface does not exist (or none matches NCCL_SOCKET_IFNAME), no address is
-    reachable, or under static rendezvous node rank 0 is not the rendezvous host.
+    wins); ``nccl_conf``: what NCCL's config files set (:func:`nccl_conf`). Raises ClusterError when
+    the job cannot work from this node: the rendezvous host does not resolve, a named interface does
+    not exist (or none matches NCCL_SOCKET_IFNAME), no address is reachable, or under static
+    rendezvous node rank 0 is not the rendezvous host.
     """
     rdzv_conf = rdzv_conf or {}
     if not needs_probe(spec):
@@ -231,7 +236,11 @@ def plan_network(spec: ClusterSpec, probe: NetProbe, environ: Mapping[str, str],
         ifname = owner(ifs, addr)
         if_src = f"owner of {addr}" if ifname else f"no interface of this node has {addr}; left to the libraries"
         if_src = f"{named_src}; gloo: {if_src}" if named_src else if_src
-    worker_env = {var: ifname for var in IFNAME_VARS if ifname and var not in environ}
+    conf = nccl_conf or {}
+    worker_env = {var: ("=" + ifname if var.startswith("NCCL") else ifname) for var in IFNAME_VARS
+                  if ifname and var not in environ and var not in conf}
+    if ifname and "NCCL_SOCKET_IFNAME" in conf and "NCCL_SOCKET_IFNAME" not in environ:
+        if_src += f"; NCCL: NCCL_SOCKET_IFNAME={conf['NCCL_SOCKET_IFNAME']} (its config file)"
     rdzv = {"is_host": "1" if is_host else "0"} if spec.rdzv_backend == "c10d" else {}
     return NetworkPlan(is_host=is_host, local_addr=addr, ifname=ifname,
                        sources={"is_host": is_host_src, "local_addr": addr_src, "ifname": if_src},
@@ -429,4 +438,29 @@ def network_plan(spec: ClusterSpec, environ: Mapping[str, str], local_addr: str 
     runtime.init() call. ``probe`` defaults to :func:`probe_network`."""
     if not needs_probe(spec):
         return plan_network(spec, NetProbe({}, ()), environ, local_addr, rdzv_conf)
-    return plan_network(spec, (probe or probe_network)(_master_host(spec)), environ, local_addr, rdzv_conf)
+    return plan_network(spec, (probe or probe_network)(_master_host(spec)), environ, local_addr, rdzv_conf,
+                        nccl_conf(environ))
+
+
+def nccl_conf_files(environ: Mapping[str, str]) -> dict[str, str]:
+    """The config files NCCL reads, by the name to show -> path: NCCL_CONF_FILE (else ~/.nccl.conf),
+    then /etc/nccl.conf. A variable set in the environment wins over both."""
+    user = environ.get("NCCL_CONF_FILE") or os.path.join(environ.get("HOME", "/nonexistent"), ".nccl.conf")
+    return {"~/.nccl.conf": user, "/etc/nccl.conf": "/etc/nccl.conf"}
+
+
+def nccl_conf(environ: Mapping[str, str], root: str = "/") -> dict[str, str]:
+    """``KEY=VALUE`` settings of NCCL's config files (the first file to set a key wins, as in NCCL);
+    {} where none is readable. ``root``: where the files are (tests: a fake tree)."""
+    found: dict[str, str] = {}
+    for path in nccl_conf_files(environ).values():
+        try:
+            with open(os.path.join(root, path.lstrip("/")), errors="replace") as fp:
+                lines = fp.read(1 << 20).splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            key, eq, value = line.split("#", 1)[0].partition("=")
+            if eq and key.strip():
+                found.setdefault(key.strip(), value.strip())
+    return found

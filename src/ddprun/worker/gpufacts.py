@@ -24,6 +24,7 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 
 from ddprun.cluster._values import visible_devices
+from ddprun.cluster.netaddr import nccl_conf_files
 from ddprun.protocol.env import device_kind
 
 NVML_TIMEOUT_S = 20.0
@@ -230,8 +231,9 @@ def comm_env(environ: Mapping[str, str]) -> dict[str, str]:
 def nccl_conf_hashes(environ: Mapping[str, str], root: str = "/") -> dict[str, str]:
     """SHA-256 prefixes of the NCCL config files NCCL reads ('' = absent): /etc/nccl.conf and
     NCCL_CONF_FILE, else ~/.nccl.conf."""
-    user = environ.get("NCCL_CONF_FILE") or os.path.join(environ.get("HOME", "/nonexistent"), ".nccl.conf")
-    return {"/etc/nccl.conf": _sha(_under(root, "/etc/nccl.conf")), "~/.nccl.conf": _sha(_under(root, user))}
+    files = nccl_conf_files(environ)
+    return {"/etc/nccl.conf": _sha(_under(root, files["/etc/nccl.conf"])),
+            "~/.nccl.conf": _sha(_under(root, files["~/.nccl.conf"]))}
 
 
 def _lib_dirs(environ: Mapping[str, str], root: str) -> list[str]:
