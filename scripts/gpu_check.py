@@ -88,6 +88,45 @@ def step_refused_two(work: Path) -> tuple[str, str]:
     return ("pass" if ok else "fail"), _tail(p, 3)
 
 
+def step_short_uuid(work: Path) -> tuple[str, str]:
+    """CUDA_VISIBLE_DEVICES as a shortened GPU UUID (CUDA accepts a unique prefix): preflight must pass."""
+    from ddprun.worker import gpufacts
+
+    g = gpufacts.collect(os.environ, 1)
+    if g.get("nvml") != "ok" or not g.get("ranks"):
+        return "skipped", f"nvml: {g.get('nvml')}"
+    prefix = str(g["ranks"][0]["uuid"])[:12]
+    out = work / "short-uuid.json"
+    p = _launch([*DDPRUN, "run", "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-id", "shortuuid",
+                 str(HERE), "--worker", "fit", "--precision", "32", "--result", str(out)], work,
+                env={"CUDA_VISIBLE_DEVICES": prefix})
+    ok = p.returncode == 0 and out.exists() and json.loads(out.read_text())["device"].startswith("cuda")
+    return ("pass" if ok else "fail"), f"CUDA_VISIBLE_DEVICES={prefix}: " + (out.read_text() if ok else _tail(p))
+
+
+def step_one_gpu_two_ranks(work: Path) -> tuple[str, str]:
+    """Two ranks an mpirun wrapper both gave CUDA_VISIBLE_DEVICES=0: each names the shared GPU (a
+    ClusterError), not NCCL's bare 'invalid usage', and neither hangs."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "0", "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "DDPRUN_FIRST_COLLECTIVE_TIMEOUT": "20"}
+        env.pop("TORCHELASTIC_RUN_ID", None)
+        procs.append(subprocess.Popen([sys.executable, str(HERE), "--worker", "init"], cwd=work, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    texts = [p.communicate(timeout=STEP_TIMEOUT_S)[0] for p in procs]
+    named = ["Two ranks of this job were given the same GPU" in t for t in texts]
+    ok = all(p.returncode != 0 for p in procs) and any(named)
+    return ("pass" if ok else "fail"), f"named on ranks {[r for r in (0, 1) if named[r]]}; " + \
+        " | ".join(t.strip().splitlines()[-1] if t.strip() else "" for t in texts)
+
+
 def step_flight_recorder(work: Path) -> tuple[str, str]:
     out = work / "fr.json"
     p = _launch([sys.executable, str(HERE), "--worker", "fr", "--result", str(out)], work,
@@ -111,6 +150,8 @@ def step_overhead(work: Path) -> tuple[str, str]:
 STEPS = [("nvml facts", step_nvml, False), ("ddprun doctor", step_doctor, False),
          *[(f"fit {p}", lambda w, p=p: step_fit(w, p), True) for p in ("32", "bf16", "16")],
          ("lightning on one GPU", step_lightning, True), ("refused --nproc-per-node 2 on one GPU", step_refused_two, True),
+         ("shortened GPU UUID in CUDA_VISIBLE_DEVICES", step_short_uuid, True),
+         ("two ranks given one GPU are named", step_one_gpu_two_ranks, True),
          ("flight recorder dump of an NCCL group", step_flight_recorder, True),
          ("step overhead: fit vs hand-written loop", step_overhead, True)]
 """(name, function, needs CUDA)."""
@@ -195,6 +236,18 @@ def worker_lightning(result: str) -> None:
         Path(result).write_text(json.dumps({"device": getattr(lit, "seen_device", "none")}))
 
 
+def worker_init() -> None:
+    """ddprun.init() and one all_reduce, as a script an mpirun wrapper starts would do."""
+    import torch
+    import torch.distributed as dist
+
+    import ddprun
+
+    info = ddprun.init()
+    dist.all_reduce(torch.ones(1, device=info.device))
+    print(f"rank {info.rank} on {info.device}: all_reduce done", flush=True)
+
+
 def worker_fr(result: str) -> None:
     """An NCCL group of one with the Flight Recorder on (TORCH_FR_BUFFER_SIZE), one all_reduce, the dump."""
     import socket
@@ -268,13 +321,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="skip every step that needs CUDA, with the reason")
     ap.add_argument("--out", default="gpu-check.json", help="where the JSON summary goes")
     ap.add_argument("--workdir", default=None, help="run directory of the steps (default: beside --out)")
-    ap.add_argument("--worker", choices=("fit", "lightning", "fr", "overhead"), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=("fit", "lightning", "fr", "overhead", "init"), help=argparse.SUPPRESS)
     ap.add_argument("--precision", default="32", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         {"fit": lambda: worker_fit(args.precision, args.result), "lightning": lambda: worker_lightning(args.result),
-         "fr": lambda: worker_fr(args.result), "overhead": lambda: worker_overhead(args.result)}[args.worker]()
+         "fr": lambda: worker_fr(args.result), "overhead": lambda: worker_overhead(args.result),
+         "init": worker_init}[args.worker]()
         return 0
     import torch
 
