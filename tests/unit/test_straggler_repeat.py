@@ -50,3 +50,25 @@ def test_a_run_dir_that_refuses_writes_leaves_detection_on_and_is_said_once(tmp_
                      {0: "a", 1: "b", 2: "c"}, float(w))
     err = capsys.readouterr().err
     assert err.count("ddprun: could not write ") == 1 and "ddprun: straggler: " in err
+
+
+def test_timings_csv_thins_out_long_runs_to_grow_with_the_log_of_their_length(tmp_path, monkeypatch):
+    """One row a rank every 2 s is 1 GB an hour at 8,192 ranks, and the report loads the file whole:
+    past each stride's row budget only every 2nd (then 4th, ...) window is written; detection reads all."""
+    import csv
+
+    from ddprun.worker.stragglers import StragglerWatch
+
+    monkeypatch.setattr(StragglerWatch, "ROWS_PER_STRIDE", 8)  # 2 windows of 4 ranks a stride
+    watch = StragglerWatch(str(tmp_path), 0.2, 3)
+    events = []
+    for w in range(1, 21):
+        slow = 0.5 if w > 14 else 0.1  # rank 3 turns slow late in the run
+        events += watch.update({r: {"w": w, "step": slow if r == 3 else 0.1} for r in range(4)},
+                               {r: f"h{r}" for r in range(4)}, float(w))
+    with open(tmp_path / "timings.csv") as fp:
+        rows = list(csv.DictReader(fp))
+    windows = sorted({int(r["window"]) for r in rows})
+    assert windows == [1, 2, 3, 5, 9, 13, 17]  # 8 rows (2 windows) at each stride: 1, 2, 4, 8
+    assert all(sum(int(r["window"]) == w for r in rows) == 4 for w in windows)  # every rank of a kept window
+    assert len(events) == 1 and "rank 3" in events[0]  # windows 15-17 in a row: named from every window

@@ -93,7 +93,15 @@ class StragglerDetector:
 
 class StragglerWatch:
     """Rank 0's side: each window, read every rank's latest timing (one batched read), append the new
-    ones to timings.csv, and name stragglers on the console and in events.jsonl."""
+    ones to timings.csv, and name stragglers on the console and in events.jsonl.
+
+    timings.csv keeps every window until ROWS_PER_STRIDE rows are written, then every 2nd window for
+    as many rows, then every 4th, ...: its size grows with the log of the run's length, not with it
+    (one row a rank every 2 s is 1 GB an hour at 8,192 ranks, and the report loads the file whole).
+    Detection reads every window either way."""
+
+    ROWS_PER_STRIDE = 200_000
+    """About 13 MB of rows at each stride."""
 
     def __init__(self, run_dir: str, margin: float, windows: int):
         from ddprun.protocol.rundir import RunDir
@@ -102,6 +110,9 @@ class StragglerWatch:
         self.detector = StragglerDetector(margin=margin, k=windows)
         self._seen: dict[int, int] = {}
         self._said_write_error = False
+        self._reads = 0  # reads that brought fresh windows
+        self._stride = 1  # of those, every stride-th is written to timings.csv
+        self._rows_at_stride = 0
 
     def fresh(self, values: Mapping[int, object]) -> dict[int, dict]:
         """The windows not seen before among rank -> parsed timing values (malformed ones skipped)."""
@@ -117,7 +128,6 @@ class StragglerWatch:
     def update(self, values: Mapping[int, object], hosts: Mapping[int, str], now: float) -> list[str]:
         """Feed one read; returns the console lines it printed (also appended to events.jsonl)."""
         import json
-        import os
         import sys
         import time
 
@@ -126,17 +136,8 @@ class StragglerWatch:
         fresh = self.fresh(values)
         if not fresh:
             return []
-        path = self.rundir.timings_csv
-        try:
-            new_file = not os.path.exists(path)
-            with open(path, "a") as fp:
-                if new_file:
-                    fp.write(",".join(TIMING_COLUMNS) + "\n")
-                for r, s in sorted(fresh.items()):
-                    row = {**s, "rank": r, "window": s["w"]}
-                    fp.write(",".join("" if row.get(c) is None else str(row[c]) for c in TIMING_COLUMNS) + "\n")
-        except OSError as e:  # a full disk: the detection goes on (the monitor's poll must not fail of it)
-            self._cannot_write(path, e)
+        if self._kept():
+            self._write_rows(fresh, TIMING_COLUMNS)
         if len(fresh) < 2:
             return []
         lines = []
@@ -153,6 +154,29 @@ class StragglerWatch:
             except OSError as e:
                 self._cannot_write(self.rundir.events_jsonl, e)
         return lines
+
+    def _kept(self) -> bool:
+        """Whether this read's windows go to timings.csv (the class docstring's thinning)."""
+        self._reads += 1
+        if self._rows_at_stride >= self.ROWS_PER_STRIDE:
+            self._stride, self._rows_at_stride = self._stride * 2, 0
+        return (self._reads - 1) % self._stride == 0
+
+    def _write_rows(self, fresh: Mapping[int, dict], columns: tuple[str, ...]) -> None:
+        import os
+
+        path = self.rundir.timings_csv
+        try:
+            new_file = not os.path.exists(path)
+            with open(path, "a") as fp:
+                if new_file:
+                    fp.write(",".join(columns) + "\n")
+                for r, s in sorted(fresh.items()):
+                    row = {**s, "rank": r, "window": s["w"]}
+                    fp.write(",".join("" if row.get(c) is None else str(row[c]) for c in columns) + "\n")
+            self._rows_at_stride += len(fresh)
+        except OSError as e:  # a full disk: the detection goes on (the monitor's poll must not fail of it)
+            self._cannot_write(path, e)
 
     def _cannot_write(self, path: str, e: OSError) -> None:
         """Say once that the run dir refuses a write (the lines still reach the console)."""
