@@ -54,7 +54,8 @@ class WorkerFailed(LaunchError):
     of another rank's failure). ``message``: that rank's one-line error (``"ValueError: ..."``).
     ``traceback``: its traceback as text ("" when the process died without one, e.g. a signal).
     ``error``: the original exception object when it could be carried back, else None (it is also
-    this exception's ``__cause__``). ``log``: the rank's log file, when there is one.
+    this exception's ``__cause__``, except under ``ddprun.ray.fit``, where the cause is Ray's own error,
+    whose text has every failed worker's traceback). ``log``: the rank's log file, when there is one.
     """
 
     def __init__(self, rank: int, message: str, *, traceback: str = "", error: BaseException | None = None,

@@ -64,6 +64,9 @@ class PreemptState:
     saving: bool = False
     """ddprun.fit writes the stop step's checkpoint now: an agent's stop waits for it (bounded)."""
     _previous: dict[int, Any] = field(default_factory=dict)
+    _ignored: dict[int, Any] = field(default_factory=dict)
+    """Signals of ours the script set to SIG_IGN (out of :attr:`signals` meanwhile), with the script's
+    handler from before; the script's next ``signal.signal`` for one puts ours back (_chaining_signal)."""
     _wakeup: int | None = None
     """The write end of this process's wakeup pipe (:func:`install`); a forked child's is the rank's."""
     handled: threading.Event = field(default_factory=threading.Event)
@@ -136,16 +139,36 @@ _signal_signal = signal.signal
 
 def _chaining_signal(signum: Any, handler: Any) -> Any:
     """``signal.signal`` while ours are installed: a script's handler for one of our signals runs
-    beside ours (chained) instead of replacing it; the value returned is what the script set before."""
-    if signum in PREEMPT.signals and threading.current_thread() is threading.main_thread():
-        before = PREEMPT._previous.get(signum, signal.SIG_DFL)
-        if handler is signal.SIG_IGN:  # the script ignores this signal: so does ddprun, preemption included
-            PREEMPT.signals = tuple(s for s in PREEMPT.signals if s != signum)
-            _signal_signal(signum, signal.SIG_IGN)
+    beside ours (chained) instead of replacing it; the value returned is what the script set before.
+    SIG_IGN is the one disposition that replaces ours: the script ignores the signal, and so does
+    ddprun, preemption included, until the script sets anything else for it (the usual ``old =
+    signal.signal(SIGTERM, SIG_IGN); ...; signal.signal(SIGTERM, old)``), which brings ours back."""
+    if threading.current_thread() is threading.main_thread():
+        if signum in PREEMPT._ignored:
+            return _unignoring(signum, handler)
+        if signum in PREEMPT.signals:
+            before = PREEMPT._previous.get(signum, signal.SIG_DFL)
+            if handler is signal.SIG_IGN:
+                PREEMPT.signals = tuple(s for s in PREEMPT.signals if s != signum)
+                PREEMPT._ignored[signum] = before
+                _signal_signal(signum, signal.SIG_IGN)
+                return before
+            PREEMPT._previous[signum] = handler
             return before
-        PREEMPT._previous[signum] = handler
-        return before
     return _signal_signal(signum, handler)
+
+
+def _unignoring(signum: int, handler: Any) -> Any:
+    """``signal.signal(signum, handler)`` for a signal of ours the script ignores: another SIG_IGN keeps it
+    so; anything else is the script's handler again (chained), with ours reinstalled. ``handler`` may be
+    ours (what ``signal.getsignal`` gave before the ignore): the script's handler from then stays."""
+    if handler is signal.SIG_IGN:
+        return signal.SIG_IGN
+    before_ignore = PREEMPT._ignored.pop(signum)
+    PREEMPT._previous[signum] = before_ignore if handler is _handler else handler
+    _signal_signal(signum, _handler)
+    PREEMPT.signals = (*PREEMPT.signals, signum)
+    return signal.SIG_IGN
 
 
 def install(signals: tuple[int, ...]) -> int | None:

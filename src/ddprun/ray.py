@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -42,6 +44,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("ddprun.ray needs Ray Train: pip install 'ddprun[ray]'") from e
 
 from ddprun.errors import ConfigError, LaunchError, WorkerFailed
+from ddprun.protocol.failure import looks_like_echo
 
 __all__ = ["RayFitResult", "fit"]
 
@@ -143,8 +146,9 @@ def fit(model: Any, train_data: Any = None, *, num_workers: int | None = None, u
     ~/ray_results; name: a new run id). ``after_fit(result)``: called in every worker with its
     FitResult (write per-rank outputs, evaluate); its return value is not kept.
 
-    Raises :class:`~ddprun.errors.WorkerFailed` (``.rank``, ``.message``, ``.error``) when training
-    failed after the retries, or ConfigError/LaunchError before it starts.
+    Raises :class:`~ddprun.errors.WorkerFailed` (``.rank``, ``.message``, ``.traceback``, ``.error``) when
+    training failed after the retries: the lowest failed rank whose error is not an echo of another's,
+    raised from Ray's error; or ConfigError/LaunchError before it starts.
     """
     t0 = time.monotonic()
     _check(model, num_workers, max_failures, after_fit, fit_kwargs)
@@ -169,15 +173,13 @@ def fit(model: Any, train_data: Any = None, *, num_workers: int | None = None, u
     # The process group's timeout before ddprun's first step: ddprun's init timeout (Ray: 30 min).
     trainer = TorchTrainer(_worker, train_loop_config=config, scaling_config=scaling, run_config=run_config,
                            torch_config=TorchConfig(timeout_s=int(DEFAULT_INIT_TIMEOUT_S)))
-    try:
+    try:  # raised from Ray's own error, whose text has every failed worker's traceback (.error: the rank's own)
         result = trainer.fit()
     except ray.train.TrainingFailedError as e:
-        failure = _failure(e)
-        raise failure from getattr(failure, "error", None) or e
+        raise _failure(e) from e
     error = getattr(result, "error", None)
     if error is not None:  # Ray versions that return the error instead of raising it
-        failure = _failure(error)
-        raise failure from getattr(failure, "error", None) or error
+        raise _failure(error) from error
     trained = _load_final(model, result.checkpoint, lightning) if _is_module(model) else None
     return RayFitResult(metrics=dict(result.metrics or {}), checkpoint=result.checkpoint, model=trained,
                         path=str(result.path), run_dir=run_dir, result=result, wall_s=time.monotonic() - t0)
@@ -190,25 +192,47 @@ def _is_module(obj: Any) -> bool:
 
 
 def _failure(e: BaseException) -> LaunchError:
-    """One exception for a failed Ray run: the lowest failed rank's own error."""
+    """One exception for a failed Ray run: the error of the lowest failed rank whose failure is not only an
+    echo of another's (protocol/failure.py ECHOES: "Connection closed by peer" when a peer died), with its
+    traceback text."""
     failures = getattr(e, "worker_failures", None) or {}
     if not failures:
         return LaunchError("Ray Train failed before or outside the training workers.",
                            seen=f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}",
                            hint="See Ray's output above (and `ray status`): resources, the cluster, the storage path.")
-    rank = min(failures)
-    err = failures[rank]
-    # Ray Train wraps a worker's exception with its traceback text (UserExceptionWithTraceback:
-    # _base_exc, _traceback_str); read defensively, these are Ray's private names.
-    original = getattr(err, "_base_exc", None) or getattr(err, "cause", None)
-    original = original if isinstance(original, BaseException) else err
-    tb = getattr(err, "_traceback_str", None) or ""
+    errors = {rank: _unwrapped(err) for rank, err in failures.items()}
+    own = [rank for rank, err in errors.items() if not looks_like_echo(f"{type(err).__name__}: {err}")]
+    rank = min(own or errors)
+    original = errors[rank]
+    tb = (getattr(failures[rank], "_traceback_str", None) or _snippets(str(e)).get(rank)
+          or "".join(traceback.format_exception(type(original), original, original.__traceback__)
+                     if original.__traceback__ else []))
     others = sorted(r for r in failures if r != rank)
     first = (str(original).splitlines() or [""])[0][:300]
     return WorkerFailed(rank, f"{type(original).__name__}: {first}", traceback=tb, error=original,
                         others=f"ranks {others} failed too" if others else "",
                         hint="Fix the error above (ranks are Ray Train's world ranks); Ray's (RayTrainWorker ...) "
                              "lines above have each worker's output.")
+
+
+def _unwrapped(err: BaseException) -> BaseException:
+    """A worker's own exception. Ray Train V2 hands it over unwrapped; earlier versions wrapped it with its
+    traceback text (UserExceptionWithTraceback: _base_exc, _traceback_str; Ray's private names)."""
+    original = getattr(err, "_base_exc", None) or getattr(err, "cause", None)
+    return original if isinstance(original, BaseException) else err
+
+
+def _snippets(text: str) -> dict[int, str]:
+    """Each rank's traceback text in Ray Train V2's WorkerGroupError message, which alone keeps it (the
+    exceptions come back without their traceback): ``[Rank 0,2 Error Snippet]:`` then the text, for each
+    group of like errors (ray/train/v2/_internal/execution/worker_group/poll.py ``get_error_string``; Ray
+    shortens a long one to its first and last 500 characters)."""
+    heads = list(re.finditer(r"^\[Rank ([\d,]+) Error Snippet\]:\n", text, re.M))
+    out: dict[int, str] = {}
+    for i, head in enumerate(heads):
+        body = text[head.end():heads[i + 1].start() if i + 1 < len(heads) else len(text)].rstrip("\n")
+        out.update((int(r), body) for r in head[1].split(",") if r.isdigit())
+    return out
 
 
 def _load_final(model: Any, checkpoint: Any, lightning: bool) -> Any:

@@ -141,14 +141,57 @@ def test_a_worker_group_error_becomes_one_worker_failed():
     assert isinstance(err.error, ValueError) and "[3]" in str(err)
 
 
-def test_a_wrapped_worker_error_keeps_its_traceback_text():
-    from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
-    from ray.train.v2.api.exceptions import WorkerGroupError
+def rays_worker_group_error(raisers):
+    """What Ray Train V2 raises on the driver when these workers raise (rank -> function): each worker's
+    error wrapped with its traceback text (thread_runner), unwrapped again by the poll status
+    (worker_failures hold the bare exceptions; only the message keeps the text), pickled to the driver."""
+    import pickle
 
-    wrapped = UserExceptionWithTraceback(KeyError("y"), "Traceback (most recent call last):\n  ...\nKeyError: 'y'\n")
-    err = ddprun.ray._failure(WorkerGroupError("failed", {0: wrapped}))
-    assert err.rank == 0 and err.message == "KeyError: 'y'" and isinstance(err.error, KeyError)
-    assert "Traceback" in err.traceback
+    from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus, WorkerStatus
+    from ray.train.v2._internal.util import construct_user_exception_with_traceback
+
+    statuses = {}
+    for rank, raiser in raisers.items():
+        try:
+            raiser()
+        except Exception as e:  # noqa: BLE001 - whatever the worker raised
+            statuses[rank] = WorkerStatus(running=False, error=construct_user_exception_with_traceback(e))
+    return pickle.loads(pickle.dumps(WorkerGroupPollStatus(statuses).get_worker_group_error()))
+
+
+def peer_closed():
+    raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                       "[127.0.0.1]:21345")
+
+
+def load_batch():
+    raise KeyError("y")
+
+
+def test_the_cause_is_the_rank_that_failed_not_its_echo_with_rays_traceback_text():
+    err = ddprun.ray._failure(rays_worker_group_error({0: peer_closed, 1: load_batch, 2: peer_closed}))
+    assert err.rank == 1 and err.message == "KeyError: 'y'" and isinstance(err.error, KeyError)
+    assert "Traceback" in err.traceback and "in load_batch" in err.traceback and "peer" not in err.traceback
+    assert "ranks [0, 2] failed too" in str(err)
+
+
+def test_fit_raises_from_rays_error_whose_text_has_every_traceback(monkeypatch):
+    error = rays_worker_group_error({0: load_batch})
+
+    class Trainer:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def fit(self):
+            raise error
+
+    monkeypatch.setattr(ddprun.ray, "TorchTrainer", Trainer)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2})
+    with pytest.raises(WorkerFailed) as caught:
+        ddprun.ray.fit(mlp(), data(), num_workers=1, use_gpu=False)
+    assert caught.value.__cause__ is error and "in load_batch" in str(error)
+    assert isinstance(caught.value.error, KeyError) and "in load_batch" in caught.value.traceback
 
 
 def test_resume_is_rays_to_decide():

@@ -118,3 +118,20 @@ def test_a_loopback_master_in_the_master_pod_of_a_job_of_several_pods_is_that_po
     one = KubernetesEnvironment().read(pytorchjob(MASTER_ADDR="localhost", PET_NNODES="1", RANK="0",
                                                   PET_NODE_RANK="0"), master_pod)
     assert one["master_addr"].value == "localhost"  # one pod: loopback is right
+
+
+@pytest.mark.parametrize(("extra", "node", "run_id"), [
+    ({}, NODE, "pytorchjob-job"),  # PyTorchJob without an elastic policy: MASTER_ADDR=<job>-master-0
+    ({"MASTER_ADDR": "localhost"}, NodeFacts("job-master-0", 16, 2), "pytorchjob-job"),  # old operator, master pod
+    ({"MASTER_ADDR": None, "PET_MASTER_ADDR": "tj-node-0-0.tj", "PET_MASTER_PORT": "29400"}, NODE, "trainjob-tj"),
+    ({"MASTER_ADDR": "trainer-0.svc"}, NODE, "k8s-trainer-0.svc"),
+    ({"PET_RDZV_ID": "mine"}, NODE, "mine"),
+])
+def test_the_run_id_is_the_jobs_name_which_a_recreated_pod_shares(extra, node, run_id):
+    spec = resolve(LaunchConfig(), pytorchjob(**extra), node)
+    assert spec.run_id == run_id and spec.sources["run_id"]
+
+
+def test_an_ip_master_names_no_run_and_the_launch_makes_one():
+    spec = resolve(LaunchConfig(), pytorchjob(MASTER_ADDR="10.1.2.3"), NODE)
+    assert spec.run_id == "" and "agreed by the nodes" in spec.sources["run_id"]

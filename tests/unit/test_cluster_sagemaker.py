@@ -95,3 +95,32 @@ def test_torchrun_wins_when_sagemaker_already_ran_torchrun():
 
     env = sm(RANK="3", LOCAL_RANK="3", WORLD_SIZE="16", MASTER_ADDR="algo-1", MASTER_PORT="7777")
     assert detect(env).name == "torchrun"
+
+
+HETERO = [{"instance_group_name": "data", "instance_type": "ml.c5.18xlarge", "hosts": ["algo-2"]},
+          {"instance_group_name": "gpu", "instance_type": "ml.p4d.24xlarge", "hosts": ["algo-3", "algo-1"]}]
+
+
+@pytest.mark.parametrize("from_toolkit", [False, True])
+def test_a_heterogeneous_cluster_trains_on_this_hosts_instance_group_only(tmp_path, from_toolkit):
+    """SM_HOSTS lists every group's instances; the CPU data group's algo-2 is no node of the job."""
+    env = {"DDPRUN_SAGEMAKER_RESOURCECONFIG": resourceconfig(
+        tmp_path, current_host="algo-3", current_group_name="gpu", hosts=["algo-1", "algo-2", "algo-3"],
+        instance_groups=HETERO)}
+    if from_toolkit:  # the training toolkit's variables, the file not read
+        env = sm(SM_HOSTS='["algo-1","algo-2","algo-3"]', SM_CURRENT_HOST="algo-3",
+                 SM_INSTANCE_GROUPS_DICT=json.dumps({g["instance_group_name"]: g for g in HETERO}),
+                 DDPRUN_SAGEMAKER_RESOURCECONFIG=str(tmp_path / "missing.json"))
+    r = SageMakerEnvironment().read(env, NODE)
+    assert r["max_nodes"].value == 2 and "instance group 'gpu'" in r["max_nodes"].source
+    assert (r["node_rank"].value, r["master_addr"].value) == (1, "algo-1")
+
+
+def test_a_host_outside_the_distributions_instance_groups_is_refused_with_a_hint():
+    groups = json.dumps({g["instance_group_name"]: g for g in HETERO})
+    env = sm(SM_HOSTS='["algo-1","algo-2","algo-3"]', SM_INSTANCE_GROUPS_DICT=groups,
+             SM_DISTRIBUTION_INSTANCE_GROUPS='["gpu"]')
+    with pytest.raises(ClusterError, match="(?s)instance group 'data'.*SM_CURRENT_INSTANCE_GROUP"):
+        SageMakerEnvironment().read(env, NODE)
+    r = SageMakerEnvironment().read(dict(env, SM_CURRENT_HOST="algo-1"), NODE)
+    assert r["max_nodes"].value == 2 and "SM_DISTRIBUTION_INSTANCE_GROUPS" in r["max_nodes"].source

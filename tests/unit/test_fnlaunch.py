@@ -15,7 +15,7 @@ import ddprun
 from ddprun import runtime
 from ddprun.agent.fnlaunch import _payload, _root_cause
 from ddprun.agent.run import Outcome
-from ddprun.errors import ClusterError, ConfigError, LaunchTimeout, WorkerFailed
+from ddprun.errors import ClusterError, ConfigError, LaunchError, LaunchTimeout, WorkerFailed
 from ddprun.protocol import failure as fr
 from ddprun.protocol import payload
 
@@ -207,3 +207,23 @@ def test_on_checkpoint_runs_as_a_declared_phase_and_validation_beats_per_batch(t
               metrics={"beats": lambda out, y: beats.append(PROGRESS.beats) or torch.tensor(0.0)},
               amp=contextlib.nullcontext)
     assert len(beats) == 4 and beats == sorted(set(beats)), beats  # a new beat at every batch
+
+
+def test_a_value_that_loads_only_in_the_worker_is_kept_and_named(tmp_path, one_process):
+    import torch.distributed as dist
+
+    from ddprun.agent.fnlaunch import _results
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:  # what a worker returning ``model`` (still wrapped in DDP) writes
+        ddp = nn.parallel.DistributedDataParallel(nn.Linear(2, 1))
+        (tmp_path / "result-0.pkl").write_bytes(payload.dumps(ddp))
+        (tmp_path / "result-0.type").write_text("torch.nn.parallel.distributed.DistributedDataParallel")
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(LaunchError, match=r"Rank 0's return value \(.*DistributedDataParallel\)") as caught:
+        _results(str(tmp_path), 1, False, str(tmp_path / "run"))
+    assert "Default process group has not been initialized" in str(caught.value)
+    assert "model.module.state_dict()" in str(caught.value)
+    kept = tmp_path / "run" / "result-0.pkl"
+    assert f"kept in {kept}" in str(caught.value) and kept.stat().st_size > 0

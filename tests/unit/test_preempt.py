@@ -140,6 +140,22 @@ def test_a_script_that_ignores_a_signal_has_it_ignored(installed):
     os.kill(os.getpid(), signal.SIGUSR2)  # ignored: this test goes on
 
 
+@pytest.mark.parametrize("saved_by", ["signal", "getsignal"])
+def test_ignoring_a_signal_for_a_while_then_restoring_it_keeps_preemption(installed, saved_by):
+    fd, state = installed
+    seen = []
+    signal.signal(signal.SIGUSR2, lambda s, f: seen.append(s))  # the script's own, chained
+    old = signal.getsignal(signal.SIGUSR2) if saved_by == "getsignal" else None
+    ignored_from = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    os.kill(os.getpid(), signal.SIGUSR2)  # ignored meanwhile: nothing reaches the monitor
+    assert select.select([fd], [], [], 0.2)[0] == [] and seen == []
+    assert signal.signal(signal.SIGUSR2, old or ignored_from) == signal.SIG_IGN  # the script's restore
+    assert signal.SIGUSR2 in state.signals and signal.getsignal(signal.SIGUSR2) is preempt._handler
+    os.kill(os.getpid(), signal.SIGUSR2)
+    assert select.select([fd], [], [], 2)[0] == [fd] and list(os.read(fd, 64)) == [signal.SIGUSR2]
+    assert seen == [signal.SIGUSR2]
+
+
 def test_outside_fit_the_callbacks_run_at_the_stop_step_and_the_script_ends_there(monkeypatch):
     from ddprun.telemetry import PROGRESS
     from ddprun.worker import progress

@@ -217,7 +217,8 @@ def launch(fn: Callable[..., Any], /, *args: Any, nproc_per_node: int | str | No
 
 
 def _results(directory: str, world_size: int, return_all: bool, run_dir: str) -> Any:
-    """Rank 0's value, or {rank: value} of every rank; a missing one is a LaunchError."""
+    """Rank 0's value, or {rank: value} of every rank; a missing one, or one that does not load here, is a
+    LaunchError (the latter keeps its file: the trained result is never deleted with the directory)."""
     from ddprun.protocol import payload
 
     wanted = range(world_size) if return_all else [0]
@@ -226,9 +227,45 @@ def _results(directory: str, world_size: int, return_all: bool, run_dir: str) ->
         path = payload.result_path(directory, rank)
         try:
             with open(path, "rb") as fp:
-                values[rank] = payload.loads(fp.read())
+                data = fp.read()
         except FileNotFoundError:
             raise LaunchError(f"Rank {rank} ended without a return value.", seen=f"no {os.path.basename(path)}",
                               hint="fn must return normally (not sys.exit / os._exit); see "
                                    f"{run_dir}/logs/rank-{rank}.log.") from None
+        try:
+            values[rank] = payload.loads(data)
+        except Exception as e:  # noqa: BLE001 - a value's own __setstate__ / __reduce__ may raise anything
+            raise _unloadable(directory, rank, run_dir, e) from e
     return values if return_all else values[0]
+
+
+def _unloadable(directory: str, rank: int, run_dir: str, error: Exception) -> LaunchError:
+    """The error for rank ``rank``'s value that pickled in the worker but does not load here (a model still
+    wrapped in DDP needs a process group), with its file moved where it outlives the launch directory."""
+    from ddprun.protocol import payload
+
+    try:
+        with open(payload.result_type_path(directory, rank), encoding="utf-8") as fp:
+            kind = fp.read().strip() or "unknown type"
+    except OSError:
+        kind = "unknown type"
+    kept = _keep(payload.result_path(directory, rank), run_dir)
+    where = f"kept in {kept}" if kept else f"could not be kept (it was {payload.result_path(directory, rank)})"
+    return LaunchError(
+        f"Rank {rank}'s return value ({kind}) was pickled by the worker but cannot be loaded by ddprun.launch.",
+        seen=f"{type(error).__name__}: {str(error).rstrip('.')}; the pickled value is {where}",
+        hint="Return plain data: model.module.state_dict() for a model wrapped in DistributedDataParallel (or "
+             "model.module), numbers, dicts, CPU tensors. The kept file loads with pickle.load where its value can "
+             "be rebuilt (for a DDP module: after torch.distributed.init_process_group).")
+
+
+def _keep(path: str, run_dir: str) -> str | None:
+    """Move ``path`` into the run directory (else a directory of its own); its new path, or None."""
+    for target in (run_dir, None):
+        try:
+            folder = target or tempfile.mkdtemp(prefix="ddprun-result-")
+            os.makedirs(folder, exist_ok=True)
+            return shutil.move(path, os.path.join(folder, os.path.basename(path)))
+        except OSError:
+            continue
+    return None

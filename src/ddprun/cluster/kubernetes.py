@@ -18,13 +18,16 @@ master pod's service). A loopback one in a job of several pods is not refused as
 MPI: some operators (Kubeflow's old pytorch-operator, forks of the training operator) set
 MASTER_ADDR=localhost in the master pod itself, which hosts the store; it is read as this pod's own
 name, where its peers reach it (torch's store listens on every interface there). The backend is
-PET_RDZV_BACKEND, else static when the node rank is known.
+PET_RDZV_BACKEND, else static when the node rank is known. The run id is PET_RDZV_ID, else the job's
+name, which every pod shares also when the operator recreates them (``_run_id``): a job without an
+elastic policy has no PET_RDZV_ID, and a run id made at launch would start a restarted job over.
 Detected on PET_NNODES, or KUBERNETES_SERVICE_HOST with MASTER_ADDR and RANK or PET_NODE_RANK; RANK
 without LOCAL_RANK is not a torchrun worker, so the torchrun environment does not claim it.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 from ddprun.cluster._values import env_int, env_port, split_endpoint
@@ -78,6 +81,40 @@ def _master(addr: str, key: str, nodes: int, node: NodeFacts) -> Fact:
     return Fact(addr, f"{key}={addr}")
 
 
+_KUBEFLOW_HOSTS = (
+    (re.compile(r"^(?P<job>.+)-node-0-0\.(?P=job)$"), "trainjob"),  # TrainJob (v2): <job>-node-0-0.<job>
+    (re.compile(r"^(?P<job>.+)-(?:master|worker)-0$"), "pytorchjob"),  # PyTorchJob: <job>-master-0, elastic -worker-0
+)
+
+
+def _run_id(environ: Mapping[str, str], master: Fact | None) -> Fact | None:
+    """The run id every pod of the job shares, also after the operator recreates them (a restart, a
+    preemption), so ``runs/<run id>`` and ``ddprun.fit(resume="auto")`` find the run again: PET_RDZV_ID,
+    else the job's name from the rendezvous host, a DNS name the operator derives from it
+    (``pytorchjob-<job>`` from ``<job>-master-0``, ``trainjob-<job>`` from ``<job>-node-0-0.<job>``,
+    else ``k8s-<host>``). An IP address or loopback names no job (a pod's IP changes when it is
+    recreated): the run id is then the launch's own, as outside Kubernetes."""
+    import ipaddress
+
+    from ddprun.cluster.netaddr import is_loopback
+
+    if "PET_RDZV_ID" in environ:
+        return Fact(environ["PET_RDZV_ID"], f"PET_RDZV_ID={environ['PET_RDZV_ID']}")
+    if master is None or not isinstance(master.value, str) or is_loopback(master.value):
+        return None
+    host = master.value.strip().lower().rstrip(".")
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return None
+    except ValueError:
+        pass
+    for pattern, kind in _KUBEFLOW_HOSTS:
+        m = pattern.match(host)
+        if m:
+            return Fact(f"{kind}-{m['job']}", f"the {kind}'s name {m['job']!r}, from {master.source}")
+    return Fact(f"k8s-{host}", f"the rendezvous host {host!r}, from {master.source}")
+
+
 class KubernetesEnvironment(ClusterEnvironment):
     name = "kubernetes"
 
@@ -116,8 +153,9 @@ class KubernetesEnvironment(ClusterEnvironment):
             reading["rdzv_backend"] = Fact(backend, f"PET_RDZV_BACKEND={backend}")
         elif "node_rank" in reading:
             reading["rdzv_backend"] = Fact("static", f"node rank known from {reading['node_rank'].source}")
-        if "PET_RDZV_ID" in environ:
-            reading["run_id"] = Fact(environ["PET_RDZV_ID"], f"PET_RDZV_ID={environ['PET_RDZV_ID']}")
+        run_id = _run_id(environ, reading.get("master_addr"))
+        if run_id is not None:
+            reading["run_id"] = run_id
         if "PET_MAX_RESTARTS" in environ:  # the job's elasticPolicy.maxRestarts; --max-restarts wins
             n = env_int(environ, "PET_MAX_RESTARTS")
             reading["max_restarts"] = Fact(n, f"PET_MAX_RESTARTS={n}")

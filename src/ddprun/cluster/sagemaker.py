@@ -1,7 +1,11 @@
 """Amazon SageMaker training jobs: one container per instance, ``ddprun run`` once in each.
 
 Hosts come from SM_HOSTS (a JSON list), else the ``hosts`` of resourceconfig.json; this host from
-SM_CURRENT_HOST, else its ``current_host``. The file is /opt/ml/input/config/resourceconfig.json,
+SM_CURRENT_HOST, else its ``current_host``. A heterogeneous cluster (several instance groups:
+SM_INSTANCE_GROUPS_DICT, else resourceconfig.json's ``instance_groups``) lists every group's instances
+there, though only some train: the hosts are then those of the groups the estimator's ``distribution``
+names (SM_DISTRIBUTION_INSTANCE_GROUPS; a host of another group is refused), else this host's group.
+The file is /opt/ml/input/config/resourceconfig.json,
 or the path in DDPRUN_SAGEMAKER_RESOURCECONFIG (tests); reading it is this module's only I/O, in
 :func:`load_resourceconfig`, and only when the variables do not already say it.
 
@@ -73,6 +77,61 @@ def _hosts(environ: Mapping[str, str], config: dict[str, Any], path: str) -> tup
     return hosts, source
 
 
+def _instance_groups(environ: Mapping[str, str], config: dict[str, Any], path: str) -> tuple[dict[str, list], str]:
+    """{group name: its hosts} of the job, and where from: SM_INSTANCE_GROUPS_DICT (the training toolkit's
+    ``{name: {"hosts": [...], ...}}``), else resourceconfig.json's ``instance_groups`` (``[{"instance_group_name":
+    ..., "hosts": [...]}]``); {} when neither says."""
+    if "SM_INSTANCE_GROUPS_DICT" in environ:
+        source = "SM_INSTANCE_GROUPS_DICT"
+        try:
+            raw = json.loads(environ[source])
+            entries = list(raw.values()) if isinstance(raw, dict) else None
+        except ValueError:
+            entries = None
+    else:
+        source, entries = f"{path} instance_groups", config.get("instance_groups", [])
+    groups = {}
+    for entry in entries if isinstance(entries, list) else [None]:
+        if not (isinstance(entry, dict) and isinstance(entry.get("instance_group_name"), str)
+                and isinstance(entry.get("hosts"), list)):
+            raise ClusterError("SageMaker's instance groups are not a list of groups with a name and hosts.",
+                               seen=f"{source}: {environ.get(source) or entries!r:.300}",
+                               hint="Do not set SM_INSTANCE_GROUPS_DICT by hand; check resourceconfig.json.")
+        groups[entry["instance_group_name"]] = entry["hosts"]
+    return groups, source
+
+
+def _training_group(environ: Mapping[str, str], config: dict[str, Any], path: str,
+                    current: Any) -> tuple[list[str], str] | None:
+    """The hosts that train in a heterogeneous cluster (instance groups of several instance types: SM_HOSTS
+    lists every group's), with their source; None in a cluster of one group. Those of the groups the
+    estimator's ``distribution`` names (SM_DISTRIBUTION_INSTANCE_GROUPS), where this host must be; else
+    this host's own group (the one whose hosts list it)."""
+    groups, source = _instance_groups(environ, config, path)
+    if len(groups) < 2:
+        return None
+    mine = next((name for name, hosts in groups.items() if current in hosts), None)
+    try:
+        named = json.loads(environ.get("SM_DISTRIBUTION_INSTANCE_GROUPS") or "[]")
+    except ValueError:
+        named = []
+    chosen = [g for g in named if g in groups] if isinstance(named, list) else []
+    if not chosen:
+        if mine is None:
+            raise ClusterError("This SageMaker host is in none of the job's instance groups.",
+                               seen=f"current host {current!r}; {source}: {groups}",
+                               hint="Do not set SM_CURRENT_HOST or the instance groups by hand.")
+        return list(groups[mine]), f"instance group {mine!r} of this host ({source})"
+    if mine not in chosen:
+        raise ClusterError(
+            f"This SageMaker host is in instance group {mine!r}, which the job's distribution does not train on.",
+            seen=f"current host {current!r}; SM_DISTRIBUTION_INSTANCE_GROUPS={environ['SM_DISTRIBUTION_INSTANCE_GROUPS']}",
+            hint=f"Run `ddprun run` only on the instances of {', '.join(chosen)}: branch on SM_CURRENT_INSTANCE_GROUP in "
+                 "the entry point (the other groups' own work, e.g. data loading, runs there without ddprun).")
+    hosts = [h for g in chosen for h in groups[g]]
+    return hosts, f"the hosts of instance group(s) {', '.join(chosen)} (SM_DISTRIBUTION_INSTANCE_GROUPS, {source})"
+
+
 class SageMakerEnvironment(ClusterEnvironment):
     name = "sagemaker"
 
@@ -84,7 +143,7 @@ class SageMakerEnvironment(ClusterEnvironment):
 
     def read(self, environ: Mapping[str, str], node: NodeFacts, *, launcher: bool = False) -> Reading:
         path = resourceconfig_path(environ)
-        need_file = "SM_HOSTS" not in environ or "SM_CURRENT_HOST" not in environ
+        need_file = not all(k in environ for k in ("SM_HOSTS", "SM_CURRENT_HOST", "SM_INSTANCE_GROUPS_DICT"))
         config = load_resourceconfig(path) if need_file else {}
         hosts, hosts_src = _hosts(environ, config, path)
         current: str | None
@@ -92,6 +151,9 @@ class SageMakerEnvironment(ClusterEnvironment):
             current, current_src = environ["SM_CURRENT_HOST"], f"SM_CURRENT_HOST={environ['SM_CURRENT_HOST']}"
         else:
             current, current_src = config.get("current_host"), f"{path} current_host"
+        group = _training_group(environ, config, path, current)
+        if group is not None:  # a heterogeneous cluster: only these instances train
+            hosts, hosts_src = group
         ordered = hostlist.numerically_sorted(hosts)
         if current not in ordered:
             raise ClusterError(

@@ -3,6 +3,10 @@
 The directory (``tempfile.mkdtemp``: mode 0700, on the launching machine, removed afterwards) holds:
   ``payload.pkl``         the function, its arguments and the options, written once by the launcher
   ``result-<rank>.pkl``   a rank's return value (rank 0 only, or every rank with ``return_all``)
+  ``result-<rank>.type``  the value's type (``module.QualName``), written first: named by the launcher
+                          when the value pickled in the worker but does not load in the launcher (a
+                          model still wrapped in DDP needs a process group); the result file is then
+                          kept in the run directory, not removed
   ``error-<rank>.pkl``    a rank's exception: type, message, traceback text, and the pickled
                           exception when it pickles
   ``over-<rank>``         empty: the rank is done with the call (returned, raised, or dumped its
@@ -85,6 +89,15 @@ def write_atomic(path: str, data: bytes) -> None:
 
 def result_path(directory: str, rank: int) -> str:
     return os.path.join(directory, f"result-{rank}.pkl")
+
+
+def result_type_path(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"result-{rank}.type")
+
+
+def type_name(value: Any) -> str:
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
 def error_path(directory: str, rank: int) -> str:

@@ -12,6 +12,7 @@ report write there. Pure paths; nothing here creates or reads a file.
     stacks/rank-N-loader-PID.txt  every thread's stack of a DataLoader worker of rank N that waits in data loading
     stacks/fr-rank-N.json rank N's Flight Recorder trace at a stall (its collectives, worker/collectives.py)
     logs/nccl-trace-rank-N NCCL's own Flight Recorder dump when a collective times out
+    result-N.pkl         ddprun.launch: rank N's return value that did not load in the launcher, kept
     metrics.csv · timings.csv · events.jsonl · checkpoints/ · report.html
 """
 

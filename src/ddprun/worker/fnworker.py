@@ -79,7 +79,7 @@ def main(directory: str) -> None:
             sys.path.insert(1, entry)
     rank = int(os.environ.get("RANK", "0"))
     for stale in (payload.error_path(directory, rank), payload.result_path(directory, rank),
-                  payload.over_path(directory, rank)):
+                  payload.result_type_path(directory, rank), payload.over_path(directory, rank)):
         if os.path.exists(stale):  # an earlier attempt's (max_restarts): not this one's outcome
             os.unlink(stale)
     if job.get("deadline") is not None:
@@ -103,6 +103,7 @@ def main(directory: str) -> None:
                             f"file and return the path.")
             payload.write_error(directory, rank, err, skip_frames=0)
             raise err from e
+        payload.write_atomic(payload.result_type_path(directory, rank), payload.type_name(value).encode())
         payload.write_atomic(payload.result_path(directory, rank), blob)
 
 
