@@ -67,7 +67,10 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
       batch_size: samples per rank per micro-batch; the global batch is
         ``batch_size * world_size * grad_accum``.
       num_workers: DataLoader workers per rank, at most CPUs // processes on this node; None =
-        min(2, that), 0 for a TensorDataset. Workers start by forkserver (spawn where absent), so the
+        min(2, that), 0 for a TensorDataset or an IterableDataset. Every worker iterates an
+        IterableDataset from its start: give it workers only when its ``__iter__`` takes its own part
+        by ``torch.utils.data.get_worker_info()`` (fit warns once when it has workers, since it cannot
+        see whether it does). Workers start by forkserver (spawn where absent), so the
         dataset must be picklable. Their RNG is seeded from ``seed + rank`` (augmentation differs
         between ranks, reproducibly); with 0 workers, augmentation uses the global torch RNG, which
         fit leaves alone.

@@ -4,7 +4,14 @@ import warnings
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, SequentialSampler, TensorDataset
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    SequentialSampler,
+    TensorDataset,
+)
 
 from ddprun.errors import ConfigError
 from ddprun.runtime import RankInfo
@@ -49,6 +56,30 @@ def test_default_workers_and_caps():
         assert choose_num_workers(8, Squares(), 2, cpus=2) == 1
     with pytest.raises(ConfigError, match="HINT"):
         choose_num_workers(-1, Squares(), 1, cpus=4)
+
+
+class Stream(IterableDataset):
+    """A stream that does not split itself between DataLoader workers (module level: picklable)."""
+
+    def __iter__(self):
+        return iter(torch.arange(12).float().unsqueeze(1))
+
+
+def test_an_iterable_dataset_gets_no_workers_by_default_and_asked_for_ones_come_with_a_warning(monkeypatch):
+    # each worker iterates the whole stream: 2 default workers trained on every sample twice, silently
+    monkeypatch.setattr("ddprun.train.data.cpu_count", lambda: 16)
+    assert choose_num_workers(None, Stream(), 1, cpus=16) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        built = build_train_loader(Stream(), batch_size=4, info=rank(), seed=0, num_workers=None)
+        assert built.loader.num_workers == 0
+        assert sorted(v for b in built.loader for v in b.squeeze(1).tolist()) == list(range(12))  # each once
+        assert build_val_loader(Stream(), batch_size=4, info=rank(), num_workers=None).num_workers == 0
+    with pytest.warns(UserWarning, match=r"train_data is an IterableDataset read by 2 .*get_worker_info"):
+        assert build_train_loader(Stream(), batch_size=4, info=rank(), seed=0, num_workers=2).loader.num_workers == 2
+    with pytest.warns(UserWarning, match=r"train_data's dataset is an IterableDataset read by 2 "):
+        build_train_loader(DataLoader(Stream(), batch_size=4, num_workers=2), batch_size=4, info=rank(), seed=0,
+                           num_workers=None)
 
 
 def test_loader_options_never_fork_and_pin_only_on_cuda():

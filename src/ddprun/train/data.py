@@ -121,14 +121,22 @@ def worker_bound(local_world_size: int, cpus: int | None = None) -> int:
 
 def choose_num_workers(requested: int | None, dataset: Any, local_world_size: int, cpus: int | None = None,
                        warn: bool = True) -> int:
-    """``requested`` capped at :func:`worker_bound`; None = ``min(2, bound)``, or 0 for a TensorDataset.
-    0, said once with ``warn``, where each worker would run the script again (train/mainguard.py).
+    """``requested`` capped at :func:`worker_bound`; None = ``min(2, bound)``, or 0 for a TensorDataset
+    or an IterableDataset. 0, said once with ``warn``, where each worker would run the script again
+    (train/mainguard.py).
 
     A TensorDataset's items are slices of tensors already in memory: worker processes would only add
-    their start-up (an import of torch each) and a copy of every batch through shared memory.
+    their start-up (an import of torch each) and a copy of every batch through shared memory. An
+    IterableDataset is iterated whole by every worker unless its ``__iter__`` splits the stream by
+    ``torch.utils.data.get_worker_info()``, which cannot be seen from outside: by default it gets
+    none, and workers asked for are given with a warning (:func:`warn_unsplit`).
     """
     workers = _capped(requested, dataset, local_world_size, cpus, warn)
-    if workers == 0 or (unguarded := mainguard.find()) is None:
+    if workers == 0:
+        return 0
+    if (unguarded := mainguard.find()) is None:
+        if warn and isinstance(dataset, IterableDataset):
+            warn_unsplit("train_data", workers, stacklevel=6)  # the user's fit line
         return workers
     if warn:
         warnings.warn(f"ddprun: fit loads the data in the training process (num_workers=0, not {workers}): "
@@ -142,7 +150,7 @@ def choose_num_workers(requested: int | None, dataset: Any, local_world_size: in
 def _capped(requested: int | None, dataset: Any, local_world_size: int, cpus: int | None, warn: bool) -> int:
     bound = worker_bound(local_world_size, cpus)
     if requested is None:
-        return 0 if isinstance(dataset, TensorDataset) else min(DEFAULT_MAX_WORKERS, bound)
+        return 0 if isinstance(dataset, (TensorDataset, IterableDataset)) else min(DEFAULT_MAX_WORKERS, bound)
     if requested < 0:
         raise ConfigError("num_workers must be 0 or more.", seen=f"num_workers={requested}",
                           hint="Give 0 (load in the training process) or a small positive number, or leave it out.")
@@ -153,6 +161,16 @@ def _capped(requested: int | None, dataset: Any, local_world_size: int, cpus: in
                           f"using {bound}.", stacklevel=4)
         return bound
     return requested
+
+
+def warn_unsplit(name: str, workers: int, stacklevel: int = 3) -> None:
+    """Say that ``name``, an IterableDataset, is read by ``workers`` DataLoader workers per rank, each
+    of which iterates it from its start unless it splits the stream itself."""
+    warnings.warn(f"ddprun: {name} is an IterableDataset read by {workers} DataLoader worker(s) per rank: each "
+                  "worker iterates it from the start, so unless its __iter__ splits the stream by "
+                  "torch.utils.data.get_worker_info() (id, num_workers), every sample is taken "
+                  f"{workers} times per epoch. HINT: split it by get_worker_info() in __iter__, or give "
+                  "num_workers=0.", stacklevel=stacklevel + 1)
 
 
 def start_method() -> str:
@@ -308,7 +326,9 @@ def build_train_loader(data: Dataset | DataLoader, *, batch_size: int, info: Ran
     A Dataset gets a new loader; a DataLoader is kept in one process and rebuilt around a
     DistributedSampler when world_size > 1 (keeping its batch size, collate_fn, workers and
     worker_init_fn; a sampler of its own is replaced, with a warning). An IterableDataset is used as
-    it is: it must shard itself by :func:`ddprun.rank_info` and give every rank as many batches.
+    it is: it must shard itself by :func:`ddprun.rank_info` and give every rank as many batches. It
+    gets no DataLoader workers unless asked (each would iterate the whole stream); asked for, they
+    come with a warning that each must take its own part (:func:`warn_unsplit`).
     """
     _check_data(data, "train_data")
     warn = info.is_main
@@ -322,6 +342,8 @@ def build_train_loader(data: Dataset | DataLoader, *, batch_size: int, info: Ran
 
     if isinstance(dataset, IterableDataset):
         if user_loader is not None:
+            if warn and user_loader.num_workers > 0:
+                warn_unsplit("train_data's dataset", user_loader.num_workers, stacklevel=5)
             return Loader(user_loader, None, batch_size)
         workers = choose_num_workers(num_workers, dataset, info.local_world_size, warn=warn)
         return Loader(DataLoader(dataset, batch_size=batch_size, worker_init_fn=worker_init(workers, None),
@@ -364,6 +386,8 @@ def build_val_loader(data: Dataset | DataLoader, *, batch_size: int, info: RankI
     user_loader = data if isinstance(data, DataLoader) else None
     dataset = data.dataset if isinstance(data, DataLoader) else data
     if user_loader is not None and (info.world_size == 1 or isinstance(dataset, IterableDataset)):
+        if info.is_main and isinstance(dataset, IterableDataset) and user_loader.num_workers > 0:
+            warn_unsplit("val_data's dataset", user_loader.num_workers, stacklevel=5)
         return user_loader
     kwargs: dict[str, Any]
     if user_loader is not None:
@@ -374,6 +398,8 @@ def build_val_loader(data: Dataset | DataLoader, *, batch_size: int, info: RankI
     else:
         kwargs = {}
     workers = choose_num_workers(num_workers, dataset, info.local_world_size, warn=False)
+    if info.is_main and isinstance(dataset, IterableDataset) and workers > 0:
+        warn_unsplit("val_data", workers, stacklevel=5)
     kwargs["worker_init_fn"] = worker_init(workers, kwargs.get("worker_init_fn"))
     sampler = None
     if not isinstance(dataset, IterableDataset):
