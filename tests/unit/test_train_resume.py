@@ -226,3 +226,24 @@ def test_under_torchs_agent_without_a_run_id_a_restart_that_starts_anew_is_named
     fixed = {"TORCHELASTIC_RUN_ID": "123", "TORCHELASTIC_MAX_RESTARTS": "0"}
     assert resolve_run_dir(None, info, fixed) != resolve_run_dir(None, info, fixed)
     assert resolve_run_dir(None, info, {**fixed, "TORCHELASTIC_MAX_RESTARTS": "2"}) == str(tmp_path / "runs" / "123")
+
+
+def test_skipping_the_batches_a_checkpoint_had_taken_is_progress_for_the_stall_watch(monkeypatch):
+    # a resume without fit's sampler loads the taken batches again and drops them: deep into a long
+    # epoch that took longer than --stall-timeout with no progress, and the stall watch killed the restart
+    from ddprun.telemetry import PROGRESS
+    from ddprun.train.loop import _Skipped
+
+    monkeypatch.setattr(PROGRESS, "began", False)
+    monkeypatch.setattr(PROGRESS, "phase", "")
+    totals = []
+
+    class Batches:
+        def __iter__(self):
+            for i in range(8):
+                totals.append(PROGRESS.total)  # when batch i is asked for
+                yield i
+
+    assert list(_Skipped(Batches(), 5)) == [5, 6, 7]
+    assert all(later > earlier for earlier, later in zip(totals[:6], totals[1:6]))  # a beat per batch skipped
+    assert not PROGRESS.began and PROGRESS.phase == ""  # the first trained batch still has the first-step bound

@@ -440,6 +440,9 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler
     }
 
 
+_END = object()
+
+
 class _Skipped:
     """``loader`` without its first ``n`` batches, which are still loaded (resuming where no sampler can skip).
 
@@ -448,18 +451,32 @@ class _Skipped:
     after it), so here the global state is put back after the iterator exists. A random order of
     the loader's own (shuffle=True) is drawn anew, so only an order that does not depend on the RNG
     resumes exactly (fit's own sampler does: it is used for every Dataset, and whenever world > 1).
+
+    Each batch skipped is a heartbeat (telemetry.py, one integer increment) inside a setup phase: a
+    skip deep into a long epoch is progress for the stall watch, which keeps its first-step bound
+    until the first batch trained; a phase named in the hang report should one batch hang.
     """
 
     def __init__(self, loader: Any, n: int):
         self.loader, self.n = loader, n
 
     def __iter__(self) -> Iterator[Any]:
-        import itertools
-
         state = torch.get_rng_state()
         it = iter(self.loader)
         torch.set_rng_state(state)
-        return itertools.islice(it, self.n, None)
+        return self._rest(it)
+
+    def _rest(self, it: Iterator[Any]) -> Iterator[Any]:
+        previous = PROGRESS.phase
+        try:
+            with setup_phase():
+                for _ in range(self.n):
+                    if next(it, _END) is _END:
+                        return
+                    heartbeat(f"resume: skipping the {self.n} batches the checkpoint had taken")
+        finally:
+            PROGRESS.phase = previous
+        yield from it
 
     def __len__(self) -> int:
         return max(0, len(self.loader) - self.n)

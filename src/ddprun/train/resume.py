@@ -330,7 +330,7 @@ def restore(resumed: Resumed, info: RankInfo, *, model: Any, optimizer: Any, sch
     another world size, batch size or seed is used with a warning (rank 0): the rest of its epoch
     is then split anew (:class:`~ddprun.train.data.ResumableSampler`) and the result is not the
     uninterrupted run's. Without a ResumableSampler (a DataLoader kept as it is in one process, an
-    IterableDataset) the taken batches are loaded again and dropped. RNG states are restored
+    IterableDataset) the taken batches are loaded again and dropped (each one a heartbeat). RNG states are restored
     separately, just before the first step (:func:`restore_rank_rng`).
     """
     state, where = resumed.state, resumed.path
