@@ -58,9 +58,14 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
     only. The rest of this docstring is the nn.Module path.
 
     Data:
-      train_data, val_data: a torch ``Dataset`` (fit builds the DataLoader) or a ``DataLoader``
-        (kept in one process; rebuilt around a DistributedSampler when world_size > 1, keeping its
-        batch size, collate_fn and workers, with a warning if it had a sampler of its own).
+      train_data, val_data: a torch ``Dataset`` (fit builds the DataLoader) or a ``DataLoader``.
+        A training DataLoader with torch's default sampler (``shuffle=True`` or False) is rebuilt
+        around fit's DistributedSampler (shuffling as it did, with ``seed``), in one process too,
+        keeping its batch size, collate_fn and workers. One with a sampler of its own is kept in
+        one process (its sampler, batch sampler or dataset told the epoch by ``set_epoch`` where
+        they have one; a resume loads the batches taken again and drops them, so only an order
+        that depends on the epoch alone resumes exactly) and replaced, with a warning, when
+        world_size > 1. A validation DataLoader is kept in one process.
         Training batches: DistributedSampler(shuffle=True, seed=seed, drop_last=False) — DDP's
         default, which repeats a few samples so every rank has as many batches; ``set_epoch`` every
         epoch. Validation: each sample once, no padding. See :mod:`ddprun.train.data`.

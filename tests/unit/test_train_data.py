@@ -9,7 +9,6 @@ from torch.utils.data import (
     Dataset,
     DistributedSampler,
     IterableDataset,
-    SequentialSampler,
     TensorDataset,
 )
 
@@ -110,9 +109,17 @@ def test_four_ranks_of_batch_b_see_one_process_batch_4b():
         assert union == sorted(x.squeeze(1).tolist())
 
 
-def test_a_user_loader_is_kept_in_one_process_and_resharded_in_many():
-    user = DataLoader(tensors(), batch_size=6, sampler=SequentialSampler(range(48)))
-    assert build_train_loader(user, batch_size=32, info=rank(), seed=0, num_workers=None).loader is user
+def test_a_user_loader_with_its_own_sampler_is_kept_in_one_process_and_resharded_in_many():
+    own = DataLoader(tensors(), batch_size=6, sampler=range(48))
+    assert build_train_loader(own, batch_size=32, info=rank(), seed=0, num_workers=None).loader is own
+    # torch's default sampler, in one process too: fit's, which resumes part-way, in the same order
+    plain = build_train_loader(DataLoader(tensors(), batch_size=6), batch_size=32, info=rank(), seed=0,
+                               num_workers=None)
+    assert isinstance(plain.sampler, DistributedSampler) and not plain.sampler.shuffle
+    assert [x.squeeze(1).tolist() for x, _ in plain.loader][1] == [6.0, 7.0, 8.0, 9.0, 10.0, 11.0]
+    shuffled = build_train_loader(DataLoader(tensors(), batch_size=6, shuffle=True), batch_size=32, info=rank(),
+                                  seed=0, num_workers=None)
+    assert shuffled.sampler.shuffle and shuffled.batch_size == 6
     custom = DataLoader(tensors(), batch_size=6, sampler=list(range(48)))
     with pytest.warns(UserWarning, match="replaced by a DistributedSampler"):
         built = build_train_loader(custom, batch_size=32, info=rank(0, 2, 2), seed=0, num_workers=None)

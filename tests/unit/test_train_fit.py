@@ -124,6 +124,35 @@ def test_grad_accumulation_without_a_length_rescales_the_short_last_group(tmp_pa
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+class EpochStream(Stream):
+    """A stream that reshuffles by the epoch it is told (as streaming datasets do)."""
+
+    def __init__(self, data):
+        super().__init__(data)
+        self.told = []
+
+    def set_epoch(self, epoch):
+        self.told.append(epoch)
+
+
+class TellingSampler(torch.utils.data.DistributedSampler):
+    def __init__(self, data):
+        super().__init__(data, num_replicas=1, rank=0, shuffle=True)
+        self.told = []
+
+    def set_epoch(self, epoch):
+        self.told.append(epoch)
+        super().set_epoch(epoch)
+
+
+def test_a_sampler_or_iterable_dataset_of_the_users_is_told_each_epoch_in_one_process(tmp_path):
+    data = regression(16)
+    sampler, stream = TellingSampler(data), EpochStream(data)
+    fit(tmp_path, data=DataLoader(data, batch_size=8, sampler=sampler), epochs=3, run_dir=str(tmp_path / "a"))
+    fit(tmp_path, data=DataLoader(stream, batch_size=8), epochs=3, run_dir=str(tmp_path / "b"))
+    assert sampler.told == [0, 1, 2] and stream.told == [0, 1, 2]
+
+
 def test_max_steps_runs_past_one_epoch_and_the_scheduler_steps_per_step(tmp_path):
     seen = {}
 

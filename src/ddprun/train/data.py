@@ -319,13 +319,26 @@ def _length(dataset: Any) -> int | None:
         return None
 
 
+def default_order(loader: DataLoader) -> bool:
+    """Whether ``loader`` orders its data by torch's default sampler (``shuffle=True`` or False, each
+    sample once an epoch), in batches of ``batch_size``: fit's sampler means the same, and resumes."""
+    sampler = loader.sampler
+    if type(sampler) is RandomSampler:
+        plain = not sampler.replacement and sampler._num_samples is None
+    else:
+        plain = type(sampler) is SequentialSampler
+    return plain and loader.batch_size is not None
+
+
 def build_train_loader(data: Dataset | DataLoader, *, batch_size: int, info: RankInfo, seed: int,
                        num_workers: int | None) -> Loader:
     """The training DataLoader of this rank (module docstring).
 
-    A Dataset gets a new loader; a DataLoader is kept in one process and rebuilt around a
-    DistributedSampler when world_size > 1 (keeping its batch size, collate_fn, workers and
-    worker_init_fn; a sampler of its own is replaced, with a warning). An IterableDataset is used as
+    A Dataset gets a new loader. A DataLoader with torch's default sampler (shuffle or not) is
+    rebuilt around fit's sampler, in one process too, so that an epoch resumes part-way exactly
+    (keeping its batch size, collate_fn, workers and worker_init_fn). One with a sampler of its own
+    is kept in one process (the loop calls its ``set_epoch``: :func:`set_epoch`) and replaced, with a
+    warning, when world_size > 1. An IterableDataset is used as
     it is: it must shard itself by :func:`ddprun.rank_info` and give every rank as many batches. It
     gets no DataLoader workers unless asked (each would iterate the whole stream); asked for, they
     come with a warning that each must take its own part (:func:`warn_unsplit`).
@@ -349,22 +362,12 @@ def build_train_loader(data: Dataset | DataLoader, *, batch_size: int, info: Ran
         return Loader(DataLoader(dataset, batch_size=batch_size, worker_init_fn=worker_init(workers, None),
                                  **loader_options(workers, info.device.type)), None, batch_size)
 
-    if user_loader is not None and info.world_size == 1:
-        return Loader(user_loader, None, batch_size)
-
     shuffle = True
     kwargs: dict[str, Any] = {}
     if user_loader is not None:
-        sampler_kind = type(user_loader.sampler)
-        if user_loader.batch_size is None or sampler_kind not in (RandomSampler, SequentialSampler):
-            if warn:
-                own = type(user_loader.batch_sampler or user_loader.sampler).__name__
-                warnings.warn(f"ddprun: train_data's own sampler ({own}) is replaced by a DistributedSampler "
-                              f"(shuffle, seed={seed}) so that every rank sees its own part of the data.",
-                              stacklevel=3)
-        shuffle = sampler_kind is not SequentialSampler
-        kwargs = {"collate_fn": user_loader.collate_fn, "worker_init_fn": user_loader.worker_init_fn,
-                  "drop_last": user_loader.drop_last, "timeout": user_loader.timeout}
+        if info.world_size == 1 and not default_order(user_loader):
+            return Loader(user_loader, None, batch_size)
+        shuffle, kwargs = _user_settings(user_loader, seed, warn)
         if num_workers is None:
             num_workers = user_loader.num_workers
     sampler = ResumableSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=shuffle, seed=seed,
@@ -377,6 +380,32 @@ def build_train_loader(data: Dataset | DataLoader, *, batch_size: int, info: Ran
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, generator=generator,
                         **loader_options(workers, info.device.type), **kwargs)
     return Loader(loader, sampler, batch_size)
+
+
+def _user_settings(user_loader: DataLoader, seed: int, warn: bool) -> tuple[bool, dict[str, Any]]:
+    """(shuffle, DataLoader keyword arguments) of fit's loader in place of ``user_loader``; a sampler
+    of its own replaced is said (``warn``)."""
+    if not default_order(user_loader) and warn:
+        own = type(user_loader.batch_sampler or user_loader.sampler).__name__
+        warnings.warn(f"ddprun: train_data's own sampler ({own}) is replaced by a DistributedSampler "
+                      f"(shuffle, seed={seed}) so that every rank sees its own part of the data.", stacklevel=4)
+    shuffle = type(user_loader.sampler) is not SequentialSampler
+    return shuffle, {"collate_fn": user_loader.collate_fn, "worker_init_fn": user_loader.worker_init_fn,
+                     "drop_last": user_loader.drop_last, "timeout": user_loader.timeout}
+
+
+def set_epoch(loader: Any, sampler: ResumableSampler | None, epoch: int) -> None:
+    """Tell this epoch to fit's ``sampler``; without one (a DataLoader kept as given, an
+    IterableDataset), to the loader's sampler, batch sampler and dataset, each that has ``set_epoch``
+    (a DistributedSampler of the user's, a streaming dataset that reshuffles by epoch)."""
+    if sampler is not None:
+        sampler.set_epoch(epoch)
+        return
+    for part in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
+                 getattr(loader, "dataset", None)):
+        method = getattr(part, "set_epoch", None)
+        if callable(method):
+            method(epoch)
 
 
 def build_val_loader(data: Dataset | DataLoader, *, batch_size: int, info: RankInfo,

@@ -45,7 +45,7 @@ from ddprun.telemetry import PROGRESS, TIMER, busy, heartbeat, setup_phase
 from ddprun.train import checkpoint as ckpt
 from ddprun.train import dirlock, timing
 from ddprun.train import resume as resume_mod
-from ddprun.train.data import build_train_loader, build_val_loader, close_workers
+from ddprun.train.data import build_train_loader, build_val_loader, close_workers, set_epoch
 from ddprun.train.metrics import MetricsLog
 from ddprun.train.options import FitOptions
 from ddprun.train.progress import Progress
@@ -321,8 +321,7 @@ def _rebuild_ddp_buckets(ddp: Any, module: nn.Module, opt: torch.optim.Optimizer
     statistics), gradients dropped, and RNG states are restored after this. training_step is called
     once more than the steps it makes (on restarts only).
     """
-    if sampler is not None:
-        sampler.set_epoch(epoch + 1)  # fit's loop sets the epoch again before its first batch
+    set_epoch(loader, sampler, epoch + 1)  # fit's loop sets the epoch again before its first batch
     batch = next(iter(loader), None)
     if batch is None:
         return
@@ -449,8 +448,9 @@ class _Skipped:
     A DataLoader without a generator of its own draws a seed from the global torch RNG when its
     iterator is made; the interrupted run made that draw before the checkpoint (its RNG state is
     after it), so here the global state is put back after the iterator exists. A random order of
-    the loader's own (shuffle=True) is drawn anew, so only an order that does not depend on the RNG
-    resumes exactly (fit's own sampler does: it is used for every Dataset, and whenever world > 1).
+    a sampler of the user's is drawn anew, so only an order that does not depend on the RNG resumes
+    exactly (fit's own sampler does: it is used for every Dataset, for every DataLoader with torch's
+    default sampler, and whenever world > 1; a sampler with ``set_epoch`` is told the epoch first).
 
     Each batch skipped is a heartbeat (telemetry.py, one integer increment) inside a setup phase: a
     skip deep into a long epoch is progress for the stall watch, which keeps its first-step bound
@@ -650,8 +650,7 @@ class _Loop:
     def _epoch(self) -> None:
         """One epoch (or the rest of the one a checkpoint was taken in); validation when it ran to its end."""
         p = self.p
-        if p.sampler is not None:
-            p.sampler.set_epoch(self.epoch)
+        set_epoch(p.loader, p.sampler, self.epoch)
         source, self.batches_done, self.epoch_samples = p.loader, 0, 0
         if self.pos is not None:  # the epoch the checkpoint was taken in: continue where it stopped
             self.batches_done, self.epoch_samples = self.pos.batches, self.pos.samples
