@@ -70,7 +70,9 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
         default, which repeats a few samples so every rank has as many batches; ``set_epoch`` every
         epoch. Validation: each sample once, no padding. See :mod:`ddprun.train.data`.
       batch_size: samples per rank per micro-batch; the global batch is
-        ``batch_size * world_size * grad_accum``.
+        ``batch_size * world_size * grad_accum``. A DataLoader's own batch size wins; one with
+        ``batch_size=None`` (automatic batching off: its dataset's items are whole batches) keeps
+        it on every rank, each item a micro-batch.
       num_workers: DataLoader workers per rank, at most CPUs // processes on this node; None =
         min(2, that), 0 for a TensorDataset or an IterableDataset. Every worker iterates an
         IterableDataset from its start: give it workers only when its ``__iter__`` takes its own part

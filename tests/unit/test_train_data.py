@@ -130,6 +130,36 @@ def test_a_user_loader_with_its_own_sampler_is_kept_in_one_process_and_resharded
                            seed=0, num_workers=None)
 
 
+class Batches(Dataset):
+    """Each item a whole batch of 4 (a DataLoader with batch_size=None: automatic batching off)."""
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        x = torch.arange(4 * i, 4 * i + 4).float()
+        return x.unsqueeze(1), x
+
+
+def test_a_loader_of_whole_batches_stays_unbatched_on_every_rank():
+    # with 2+ ranks fit rebuilt it with batch_size=32 and its default_convert: lists of 32 whole batches
+    user = DataLoader(Batches(), batch_size=None, shuffle=True)
+    seen = []
+    for r in range(2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # torch's default sampler: nothing of the user's is replaced
+            built = build_train_loader(user, batch_size=32, info=rank(r, 2, 2), seed=0, num_workers=None)
+        assert built.batch_size == 1 and built.loader.batch_size is None and len(built.loader) == 3
+        batches = list(built.loader)
+        assert all(x.shape == (4, 1) and y.shape == (4,) for x, y in batches)
+        seen += [int(y[0]) // 4 for _, y in batches]
+        built.sampler.resume_at(0, 2 * 2)  # two batches taken on each rank: one item each
+        assert len(built.loader) == 1
+        val = build_val_loader(user, batch_size=32, info=rank(r, 2, 2), num_workers=None)
+        assert [y.shape for _, y in val] == [(4,)] * 3
+    assert sorted(seen) == list(range(6))
+
+
 def test_validation_shards_cover_every_sample_once_without_padding():
     shards = [list(ShardSampler(10, r, 3)) for r in range(3)]
     assert sorted(i for s in shards for i in s) == list(range(10))

@@ -321,13 +321,21 @@ def _length(dataset: Any) -> int | None:
 
 def default_order(loader: DataLoader) -> bool:
     """Whether ``loader`` orders its data by torch's default sampler (``shuffle=True`` or False, each
-    sample once an epoch), in batches of ``batch_size``: fit's sampler means the same, and resumes."""
+    sample once an epoch), in batches of ``batch_size`` or with automatic batching off
+    (``batch_size=None``: each item a batch), not by a batch sampler of its own: fit's sampler means
+    the same, and resumes."""
     sampler = loader.sampler
     if type(sampler) is RandomSampler:
         plain = not sampler.replacement and sampler._num_samples is None
     else:
         plain = type(sampler) is SequentialSampler
-    return plain and loader.batch_size is not None
+    return plain and (loader.batch_size is not None or loader.batch_sampler is None)
+
+
+def _unbatched(loader: DataLoader | None) -> bool:
+    """Whether ``loader`` has automatic batching off (``batch_size=None``, no batch sampler): its
+    dataset's items are whole batches, collated by ``default_convert``."""
+    return loader is not None and loader.batch_sampler is None
 
 
 def build_train_loader(data: Dataset | DataLoader, *, batch_size: int, info: RankInfo, seed: int,
@@ -336,7 +344,8 @@ def build_train_loader(data: Dataset | DataLoader, *, batch_size: int, info: Ran
 
     A Dataset gets a new loader. A DataLoader with torch's default sampler (shuffle or not) is
     rebuilt around fit's sampler, in one process too, so that an epoch resumes part-way exactly
-    (keeping its batch size, collate_fn, workers and worker_init_fn). One with a sampler of its own
+    (keeping its batch size, collate_fn, workers and worker_init_fn; with automatic batching off,
+    ``batch_size=None``, each item is a batch, and counts as one sample). One with a sampler of its own
     is kept in one process (the loop calls its ``set_epoch``: :func:`set_epoch`) and replaced, with a
     warning, when world_size > 1. An IterableDataset is used as
     it is: it must shard itself by :func:`ddprun.rank_info` and give every rank as many batches. It
@@ -349,6 +358,9 @@ def build_train_loader(data: Dataset | DataLoader, *, batch_size: int, info: Ran
     dataset = data.dataset if isinstance(data, DataLoader) else data
     if user_loader is not None and user_loader.batch_size is not None:
         batch_size = user_loader.batch_size
+    unbatched = _unbatched(user_loader)
+    if unbatched:
+        batch_size = 1  # one item a batch: the resume position counts items
     if _length(dataset) == 0:
         raise ConfigError("train_data is empty.", seen=f"len(train_data) = 0 ({type(dataset).__name__})",
                           hint="Check the data path and any filtering that built the dataset.")
@@ -377,7 +389,7 @@ def build_train_loader(data: Dataset | DataLoader, *, batch_size: int, info: Ran
     # so that random augmentation differs between ranks but is reproducible.
     generator = torch.Generator().manual_seed(seed + info.rank)
     kwargs["worker_init_fn"] = worker_init(workers, kwargs.get("worker_init_fn"))
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, generator=generator,
+    loader = DataLoader(dataset, batch_size=None if unbatched else batch_size, sampler=sampler, generator=generator,
                         **loader_options(workers, info.device.type), **kwargs)
     return Loader(loader, sampler, batch_size)
 
@@ -419,8 +431,9 @@ def build_val_loader(data: Dataset | DataLoader, *, batch_size: int, info: RankI
             warn_unsplit("val_data's dataset", user_loader.num_workers, stacklevel=5)
         return user_loader
     kwargs: dict[str, Any]
+    batch: int | None = batch_size
     if user_loader is not None:
-        batch_size = user_loader.batch_size or batch_size
+        batch = None if _unbatched(user_loader) else (user_loader.batch_size or batch_size)
         kwargs = {"collate_fn": user_loader.collate_fn, "worker_init_fn": user_loader.worker_init_fn}
         if num_workers is None:
             num_workers = user_loader.num_workers
@@ -433,5 +446,5 @@ def build_val_loader(data: Dataset | DataLoader, *, batch_size: int, info: RankI
     sampler = None
     if not isinstance(dataset, IterableDataset):
         sampler = ShardSampler(len(cast(Sized, dataset)), info.rank, info.world_size)  # map-style: sized
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **loader_options(workers, info.device.type),
+    return DataLoader(dataset, batch_size=batch, sampler=sampler, **loader_options(workers, info.device.type),
                       **kwargs)
