@@ -139,8 +139,11 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
 
     Process group: fit calls :func:`ddprun.init` (joining with a 600 s timeout, then 300 s per
     collective from step 2); call ``ddprun.init(timeout=..., train_timeout=...)`` first to change
-    them. Per step there is no collective besides DDP's gradient all-reduce. fit does not destroy the
-    process group. Returns a :class:`FitResult`.
+    them. While one rank writes a checkpoint or runs on_checkpoint, the others wait for it up to
+    that join timeout or, under ``ddprun run``, as long as the stall watch lets such a phase run
+    (4 x ``--stall-timeout``: 1200 s by default) where that is longer: for longer writes raise
+    ``--stall-timeout`` (or ``timeout``). Per step there is no collective besides DDP's gradient
+    all-reduce. fit does not destroy the process group. Returns a :class:`FitResult`.
     """
     package = lightning_package(model)
     if package is not None:

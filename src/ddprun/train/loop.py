@@ -789,7 +789,7 @@ class _Loop:
         is here at the same step) a barrier and the training timeout again."""
         if self.o.on_checkpoint is None:
             return
-        runtime.use_init_timeout()
+        runtime.use_phase_timeout()
         with busy("on_checkpoint"):
             self.o.on_checkpoint(saved)
         if not saved.final:
