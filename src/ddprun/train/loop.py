@@ -229,13 +229,40 @@ def _to_device(batch: Any, device: torch.device, non_blocking: bool) -> Any:
 
 
 def _batch_len(batch: Any) -> int:
-    while isinstance(batch, (list, tuple)) and batch:
-        batch = batch[0]
+    """Samples in ``batch``: the leading size of its first tensor (depth first), else the length of
+    its first list of plain values (text: a list of strings), else 1."""
+    first = _first_tensor(batch)
+    if first is not None:
+        return int(first.shape[0]) if first.ndim > 0 else 1
+    return _first_list_len(batch) or 1
+
+
+def _first_tensor(batch: Any) -> torch.Tensor | None:
     if isinstance(batch, torch.Tensor):  # first: the Mapping check below is an ABC's (slower, every step)
-        return int(batch.shape[0]) if batch.ndim > 0 else 1
-    if isinstance(batch, Mapping) and batch:
-        return _batch_len(next(iter(batch.values())))
-    return 1
+        return batch
+    if isinstance(batch, (list, tuple)):
+        parts: Any = batch
+    elif isinstance(batch, Mapping):
+        parts = batch.values()
+    else:
+        return None
+    for part in parts:
+        found = _first_tensor(part)
+        if found is not None:
+            return found
+    return None
+
+
+def _first_list_len(batch: Any) -> int | None:
+    """The length of the first list (or tuple) in ``batch`` whose items are not lists, tuples or mappings."""
+    parts = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    if isinstance(batch, (list, tuple)) and batch and not isinstance(batch[0], (list, tuple, Mapping)):
+        return len(batch)
+    for part in parts:
+        found = _first_list_len(part)
+        if found:
+            return found
+    return None
 
 
 def _pair(batch: Any) -> tuple[Any, Any]:
