@@ -58,16 +58,26 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
     only. The rest of this docstring is the nn.Module path.
 
     Data:
-      train_data, val_data: a torch ``Dataset`` (fit builds the DataLoader) or a ``DataLoader``
-        (kept in one process; rebuilt around a DistributedSampler when world_size > 1, keeping its
-        batch size, collate_fn and workers, with a warning if it had a sampler of its own).
+      train_data, val_data: a torch ``Dataset`` (fit builds the DataLoader) or a ``DataLoader``.
+        A training DataLoader with torch's default sampler (``shuffle=True`` or False) is rebuilt
+        around fit's DistributedSampler (shuffling as it did, with ``seed``), in one process too,
+        keeping its batch size, collate_fn and workers. One with a sampler of its own is kept in
+        one process (its sampler, batch sampler or dataset told the epoch by ``set_epoch`` where
+        they have one; a resume loads the batches taken again and drops them, so only an order
+        that depends on the epoch alone resumes exactly) and replaced, with a warning, when
+        world_size > 1. A validation DataLoader is kept in one process.
         Training batches: DistributedSampler(shuffle=True, seed=seed, drop_last=False) — DDP's
         default, which repeats a few samples so every rank has as many batches; ``set_epoch`` every
         epoch. Validation: each sample once, no padding. See :mod:`ddprun.train.data`.
       batch_size: samples per rank per micro-batch; the global batch is
-        ``batch_size * world_size * grad_accum``.
+        ``batch_size * world_size * grad_accum``. A DataLoader's own batch size wins; one with
+        ``batch_size=None`` (automatic batching off: its dataset's items are whole batches) keeps
+        it on every rank, each item a micro-batch.
       num_workers: DataLoader workers per rank, at most CPUs // processes on this node; None =
-        min(2, that), 0 for a TensorDataset. Workers start by forkserver (spawn where absent), so the
+        min(2, that), 0 for a TensorDataset or an IterableDataset. Every worker iterates an
+        IterableDataset from its start: give it workers only when its ``__iter__`` takes its own part
+        by ``torch.utils.data.get_worker_info()`` (fit warns once when it has workers, since it cannot
+        see whether it does). Workers start by forkserver (spawn where absent), so the
         dataset must be picklable. Their RNG is seeded from ``seed + rank`` (augmentation differs
         between ranks, reproducibly); with 0 workers, augmentation uses the global torch RNG, which
         fit leaves alone.
@@ -129,8 +139,11 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
 
     Process group: fit calls :func:`ddprun.init` (joining with a 600 s timeout, then 300 s per
     collective from step 2); call ``ddprun.init(timeout=..., train_timeout=...)`` first to change
-    them. Per step there is no collective besides DDP's gradient all-reduce. fit does not destroy the
-    process group. Returns a :class:`FitResult`.
+    them. While one rank writes a checkpoint or runs on_checkpoint, the others wait for it up to
+    that join timeout or, under ``ddprun run``, as long as the stall watch lets such a phase run
+    (4 x ``--stall-timeout``: 1200 s by default) where that is longer: for longer writes raise
+    ``--stall-timeout`` (or ``timeout``). Per step there is no collective besides DDP's gradient
+    all-reduce. fit does not destroy the process group. Returns a :class:`FitResult`.
     """
     package = lightning_package(model)
     if package is not None:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from ddprun.errors import ClusterError, ConfigError
 from ddprun.pgkeep import keep_destroyed_groups, release_kept
 from ddprun.protocol import defaults
-from ddprun.protocol.env import device_kind, inside_worker, soft_exit
+from ddprun.protocol.env import WorkerEnv, device_kind, inside_worker, soft_exit
 from ddprun.telemetry import setup_phase
 
 if TYPE_CHECKING:
@@ -71,6 +71,8 @@ class _State:
     init_timeout_s: float
     train_timeout_s: float
     tightened: bool = False
+    phase_timeout_s: float = 0.0
+    """A wait on another rank's busy phase: at least ``init_timeout_s`` (:func:`use_phase_timeout`)."""
     users_group: bool = False
     """The process group was there before init (the user's, Lightning's): its timeout is left as set."""
 
@@ -202,8 +204,10 @@ def init(backend: str | None = None, *, timeout: float = DEFAULT_INIT_TIMEOUT_S,
     """Join the job's process group (if it has one) and select this process's device.
 
     ``backend``: None picks ``nccl`` on CUDA and ``gloo`` on CPU. ``timeout``: seconds for joining
-    and for collectives until :func:`use_training_timeout` is called; ``train_timeout``: seconds after
-    that. ``environ``: the environment to read, default ``os.environ`` (read now, not at import).
+    and for collectives until :func:`use_training_timeout` is called, and while waiting for another
+    rank's busy phase (:func:`use_phase_timeout`: under ``ddprun run`` at least 4 x --stall-timeout);
+    ``train_timeout``: seconds after that. ``environ``: the environment to read, default
+    ``os.environ`` (read now, not at import).
 
     Under srun/mpirun (resolve() found the rank in the cluster's own variables), or in a script a
     multi-node job starts once per node (its node rank is its rank: detect.one_rank_per_node), MASTER_ADDR,
@@ -249,8 +253,17 @@ def init(backend: str | None = None, *, timeout: float = DEFAULT_INIT_TIMEOUT_S,
         return info
     backend = _join_group(spec, info, backend, timeout, environ)
     info = replace(info, distributed=True, backend=backend)
-    _state = _State(info, timeout, train_timeout)
+    _state = _State(info, timeout, train_timeout, phase_timeout_s=_phase_timeout(timeout, environ))
     return info
+
+
+def _phase_timeout(timeout: float, environ: Mapping[str, str]) -> float:
+    """``timeout``, or under ``ddprun run`` with the stall watch on the time it lets a busy phase last
+    (WorkerEnv.busy_limit_s: BUSY_LIMIT_FACTOR x --stall-timeout) where that is longer."""
+    wenv = WorkerEnv.from_environ(environ)
+    if wenv is None or wenv.stall_timeout <= 0:
+        return timeout
+    return max(timeout, wenv.busy_limit_s)
 
 
 def _join_group(spec: ClusterSpec, info: RankInfo, backend: str | None, timeout: float,
@@ -420,10 +433,16 @@ def use_training_timeout() -> None:
     _state.tightened = True
 
 
-def use_init_timeout() -> None:
-    """Back to the generous timeout, locally, before work one rank does while the others wait
-    (the final checkpoint save). No collective: each rank's own waits use its own timeout."""
-    if _state is not None and _state.tightened and _set_timeout(_state.init_timeout_s):
+def use_phase_timeout() -> None:
+    """The generous timeout, locally, before work one rank does while the others wait (a checkpoint
+    write, ``fit(on_checkpoint=...)``): init's ``timeout``, or under ``ddprun run`` the stall watch's
+    allowance for a busy phase where that is longer (:func:`_phase_timeout`), so that a write the
+    stall watch lets run is not failed by the others' barrier. No collective: each rank's own waits
+    use its own timeout; :func:`use_training_timeout` tightens it again. A group of the user's keeps
+    its own."""
+    if _state is None or _state.users_group:
+        return
+    if _set_timeout(max(_state.init_timeout_s, _state.phase_timeout_s)):
         _state.tightened = False
 
 

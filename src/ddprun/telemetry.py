@@ -182,7 +182,8 @@ def setup_phase() -> Iterator[None]:
 @contextlib.contextmanager
 def busy(phase: str) -> Iterator[None]:
     """A phase that proves nothing by itself for a while (a checkpoint write, a validation pass):
-    the worker's monitor thread beats for it, at most ``4 x --stall-timeout`` (worker/monitor.py), so a
+    the worker's monitor thread beats for it, at most ``4 x --stall-timeout`` (worker/monitor.py,
+    protocol/defaults.py ``BUSY_LIMIT_FACTOR``; ranks waiting for another's phase wait as long), so a
     long but healthy phase is not a stall and a phase that hangs still is."""
     previous, since = PROGRESS.phase, PROGRESS.busy_since
     PROGRESS.phase, PROGRESS.busy_since = phase, time.monotonic()

@@ -91,7 +91,7 @@ def test_init_in_a_torchrun_worker_of_one_joins_a_gloo_group_and_is_idempotent()
     assert runtime.init() is info
     runtime.use_training_timeout()  # barrier of one, then the shorter timeout
     assert runtime._state.tightened
-    runtime.use_init_timeout()
+    runtime.use_phase_timeout()
     assert not runtime._state.tightened
 
 
@@ -213,7 +213,7 @@ def test_init_uses_an_existing_process_group_and_leaves_its_timeout(monkeypatch)
     calls = []  # fit's first step and its checkpoints would set ddprun's timeouts on the user's group
     monkeypatch.setattr(runtime, "_set_timeout", lambda seconds: calls.append(seconds) or True)
     runtime.use_training_timeout()
-    runtime.use_init_timeout()
+    runtime.use_phase_timeout()
     assert calls == []
 
 
@@ -285,3 +285,19 @@ def test_a_process_group_the_user_made_under_a_per_task_launcher_uses_the_tasks_
     gpus(1)
     info = runtime.rank_info(slurm_task())  # local rank 2 of its node, its one GPU bound by srun
     assert (info.local_rank, info.device, info.distributed) == (2, torch.device("cuda", 0), True)
+
+
+def test_the_others_wait_for_a_checkpoint_write_as_long_as_the_stall_watch_lets_it_run(monkeypatch, tmp_path):
+    # they waited with init's timeout (600 s) while the stall watch lets a busy phase run
+    # 4 x --stall-timeout (1200 s by default): a healthy 15-minute write failed the job
+    from ddprun.train.resume import Checkpoints
+
+    os.environ.update(torchrun_env(port=free_port()), DDPRUN_RUN_DIR=str(tmp_path), DDPRUN_STALL_TIMEOUT="300")
+    info = runtime.init(timeout=30, train_timeout=20)
+    runtime.use_training_timeout()
+    set_to = []
+    monkeypatch.setattr(runtime, "_set_timeout", lambda seconds: set_to.append(seconds) or True)
+    Checkpoints(str(tmp_path / "ck"), info, keep=1).save(1, 0, lambda rngs: {"step": 1, "rng": rngs})
+    assert set_to == [1200.0, 20]  # the write's wait, then the training timeout again
+    os.environ["DDPRUN_STALL_TIMEOUT"] = "0"  # no stall watch: init's timeout
+    assert runtime._phase_timeout(30, os.environ) == 30

@@ -4,7 +4,13 @@ import warnings
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, SequentialSampler, TensorDataset
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    TensorDataset,
+)
 
 from ddprun.errors import ConfigError
 from ddprun.runtime import RankInfo
@@ -51,6 +57,30 @@ def test_default_workers_and_caps():
         choose_num_workers(-1, Squares(), 1, cpus=4)
 
 
+class Stream(IterableDataset):
+    """A stream that does not split itself between DataLoader workers (module level: picklable)."""
+
+    def __iter__(self):
+        return iter(torch.arange(12).float().unsqueeze(1))
+
+
+def test_an_iterable_dataset_gets_no_workers_by_default_and_asked_for_ones_come_with_a_warning(monkeypatch):
+    # each worker iterates the whole stream: 2 default workers trained on every sample twice, silently
+    monkeypatch.setattr("ddprun.train.data.cpu_count", lambda: 16)
+    assert choose_num_workers(None, Stream(), 1, cpus=16) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        built = build_train_loader(Stream(), batch_size=4, info=rank(), seed=0, num_workers=None)
+        assert built.loader.num_workers == 0
+        assert sorted(v for b in built.loader for v in b.squeeze(1).tolist()) == list(range(12))  # each once
+        assert build_val_loader(Stream(), batch_size=4, info=rank(), num_workers=None).num_workers == 0
+    with pytest.warns(UserWarning, match=r"train_data is an IterableDataset read by 2 .*get_worker_info"):
+        assert build_train_loader(Stream(), batch_size=4, info=rank(), seed=0, num_workers=2).loader.num_workers == 2
+    with pytest.warns(UserWarning, match=r"train_data's dataset is an IterableDataset read by 2 "):
+        build_train_loader(DataLoader(Stream(), batch_size=4, num_workers=2), batch_size=4, info=rank(), seed=0,
+                           num_workers=None)
+
+
 def test_loader_options_never_fork_and_pin_only_on_cuda():
     assert loader_options(0, "cpu") == {"num_workers": 0, "pin_memory": False}
     opts = loader_options(2, "cuda")
@@ -79,9 +109,17 @@ def test_four_ranks_of_batch_b_see_one_process_batch_4b():
         assert union == sorted(x.squeeze(1).tolist())
 
 
-def test_a_user_loader_is_kept_in_one_process_and_resharded_in_many():
-    user = DataLoader(tensors(), batch_size=6, sampler=SequentialSampler(range(48)))
-    assert build_train_loader(user, batch_size=32, info=rank(), seed=0, num_workers=None).loader is user
+def test_a_user_loader_with_its_own_sampler_is_kept_in_one_process_and_resharded_in_many():
+    own = DataLoader(tensors(), batch_size=6, sampler=range(48))
+    assert build_train_loader(own, batch_size=32, info=rank(), seed=0, num_workers=None).loader is own
+    # torch's default sampler, in one process too: fit's, which resumes part-way, in the same order
+    plain = build_train_loader(DataLoader(tensors(), batch_size=6), batch_size=32, info=rank(), seed=0,
+                               num_workers=None)
+    assert isinstance(plain.sampler, DistributedSampler) and not plain.sampler.shuffle
+    assert [x.squeeze(1).tolist() for x, _ in plain.loader][1] == [6.0, 7.0, 8.0, 9.0, 10.0, 11.0]
+    shuffled = build_train_loader(DataLoader(tensors(), batch_size=6, shuffle=True), batch_size=32, info=rank(),
+                                  seed=0, num_workers=None)
+    assert shuffled.sampler.shuffle and shuffled.batch_size == 6
     custom = DataLoader(tensors(), batch_size=6, sampler=list(range(48)))
     with pytest.warns(UserWarning, match="replaced by a DistributedSampler"):
         built = build_train_loader(custom, batch_size=32, info=rank(0, 2, 2), seed=0, num_workers=None)
@@ -90,6 +128,36 @@ def test_a_user_loader_is_kept_in_one_process_and_resharded_in_many():
         warnings.simplefilter("error")  # shuffle=True is no sampler of its own: no warning
         build_train_loader(DataLoader(tensors(), batch_size=6, shuffle=True), batch_size=32, info=rank(0, 2, 2),
                            seed=0, num_workers=None)
+
+
+class Batches(Dataset):
+    """Each item a whole batch of 4 (a DataLoader with batch_size=None: automatic batching off)."""
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        x = torch.arange(4 * i, 4 * i + 4).float()
+        return x.unsqueeze(1), x
+
+
+def test_a_loader_of_whole_batches_stays_unbatched_on_every_rank():
+    # with 2+ ranks fit rebuilt it with batch_size=32 and its default_convert: lists of 32 whole batches
+    user = DataLoader(Batches(), batch_size=None, shuffle=True)
+    seen = []
+    for r in range(2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # torch's default sampler: nothing of the user's is replaced
+            built = build_train_loader(user, batch_size=32, info=rank(r, 2, 2), seed=0, num_workers=None)
+        assert built.batch_size == 1 and built.loader.batch_size is None and len(built.loader) == 3
+        batches = list(built.loader)
+        assert all(x.shape == (4, 1) and y.shape == (4,) for x, y in batches)
+        seen += [int(y[0]) // 4 for _, y in batches]
+        built.sampler.resume_at(0, 2 * 2)  # two batches taken on each rank: one item each
+        assert len(built.loader) == 1
+        val = build_val_loader(user, batch_size=32, info=rank(r, 2, 2), num_workers=None)
+        assert [y.shape for _, y in val] == [(4,)] * 3
+    assert sorted(seen) == list(range(6))
 
 
 def test_validation_shards_cover_every_sample_once_without_padding():

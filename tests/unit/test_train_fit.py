@@ -124,6 +124,35 @@ def test_grad_accumulation_without_a_length_rescales_the_short_last_group(tmp_pa
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+class EpochStream(Stream):
+    """A stream that reshuffles by the epoch it is told (as streaming datasets do)."""
+
+    def __init__(self, data):
+        super().__init__(data)
+        self.told = []
+
+    def set_epoch(self, epoch):
+        self.told.append(epoch)
+
+
+class TellingSampler(torch.utils.data.DistributedSampler):
+    def __init__(self, data):
+        super().__init__(data, num_replicas=1, rank=0, shuffle=True)
+        self.told = []
+
+    def set_epoch(self, epoch):
+        self.told.append(epoch)
+        super().set_epoch(epoch)
+
+
+def test_a_sampler_or_iterable_dataset_of_the_users_is_told_each_epoch_in_one_process(tmp_path):
+    data = regression(16)
+    sampler, stream = TellingSampler(data), EpochStream(data)
+    fit(tmp_path, data=DataLoader(data, batch_size=8, sampler=sampler), epochs=3, run_dir=str(tmp_path / "a"))
+    fit(tmp_path, data=DataLoader(stream, batch_size=8), epochs=3, run_dir=str(tmp_path / "b"))
+    assert sampler.told == [0, 1, 2] and stream.told == [0, 1, 2]
+
+
 def test_max_steps_runs_past_one_epoch_and_the_scheduler_steps_per_step(tmp_path):
     seen = {}
 
@@ -245,3 +274,27 @@ def test_the_stop_steps_checkpoint_is_published_before_the_barrier_a_stopped_pee
     (steps, fit_step, path, _, by), = published
     assert (steps, fit_step, by) == (state.stop_step, 3, "fit") and path.endswith("step-00000003.pt")
     assert os.path.exists(path)
+
+
+class Texts(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return {"text": f"sample {i}"}
+
+
+def test_validation_of_text_batches_is_a_mean_over_samples_not_over_batches():
+    # a batch whose first leaf is a list of strings counted as 1 sample: val_loss was a mean of batch means
+    from ddprun.train.loop import _no_amp, _validate
+
+    def value(net, batch):  # each sample's loss is its number: the mean over the 4 samples is 1.5
+        return torch.tensor([float(t.split()[1]) for t in batch["text"]]).mean()
+
+    info = runtime.rank_info({})
+    loader = DataLoader(Texts(), batch_size=3)  # batches of 3 and 1: a mean of batch means is 2.0
+    assert _validate(mlp(), loader, info, loss_fn=None, training_step=value, metrics={}, amp=_no_amp) == {
+        "val_loss": 1.5}
+    pairs = DataLoader([(f"sample {i}", float(i)) for i in range(4)], batch_size=3)  # (texts, targets)
+    assert _validate(mlp(), pairs, info, loss_fn=None, training_step=lambda net, b: b[1].mean(), metrics={},
+                     amp=_no_amp) == {"val_loss": 1.5}

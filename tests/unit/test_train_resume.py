@@ -148,8 +148,8 @@ def test_resumable_sampler_after_a_world_size_change_skips_nothing():
     assert set(rest) == set(order[done:]) and len(rest) == len(order) - done
 
 
-def test_a_user_dataloader_in_one_process_resumes_by_skipping_batches(tmp_path):
-    loader = DataLoader(regression(), batch_size=8, shuffle=False)
+def test_a_user_dataloader_with_its_own_sampler_in_one_process_resumes_by_skipping_batches(tmp_path):
+    loader = DataLoader(regression(), batch_size=8, sampler=range(64))  # a sampler of its own: kept as given
     np.random.seed(0)
     ref = params(ddprun.fit(mlp(), loader, training_step=stepper(), run_dir=str(tmp_path / "ref"), checkpoint_every=3,
                             **KW))
@@ -161,6 +161,23 @@ def test_a_user_dataloader_in_one_process_resumes_by_skipping_batches(tmp_path):
     res = ddprun.fit(mlp(), loader, training_step=stepper(), run_dir=str(tmp_path / "c"), checkpoint_every=3, **KW)
     assert all(torch.equal(a, b) for a, b in zip(ref, params(res)))
     assert checkpoint.load(str(tmp_path / "c" / "checkpoints"))["step"] == 24
+
+
+def test_a_shuffling_user_dataloader_in_one_process_resumes_bitwise_the_uninterrupted_run(tmp_path):
+    # it was kept as given: the resume drew a new shuffle order, then dropped its first batches, so
+    # some samples came twice in the resumed epoch and others never
+    def go(name, crash_at=None):
+        new_process()
+        np.random.seed(0)
+        loader = DataLoader(regression(), batch_size=8, shuffle=True)
+        return ddprun.fit(mlp(), loader, training_step=stepper(crash_at), run_dir=str(tmp_path / name),
+                          checkpoint_every=3, **KW)
+
+    ref = params(go("ref"))
+    with pytest.raises(Crash):
+        go("c", crash_at=13)
+    torch.manual_seed(99)  # the restarted process's global RNG starts elsewhere
+    assert all(torch.equal(a, b) for a, b in zip(ref, params(go("c"))))
 
 
 def test_a_second_fit_in_one_process_after_a_finished_one_starts_anew(tmp_path, capsys):
@@ -226,3 +243,24 @@ def test_under_torchs_agent_without_a_run_id_a_restart_that_starts_anew_is_named
     fixed = {"TORCHELASTIC_RUN_ID": "123", "TORCHELASTIC_MAX_RESTARTS": "0"}
     assert resolve_run_dir(None, info, fixed) != resolve_run_dir(None, info, fixed)
     assert resolve_run_dir(None, info, {**fixed, "TORCHELASTIC_MAX_RESTARTS": "2"}) == str(tmp_path / "runs" / "123")
+
+
+def test_skipping_the_batches_a_checkpoint_had_taken_is_progress_for_the_stall_watch(monkeypatch):
+    # a resume without fit's sampler loads the taken batches again and drops them: deep into a long
+    # epoch that took longer than --stall-timeout with no progress, and the stall watch killed the restart
+    from ddprun.telemetry import PROGRESS
+    from ddprun.train.loop import _Skipped
+
+    monkeypatch.setattr(PROGRESS, "began", False)
+    monkeypatch.setattr(PROGRESS, "phase", "")
+    totals = []
+
+    class Batches:
+        def __iter__(self):
+            for i in range(8):
+                totals.append(PROGRESS.total)  # when batch i is asked for
+                yield i
+
+    assert list(_Skipped(Batches(), 5)) == [5, 6, 7]
+    assert all(later > earlier for earlier, later in zip(totals[:6], totals[1:6]))  # a beat per batch skipped
+    assert not PROGRESS.began and PROGRESS.phase == ""  # the first trained batch still has the first-step bound

@@ -25,6 +25,11 @@ STALL_TIMEOUT_S = 300.0
 STALL_FIRST_STEP_MIN_S = 30.0
 """Before the first progress (imports, data preparation, compilation) the bound is max(2 x stall, this)."""
 
+BUSY_LIMIT_FACTOR = 4
+"""A declared busy phase (telemetry.busy: a checkpoint write, on_checkpoint, a validation pass)
+counts as progress for at most this many stall timeouts (worker/monitor.py); the ranks that wait
+for another's (runtime.use_phase_timeout) wait at least as long."""
+
 INIT_TIMEOUT_S = 600.0
 """``init_process_group``'s timeout: generous, every node's workers import and start."""
 

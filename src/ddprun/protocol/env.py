@@ -78,6 +78,12 @@ class WorkerEnv:
     node_store: str = ""
     """``127.0.0.1:PORT`` of the node store the agent hosts for its workers (agent/noderelay.py); "" = none."""
 
+    @property
+    def busy_limit_s(self) -> float:
+        """Seconds the stall watch counts a declared busy phase as progress (``BUSY_LIMIT_FACTOR`` x
+        ``stall_timeout``, at least 1 s each)."""
+        return defaults.BUSY_LIMIT_FACTOR * max(self.stall_timeout, 1.0)
+
     def to_environ(self) -> dict[str, str]:
         """The variables to export into every worker of this node."""
         out = {var: _format(getattr(self, name)) for name, var in _VARS.items()}

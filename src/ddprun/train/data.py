@@ -121,14 +121,22 @@ def worker_bound(local_world_size: int, cpus: int | None = None) -> int:
 
 def choose_num_workers(requested: int | None, dataset: Any, local_world_size: int, cpus: int | None = None,
                        warn: bool = True) -> int:
-    """``requested`` capped at :func:`worker_bound`; None = ``min(2, bound)``, or 0 for a TensorDataset.
-    0, said once with ``warn``, where each worker would run the script again (train/mainguard.py).
+    """``requested`` capped at :func:`worker_bound`; None = ``min(2, bound)``, or 0 for a TensorDataset
+    or an IterableDataset. 0, said once with ``warn``, where each worker would run the script again
+    (train/mainguard.py).
 
     A TensorDataset's items are slices of tensors already in memory: worker processes would only add
-    their start-up (an import of torch each) and a copy of every batch through shared memory.
+    their start-up (an import of torch each) and a copy of every batch through shared memory. An
+    IterableDataset is iterated whole by every worker unless its ``__iter__`` splits the stream by
+    ``torch.utils.data.get_worker_info()``, which cannot be seen from outside: by default it gets
+    none, and workers asked for are given with a warning (:func:`warn_unsplit`).
     """
     workers = _capped(requested, dataset, local_world_size, cpus, warn)
-    if workers == 0 or (unguarded := mainguard.find()) is None:
+    if workers == 0:
+        return 0
+    if (unguarded := mainguard.find()) is None:
+        if warn and isinstance(dataset, IterableDataset):
+            warn_unsplit("train_data", workers, stacklevel=6)  # the user's fit line
         return workers
     if warn:
         warnings.warn(f"ddprun: fit loads the data in the training process (num_workers=0, not {workers}): "
@@ -142,7 +150,7 @@ def choose_num_workers(requested: int | None, dataset: Any, local_world_size: in
 def _capped(requested: int | None, dataset: Any, local_world_size: int, cpus: int | None, warn: bool) -> int:
     bound = worker_bound(local_world_size, cpus)
     if requested is None:
-        return 0 if isinstance(dataset, TensorDataset) else min(DEFAULT_MAX_WORKERS, bound)
+        return 0 if isinstance(dataset, (TensorDataset, IterableDataset)) else min(DEFAULT_MAX_WORKERS, bound)
     if requested < 0:
         raise ConfigError("num_workers must be 0 or more.", seen=f"num_workers={requested}",
                           hint="Give 0 (load in the training process) or a small positive number, or leave it out.")
@@ -153,6 +161,16 @@ def _capped(requested: int | None, dataset: Any, local_world_size: int, cpus: in
                           f"using {bound}.", stacklevel=4)
         return bound
     return requested
+
+
+def warn_unsplit(name: str, workers: int, stacklevel: int = 3) -> None:
+    """Say that ``name``, an IterableDataset, is read by ``workers`` DataLoader workers per rank, each
+    of which iterates it from its start unless it splits the stream itself."""
+    warnings.warn(f"ddprun: {name} is an IterableDataset read by {workers} DataLoader worker(s) per rank: each "
+                  "worker iterates it from the start, so unless its __iter__ splits the stream by "
+                  "torch.utils.data.get_worker_info() (id, num_workers), every sample is taken "
+                  f"{workers} times per epoch. HINT: split it by get_worker_info() in __iter__, or give "
+                  "num_workers=0.", stacklevel=stacklevel + 1)
 
 
 def start_method() -> str:
@@ -301,14 +319,38 @@ def _length(dataset: Any) -> int | None:
         return None
 
 
+def default_order(loader: DataLoader) -> bool:
+    """Whether ``loader`` orders its data by torch's default sampler (``shuffle=True`` or False, each
+    sample once an epoch), in batches of ``batch_size`` or with automatic batching off
+    (``batch_size=None``: each item a batch), not by a batch sampler of its own: fit's sampler means
+    the same, and resumes."""
+    sampler = loader.sampler
+    if type(sampler) is RandomSampler:
+        plain = not sampler.replacement and sampler._num_samples is None
+    else:
+        plain = type(sampler) is SequentialSampler
+    return plain and (loader.batch_size is not None or loader.batch_sampler is None)
+
+
+def _unbatched(loader: DataLoader | None) -> bool:
+    """Whether ``loader`` has automatic batching off (``batch_size=None``, no batch sampler): its
+    dataset's items are whole batches, collated by ``default_convert``."""
+    return loader is not None and loader.batch_sampler is None
+
+
 def build_train_loader(data: Dataset | DataLoader, *, batch_size: int, info: RankInfo, seed: int,
                        num_workers: int | None) -> Loader:
     """The training DataLoader of this rank (module docstring).
 
-    A Dataset gets a new loader; a DataLoader is kept in one process and rebuilt around a
-    DistributedSampler when world_size > 1 (keeping its batch size, collate_fn, workers and
-    worker_init_fn; a sampler of its own is replaced, with a warning). An IterableDataset is used as
-    it is: it must shard itself by :func:`ddprun.rank_info` and give every rank as many batches.
+    A Dataset gets a new loader. A DataLoader with torch's default sampler (shuffle or not) is
+    rebuilt around fit's sampler, in one process too, so that an epoch resumes part-way exactly
+    (keeping its batch size, collate_fn, workers and worker_init_fn; with automatic batching off,
+    ``batch_size=None``, each item is a batch, and counts as one sample). One with a sampler of its own
+    is kept in one process (the loop calls its ``set_epoch``: :func:`set_epoch`) and replaced, with a
+    warning, when world_size > 1. An IterableDataset is used as
+    it is: it must shard itself by :func:`ddprun.rank_info` and give every rank as many batches. It
+    gets no DataLoader workers unless asked (each would iterate the whole stream); asked for, they
+    come with a warning that each must take its own part (:func:`warn_unsplit`).
     """
     _check_data(data, "train_data")
     warn = info.is_main
@@ -316,33 +358,28 @@ def build_train_loader(data: Dataset | DataLoader, *, batch_size: int, info: Ran
     dataset = data.dataset if isinstance(data, DataLoader) else data
     if user_loader is not None and user_loader.batch_size is not None:
         batch_size = user_loader.batch_size
+    unbatched = _unbatched(user_loader)
+    if unbatched:
+        batch_size = 1  # one item a batch: the resume position counts items
     if _length(dataset) == 0:
         raise ConfigError("train_data is empty.", seen=f"len(train_data) = 0 ({type(dataset).__name__})",
                           hint="Check the data path and any filtering that built the dataset.")
 
     if isinstance(dataset, IterableDataset):
         if user_loader is not None:
+            if warn and user_loader.num_workers > 0:
+                warn_unsplit("train_data's dataset", user_loader.num_workers, stacklevel=5)
             return Loader(user_loader, None, batch_size)
         workers = choose_num_workers(num_workers, dataset, info.local_world_size, warn=warn)
         return Loader(DataLoader(dataset, batch_size=batch_size, worker_init_fn=worker_init(workers, None),
                                  **loader_options(workers, info.device.type)), None, batch_size)
 
-    if user_loader is not None and info.world_size == 1:
-        return Loader(user_loader, None, batch_size)
-
     shuffle = True
     kwargs: dict[str, Any] = {}
     if user_loader is not None:
-        sampler_kind = type(user_loader.sampler)
-        if user_loader.batch_size is None or sampler_kind not in (RandomSampler, SequentialSampler):
-            if warn:
-                own = type(user_loader.batch_sampler or user_loader.sampler).__name__
-                warnings.warn(f"ddprun: train_data's own sampler ({own}) is replaced by a DistributedSampler "
-                              f"(shuffle, seed={seed}) so that every rank sees its own part of the data.",
-                              stacklevel=3)
-        shuffle = sampler_kind is not SequentialSampler
-        kwargs = {"collate_fn": user_loader.collate_fn, "worker_init_fn": user_loader.worker_init_fn,
-                  "drop_last": user_loader.drop_last, "timeout": user_loader.timeout}
+        if info.world_size == 1 and not default_order(user_loader):
+            return Loader(user_loader, None, batch_size)
+        shuffle, kwargs = _user_settings(user_loader, seed, warn)
         if num_workers is None:
             num_workers = user_loader.num_workers
     sampler = ResumableSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=shuffle, seed=seed,
@@ -352,9 +389,35 @@ def build_train_loader(data: Dataset | DataLoader, *, batch_size: int, info: Ran
     # so that random augmentation differs between ranks but is reproducible.
     generator = torch.Generator().manual_seed(seed + info.rank)
     kwargs["worker_init_fn"] = worker_init(workers, kwargs.get("worker_init_fn"))
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, generator=generator,
+    loader = DataLoader(dataset, batch_size=None if unbatched else batch_size, sampler=sampler, generator=generator,
                         **loader_options(workers, info.device.type), **kwargs)
     return Loader(loader, sampler, batch_size)
+
+
+def _user_settings(user_loader: DataLoader, seed: int, warn: bool) -> tuple[bool, dict[str, Any]]:
+    """(shuffle, DataLoader keyword arguments) of fit's loader in place of ``user_loader``; a sampler
+    of its own replaced is said (``warn``)."""
+    if not default_order(user_loader) and warn:
+        own = type(user_loader.batch_sampler or user_loader.sampler).__name__
+        warnings.warn(f"ddprun: train_data's own sampler ({own}) is replaced by a DistributedSampler "
+                      f"(shuffle, seed={seed}) so that every rank sees its own part of the data.", stacklevel=4)
+    shuffle = type(user_loader.sampler) is not SequentialSampler
+    return shuffle, {"collate_fn": user_loader.collate_fn, "worker_init_fn": user_loader.worker_init_fn,
+                     "drop_last": user_loader.drop_last, "timeout": user_loader.timeout}
+
+
+def set_epoch(loader: Any, sampler: ResumableSampler | None, epoch: int) -> None:
+    """Tell this epoch to fit's ``sampler``; without one (a DataLoader kept as given, an
+    IterableDataset), to the loader's sampler, batch sampler and dataset, each that has ``set_epoch``
+    (a DistributedSampler of the user's, a streaming dataset that reshuffles by epoch)."""
+    if sampler is not None:
+        sampler.set_epoch(epoch)
+        return
+    for part in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
+                 getattr(loader, "dataset", None)):
+        method = getattr(part, "set_epoch", None)
+        if callable(method):
+            method(epoch)
 
 
 def build_val_loader(data: Dataset | DataLoader, *, batch_size: int, info: RankInfo,
@@ -364,19 +427,24 @@ def build_val_loader(data: Dataset | DataLoader, *, batch_size: int, info: RankI
     user_loader = data if isinstance(data, DataLoader) else None
     dataset = data.dataset if isinstance(data, DataLoader) else data
     if user_loader is not None and (info.world_size == 1 or isinstance(dataset, IterableDataset)):
+        if info.is_main and isinstance(dataset, IterableDataset) and user_loader.num_workers > 0:
+            warn_unsplit("val_data's dataset", user_loader.num_workers, stacklevel=5)
         return user_loader
     kwargs: dict[str, Any]
+    batch: int | None = batch_size
     if user_loader is not None:
-        batch_size = user_loader.batch_size or batch_size
+        batch = None if _unbatched(user_loader) else (user_loader.batch_size or batch_size)
         kwargs = {"collate_fn": user_loader.collate_fn, "worker_init_fn": user_loader.worker_init_fn}
         if num_workers is None:
             num_workers = user_loader.num_workers
     else:
         kwargs = {}
     workers = choose_num_workers(num_workers, dataset, info.local_world_size, warn=False)
+    if info.is_main and isinstance(dataset, IterableDataset) and workers > 0:
+        warn_unsplit("val_data", workers, stacklevel=5)
     kwargs["worker_init_fn"] = worker_init(workers, kwargs.get("worker_init_fn"))
     sampler = None
     if not isinstance(dataset, IterableDataset):
         sampler = ShardSampler(len(cast(Sized, dataset)), info.rank, info.world_size)  # map-style: sized
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **loader_options(workers, info.device.type),
+    return DataLoader(dataset, batch_size=batch, sampler=sampler, **loader_options(workers, info.device.type),
                       **kwargs)

@@ -45,7 +45,7 @@ from ddprun.telemetry import PROGRESS, TIMER, busy, heartbeat, setup_phase
 from ddprun.train import checkpoint as ckpt
 from ddprun.train import dirlock, timing
 from ddprun.train import resume as resume_mod
-from ddprun.train.data import build_train_loader, build_val_loader, close_workers
+from ddprun.train.data import build_train_loader, build_val_loader, close_workers, set_epoch
 from ddprun.train.metrics import MetricsLog
 from ddprun.train.options import FitOptions
 from ddprun.train.progress import Progress
@@ -229,13 +229,40 @@ def _to_device(batch: Any, device: torch.device, non_blocking: bool) -> Any:
 
 
 def _batch_len(batch: Any) -> int:
-    while isinstance(batch, (list, tuple)) and batch:
-        batch = batch[0]
+    """Samples in ``batch``: the leading size of its first tensor (depth first), else the length of
+    its first list of plain values (text: a list of strings), else 1."""
+    first = _first_tensor(batch)
+    if first is not None:
+        return int(first.shape[0]) if first.ndim > 0 else 1
+    return _first_list_len(batch) or 1
+
+
+def _first_tensor(batch: Any) -> torch.Tensor | None:
     if isinstance(batch, torch.Tensor):  # first: the Mapping check below is an ABC's (slower, every step)
-        return int(batch.shape[0]) if batch.ndim > 0 else 1
-    if isinstance(batch, Mapping) and batch:
-        return _batch_len(next(iter(batch.values())))
-    return 1
+        return batch
+    if isinstance(batch, (list, tuple)):
+        parts: Any = batch
+    elif isinstance(batch, Mapping):
+        parts = batch.values()
+    else:
+        return None
+    for part in parts:
+        found = _first_tensor(part)
+        if found is not None:
+            return found
+    return None
+
+
+def _first_list_len(batch: Any) -> int | None:
+    """The length of the first list (or tuple) in ``batch`` whose items are not lists, tuples or mappings."""
+    parts = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    if isinstance(batch, (list, tuple)) and batch and not isinstance(batch[0], (list, tuple, Mapping)):
+        return len(batch)
+    for part in parts:
+        found = _first_list_len(part)
+        if found:
+            return found
+    return None
 
 
 def _pair(batch: Any) -> tuple[Any, Any]:
@@ -321,8 +348,7 @@ def _rebuild_ddp_buckets(ddp: Any, module: nn.Module, opt: torch.optim.Optimizer
     statistics), gradients dropped, and RNG states are restored after this. training_step is called
     once more than the steps it makes (on restarts only).
     """
-    if sampler is not None:
-        sampler.set_epoch(epoch + 1)  # fit's loop sets the epoch again before its first batch
+    set_epoch(loader, sampler, epoch + 1)  # fit's loop sets the epoch again before its first batch
     batch = next(iter(loader), None)
     if batch is None:
         return
@@ -440,26 +466,44 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler
     }
 
 
+_END = object()
+
+
 class _Skipped:
     """``loader`` without its first ``n`` batches, which are still loaded (resuming where no sampler can skip).
 
     A DataLoader without a generator of its own draws a seed from the global torch RNG when its
     iterator is made; the interrupted run made that draw before the checkpoint (its RNG state is
     after it), so here the global state is put back after the iterator exists. A random order of
-    the loader's own (shuffle=True) is drawn anew, so only an order that does not depend on the RNG
-    resumes exactly (fit's own sampler does: it is used for every Dataset, and whenever world > 1).
+    a sampler of the user's is drawn anew, so only an order that does not depend on the RNG resumes
+    exactly (fit's own sampler does: it is used for every Dataset, for every DataLoader with torch's
+    default sampler, and whenever world > 1; a sampler with ``set_epoch`` is told the epoch first).
+
+    Each batch skipped is a heartbeat (telemetry.py, one integer increment) inside a setup phase: a
+    skip deep into a long epoch is progress for the stall watch, which keeps its first-step bound
+    until the first batch trained; a phase named in the hang report should one batch hang.
     """
 
     def __init__(self, loader: Any, n: int):
         self.loader, self.n = loader, n
 
     def __iter__(self) -> Iterator[Any]:
-        import itertools
-
         state = torch.get_rng_state()
         it = iter(self.loader)
         torch.set_rng_state(state)
-        return itertools.islice(it, self.n, None)
+        return self._rest(it)
+
+    def _rest(self, it: Iterator[Any]) -> Iterator[Any]:
+        previous = PROGRESS.phase
+        try:
+            with setup_phase():
+                for _ in range(self.n):
+                    if next(it, _END) is _END:
+                        return
+                    heartbeat(f"resume: skipping the {self.n} batches the checkpoint had taken")
+        finally:
+            PROGRESS.phase = previous
+        yield from it
 
     def __len__(self) -> int:
         return max(0, len(self.loader) - self.n)
@@ -633,8 +677,7 @@ class _Loop:
     def _epoch(self) -> None:
         """One epoch (or the rest of the one a checkpoint was taken in); validation when it ran to its end."""
         p = self.p
-        if p.sampler is not None:
-            p.sampler.set_epoch(self.epoch)
+        set_epoch(p.loader, p.sampler, self.epoch)
         source, self.batches_done, self.epoch_samples = p.loader, 0, 0
         if self.pos is not None:  # the epoch the checkpoint was taken in: continue where it stopped
             self.batches_done, self.epoch_samples = self.pos.batches, self.pos.samples
@@ -773,7 +816,7 @@ class _Loop:
         is here at the same step) a barrier and the training timeout again."""
         if self.o.on_checkpoint is None:
             return
-        runtime.use_init_timeout()
+        runtime.use_phase_timeout()
         with busy("on_checkpoint"):
             self.o.on_checkpoint(saved)
         if not saved.final:

@@ -16,7 +16,9 @@ At fit start, :meth:`Checkpoints.open` (every rank, two collectives, once):
 Saving (:meth:`Checkpoints.save`, every ``checkpoint_every`` steps and at the end, every rank):
 one ``all_gather_object`` of every rank's RNG states, then the writers write (atomic, see
 :mod:`ddprun.train.checkpoint`) and keep the newest ``keep``. The other ranks wait with the long
-(init) timeout, so a slow write does not trip the short training timeout.
+timeout (:func:`ddprun.runtime.use_phase_timeout`: init's, or under ``ddprun run`` as long as the
+stall watch lets the write run, 4 x --stall-timeout, where longer), so a slow write does not trip
+the short training timeout.
 """
 
 from __future__ import annotations
@@ -203,7 +205,7 @@ class Checkpoints:
         on a writer whose file system refuses (the previous checkpoint stays intact). ``written(path)``
         runs on the main rank once the file exists, before the final barrier, which a peer stopped
         meanwhile fails."""
-        runtime.use_init_timeout()  # the others now wait for the writers: the long timeout
+        runtime.use_phase_timeout()  # the others now wait for the writers: the long timeout
         rng = ckpt.rng_state()
         if _distributed(self.info):
             import torch.distributed as dist
@@ -330,7 +332,7 @@ def restore(resumed: Resumed, info: RankInfo, *, model: Any, optimizer: Any, sch
     another world size, batch size or seed is used with a warning (rank 0): the rest of its epoch
     is then split anew (:class:`~ddprun.train.data.ResumableSampler`) and the result is not the
     uninterrupted run's. Without a ResumableSampler (a DataLoader kept as it is in one process, an
-    IterableDataset) the taken batches are loaded again and dropped. RNG states are restored
+    IterableDataset) the taken batches are loaded again and dropped (each one a heartbeat). RNG states are restored
     separately, just before the first step (:func:`restore_rank_rng`).
     """
     state, where = resumed.state, resumed.path

@@ -55,9 +55,6 @@ from ddprun.worker.channel import JobChannel
 from ddprun.worker.exit import record, stopped_message
 from ddprun.worker.signals import NodeMark, SignalWatch, wake
 
-BUSY_LIMIT_FACTOR = 4
-"""A declared busy phase counts as progress for at most this many stall timeouts."""
-
 RATE_SAMPLE_S = 0.4
 """At least this long between two samples of the step rate (a stop step's horizon, protocol/preempt.py)."""
 
@@ -271,7 +268,7 @@ class Monitor:
         self._sample_rate()
         self._watch_events(store)
         busy = PROGRESS.busy_since
-        if busy is not None and time.monotonic() - busy < BUSY_LIMIT_FACTOR * max(ch.wenv.stall_timeout, 1.0):
+        if busy is not None and time.monotonic() - busy < ch.wenv.busy_limit_s:
             PROGRESS.beats += 1  # a declared phase (telemetry.busy): a checkpoint write, a validation pass
         self._publish_progress(store)
         now = time.monotonic()
