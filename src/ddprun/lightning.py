@@ -265,6 +265,7 @@ class _PreemptAtStep(Callback):
             return barrier(*args, **kwargs)
 
         strategy.barrier = said_first  # type: ignore[method-assign]
+        _chain_last(trainer, path)
         try:
             trainer.save_checkpoint(path)
         finally:
@@ -275,6 +276,20 @@ class _PreemptAtStep(Callback):
         seconds = time.monotonic() - t0
         PREEMPT.saved = (PROGRESS.steps, trainer.global_step, path, seconds, "fit")
         raise Preempted(PREEMPT.signame, trainer.global_step, path, seconds)
+
+
+def _chain_last(trainer: pl.Trainer, path: str) -> None:
+    """Each ModelCheckpoint whose last checkpoint is ``path`` takes it as its own (``last_model_path``)
+    before the preemption's save, whose state then holds it: after the resume its next save replaces
+    ``path``, where with an empty ``last_model_path`` (no save of its own before the preemption)
+    Lightning's version counter would write ``last-v1.ckpt`` and leave ``path``, what every restart
+    resumes from, at the preemption's step."""
+    target = os.path.realpath(path)
+    for cb in trainer.checkpoint_callbacks:
+        if isinstance(cb, ModelCheckpoint) and cb.save_last and cb.dirpath:
+            own = os.path.join(cb.dirpath, cb.CHECKPOINT_NAME_LAST + cb.FILE_EXTENSION)
+            if os.path.realpath(own) == target:
+                cb.last_model_path = own
 
 
 @contextlib.contextmanager
@@ -456,7 +471,9 @@ def _callbacks(given: Any, checkpointing: bool, ckpt_dir: str, every: int | None
     callbacks = given or []
     callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
     if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=every))
+        # no version counter: a last.ckpt there is this run's (a restart resumed from it), never another's
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=every,
+                                         enable_version_counter=False))
     callbacks.append(_TrainingTimeout())
     return callbacks
 

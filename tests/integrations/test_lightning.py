@@ -28,6 +28,7 @@ pytestmark = pytest.mark.integrations
 SCRIPTS = Path(__file__).parent / "scripts"
 FIT = str(SCRIPTS / "lightning_fit.py")
 BORING = str(SCRIPTS / "boring_unmodified.py")
+QUIET = {"enable_progress_bar": False, "enable_model_summary": False}
 
 
 def facts(out: Path, pattern: str = "rank-*.json") -> list[dict]:
@@ -146,6 +147,30 @@ def test_fit_with_a_lightning_module_in_one_process_writes_into_the_run_dir(clea
     again = ddprun.fit(Tiny(), tiny_data(), batch_size=8, max_steps=7, run_dir=str(tmp_path / "run"),
                        trainer_kwargs=quiet)
     assert again.steps == 7 and again.trainer.ckpt_path == result.checkpoint
+
+
+def test_a_preemption_before_the_first_save_and_the_saves_after_its_resume_keep_one_last_ckpt(clean_runtime,
+                                                                                             tmp_path, monkeypatch):
+    """Before: the preemption's last.ckpt held a ModelCheckpoint state without last_model_path, so after
+    the resume Lightning's version counter put every later save into last-v1.ckpt, and last.ckpt (what
+    a restart resumes from) stayed at the preemption's step for good."""
+    import ddprun
+    from ddprun import preempt
+    from ddprun.telemetry import PROGRESS
+
+    run, ckpts = str(tmp_path / "run"), tmp_path / "run" / "checkpoints"
+    # due at the first optimizer step: before ModelCheckpoint's first save (the epoch's end, step 4)
+    monkeypatch.setattr(preempt, "PREEMPT", preempt.PreemptState(stop_step=PROGRESS.steps, signame="SIGTERM",
+                                                                 requested=True))
+    with pytest.raises(preempt.Preempted):
+        ddprun.fit(Tiny(), tiny_data(), batch_size=8, max_steps=7, run_dir=run, trainer_kwargs=QUIET)
+    assert torch.load(ckpts / "last.ckpt", weights_only=False)["global_step"] == 1
+    monkeypatch.setattr(preempt, "PREEMPT", preempt.PreemptState())
+    again = ddprun.fit(Tiny(), tiny_data(), batch_size=8, max_steps=7, run_dir=run, trainer_kwargs=QUIET)
+    assert again.trainer.ckpt_path == str(ckpts / "last.ckpt") and again.steps == 7
+    assert sorted(p.name for p in ckpts.glob("last*.ckpt")) == ["last.ckpt"]
+    assert torch.load(ckpts / "last.ckpt", weights_only=False)["global_step"] == 7
+    assert again.checkpoint == str(ckpts / "last.ckpt")
 
 
 @pytest.mark.parametrize("own_trainer", [False, True], ids=["fit", "own-trainer"])
