@@ -25,9 +25,12 @@ import this module.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import inspect
 import os
+import pathlib
+import pickle
 import time
 import weakref
 from collections.abc import Iterator, Mapping
@@ -58,7 +61,7 @@ else:
         raise ImportError(f"{__name__} needs {PACKAGE}: pip install 'ddprun[{extra}]'") from e
 
 from ddprun import runtime, telemetry
-from ddprun.errors import ConfigError
+from ddprun.errors import CheckpointError, ConfigError
 from ddprun.mismatch import TrainerMismatch, launch_shape
 from ddprun.runtime import RankInfo
 from ddprun.telemetry import SetupPhase, setup_phase
@@ -68,6 +71,13 @@ from ddprun.train.options import PRECISIONS, check_seed, int_at_least
 __all__ = ["DdprunEnvironment", "LaunchCheck", "LightningFitResult", "LoopStart", "fit_lightning", "trainer_kwargs"]
 
 LIGHTNING_PRECISION = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}
+
+TRUSTED_TYPES: tuple[type, ...] = (pathlib.PurePosixPath, pathlib.PosixPath, pathlib.PureWindowsPath,
+                                   pathlib.WindowsPath, argparse.Namespace)
+"""What a LightningModule's ``save_hyperparameters()`` commonly holds besides plain values (a data
+directory, a script's parsed arguments), allowed to ``torch.load(weights_only=True)`` when fit resumes
+(``torch.serialization.safe_globals``, for the resume only): each is rebuilt from plain values by its
+own class, so a file still chooses no code to run. Any other class is named at fit's first save."""
 
 
 class DdprunEnvironment(ClusterEnvironment):
@@ -292,6 +302,72 @@ def _chain_last(trainer: pl.Trainer, path: str) -> None:
                 cb.last_model_path = own
 
 
+class _Saves:
+    """``trainer.save_checkpoint`` of fit_lightning's Trainer (ModelCheckpoint's saves and the
+    preemption's go through it): after the first one, rank 0 checks that the file loads back with
+    ``torch.load(weights_only=True)`` (what the resume does) and raises CheckpointError naming what it
+    would refuse, file removed, as ``ddprun.fit`` of an nn.Module does at its first save: found when
+    it is written, not at the restart that needs it (a crash loop under --max-restarts)."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.checked = False
+        self._save = trainer.save_checkpoint
+        trainer.save_checkpoint = self.save  # type: ignore[method-assign]
+        self._trainer = weakref.ref(trainer)
+
+    def save(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
+        self._save(filepath, *args, **kwargs)
+        trainer = self._trainer()
+        if not self.checked and trainer is not None and trainer.is_global_zero and os.path.isfile(filepath):
+            self.checked = True
+            _check_loadable(os.fspath(filepath), trainer.global_step)
+
+
+def _refused(path: str) -> list[str]:
+    """The classes in ``path`` that ``torch.load(weights_only=True)`` refuses, TRUSTED_TYPES allowed."""
+    import torch
+
+    with torch.serialization.safe_globals(list(TRUSTED_TYPES)):
+        try:
+            return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+        except (ValueError, RuntimeError, OSError):  # not torch's zip format: torch.load's own check at resume
+            return []
+
+
+def _check_loadable(path: str, step: int) -> None:
+    refused = _refused(path)
+    if refused:
+        from ddprun.protocol.atomic import remove_durably
+
+        remove_durably(path)
+        raise CheckpointError(f"The checkpoint of step {step} could not be loaded back, so it was not kept.",
+                              seen=f"{os.path.basename(path)} holds {', '.join(refused)}, which "
+                                   "torch.load(weights_only=True) refuses",
+                              hint=_ALLOW_HINT)
+
+
+_ALLOW_HINT = ("A Lightning checkpoint holds the module's save_hyperparameters() values: keep them plain (str, "
+               "numbers, lists, dicts; a Path or an argparse.Namespace is allowed), or allow the class with "
+               "torch.serialization.add_safe_globals([...]) in the script before fit().")
+
+
+@contextlib.contextmanager
+def _loading_trusted(path: str | None) -> Iterator[None]:
+    """Around ``trainer.fit(ckpt_path=path, weights_only=True)``: TRUSTED_TYPES allowed, and a load
+    that torch refuses for a class is a ConfigError naming it."""
+    import torch
+
+    try:
+        with torch.serialization.safe_globals(list(TRUSTED_TYPES)):
+            yield
+    except pickle.UnpicklingError as e:
+        refused = _refused(path) if path is not None else []  # none: another unpickling error, as it is
+        if not refused:
+            raise
+        raise ConfigError("The checkpoint to resume from holds a class that torch.load(weights_only=True) refuses.",
+                          seen=f"{path} holds {', '.join(refused)}", hint=_ALLOW_HINT) from e
+
+
 @contextlib.contextmanager
 def _preemption_by_ddprun(trainer: pl.Trainer) -> Iterator[None]:
     """Inside a ``ddprun run`` worker that catches preemption signals: the agreed step is fit's (the
@@ -444,10 +520,12 @@ def fit_lightning(model: pl.LightningModule, train_data: Any = None, *, val_data
     settings.update(user)
     settings["callbacks"] = callbacks
     trainer = pl.Trainer(**settings)
+    _Saves(trainer)
     safe = {"weights_only": True} if "weights_only" in inspect.signature(trainer.fit).parameters else {}
-    with _preemption_by_ddprun(trainer):
+    ckpt_path = _agreed(_resume_path(resume, ckpt_dir), info)
+    with _preemption_by_ddprun(trainer), _loading_trusted(ckpt_path):
         trainer.fit(model, train_dataloaders=train_loader, val_dataloaders=val_loader, datamodule=datamodule,
-                    ckpt_path=_agreed(_resume_path(resume, ckpt_dir), info), **safe)  # no code runs on resume
+                    ckpt_path=ckpt_path, **safe)  # no code runs on resume: TRUSTED_TYPES only
     return _result(trainer, model, run_dir, info)
 
 

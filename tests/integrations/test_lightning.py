@@ -7,6 +7,8 @@ Two `ddprun run` agents on 127.0.0.1 are two nodes. Every Lightning process impo
 
 from __future__ import annotations
 
+import argparse
+import enum
 import json
 import re
 import time
@@ -21,7 +23,7 @@ from tests.helpers import DDPRUN, ddprun_nodes, describe, extra, run_agents
 
 pl = extra("lightning.pytorch")
 
-from ddprun.errors import ConfigError  # noqa: E402
+from ddprun.errors import CheckpointError, ConfigError  # noqa: E402
 
 pytestmark = pytest.mark.integrations
 
@@ -171,6 +173,60 @@ def test_a_preemption_before_the_first_save_and_the_saves_after_its_resume_keep_
     assert sorted(p.name for p in ckpts.glob("last*.ckpt")) == ["last.ckpt"]
     assert torch.load(ckpts / "last.ckpt", weights_only=False)["global_step"] == 7
     assert again.checkpoint == str(ckpts / "last.ckpt")
+
+
+def fresh_process(monkeypatch) -> None:
+    """What a restart in a new process remembers of this one's fits: nothing (ddprun.train.resume)."""
+    from ddprun.train import resume
+
+    monkeypatch.setattr(resume, "_FINISHED_IN_THIS_PROCESS", set())
+
+
+class WithPaths(Tiny):
+    def __init__(self, data_dir=Path("/data/set"), args=argparse.Namespace(lr=0.1, name="x")):
+        super().__init__()
+        self.save_hyperparameters()
+
+
+class Kind(enum.Enum):
+    SMALL = 1
+
+
+class WithEnum(Tiny):
+    def __init__(self, kind=Kind.SMALL):
+        super().__init__()
+        self.save_hyperparameters()
+
+
+def test_a_module_whose_hyperparameters_hold_a_path_and_a_namespace_resumes(clean_runtime, tmp_path, monkeypatch):
+    """Before: resume loaded with weights_only=True, which refuses pathlib.PosixPath and argparse.Namespace
+    in save_hyperparameters(): every restart crashed with UnpicklingError (a crash loop)."""
+    import ddprun
+
+    run = str(tmp_path / "run")
+    first = ddprun.fit(WithPaths(), tiny_data(), batch_size=8, max_steps=2, run_dir=run, trainer_kwargs=QUIET)
+    fresh_process(monkeypatch)
+    again = ddprun.fit(WithPaths(), tiny_data(), batch_size=8, max_steps=4, run_dir=run, trainer_kwargs=QUIET)
+    assert again.trainer.ckpt_path == first.checkpoint and again.steps == 4
+    assert again.model.hparams.data_dir == Path("/data/set") and again.model.hparams.args.lr == 0.1
+
+
+def test_a_class_the_resume_would_refuse_fails_the_first_save_and_a_resume_names_it(clean_runtime, tmp_path):
+    """As ddprun.fit of an nn.Module: the class is named when the checkpoint is written, not at the
+    restart that needs it; a checkpoint from elsewhere that holds one is a ConfigError at the resume."""
+    import ddprun
+
+    run, ckpts = str(tmp_path / "run"), tmp_path / "run" / "checkpoints"
+    with pytest.raises(CheckpointError, match=r"(?s)holds .*test_lightning\.Kind, which torch.load\(weights_only=True\) "
+                                              r"refuses.*add_safe_globals"):
+        ddprun.fit(WithEnum(), tiny_data(), batch_size=8, max_steps=2, run_dir=run, trainer_kwargs=QUIET)
+    assert not list(ckpts.glob("*.ckpt"))
+    trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, **QUIET)
+    trainer.fit(WithEnum(), torch.utils.data.DataLoader(tiny_data(), batch_size=8))
+    trainer.save_checkpoint(tmp_path / "elsewhere.ckpt")
+    with pytest.raises(ConfigError, match=r"(?s)elsewhere.ckpt holds .*Kind.*add_safe_globals"):
+        ddprun.fit(WithEnum(), tiny_data(), batch_size=8, max_steps=2, run_dir=str(tmp_path / "run2"),
+                   resume=str(tmp_path / "elsewhere.ckpt"), trainer_kwargs=QUIET)
 
 
 @pytest.mark.parametrize("own_trainer", [False, True], ids=["fit", "own-trainer"])
