@@ -32,6 +32,7 @@ import os
 import pathlib
 import pickle
 import time
+import warnings
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -479,7 +480,9 @@ def fit_lightning(model: pl.LightningModule, train_data: Any = None, *, val_data
     Defaults (each replaced by the same key in ``trainer_kwargs``): a DDPStrategy over
     :class:`DdprunEnvironment` (gloo on CPU, nccl on CUDA) when world_size > 1; ``logger``
     CSVLogger(run_dir, name="lightning_logs"); a ModelCheckpoint(run_dir/checkpoints or
-    ``checkpoint_dir``, save_last=True) unless ``callbacks`` has one or enable_checkpointing=False.
+    ``checkpoint_dir``, save_last=True) unless ``callbacks`` has one or enable_checkpointing=False; a
+    ModelCheckpoint in ``callbacks`` without a dirpath saves into that directory too (a restart resumes
+    from its ``last.ckpt``: give it save_last=True).
     ``trainer_kwargs``: any other Trainer arguments (callbacks are added to ddprun's). accelerator,
     devices and num_nodes come from the launch; given there, they must agree with it.
 
@@ -507,7 +510,7 @@ def fit_lightning(model: pl.LightningModule, train_data: Any = None, *, val_data
     ckpt_dir = checkpoint_dir or os.path.join(run_dir, "checkpoints")
     # the user's callbacks are added to ddprun's, not given to the Trainer in place of them
     callbacks = _callbacks(user.pop("callbacks", None), user.get("enable_checkpointing", True), ckpt_dir,
-                           checkpoint_every)
+                           checkpoint_every, info)
     callbacks.append(_PreemptAtStep(ckpt_dir))
     if epochs is None:
         epochs = 1 if max_steps is None else -1  # -1: Lightning's "unbounded"
@@ -543,12 +546,25 @@ def _loaders(train_data: Any, val_data: Any, batch_size: int, info: RankInfo, se
     return train_loader, val_loader
 
 
-def _callbacks(given: Any, checkpointing: bool, ckpt_dir: str, every: int | None) -> list:
+def _callbacks(given: Any, checkpointing: bool, ckpt_dir: str, every: int | None, info: RankInfo) -> list:
     """The user's callbacks (one or a list), a ModelCheckpoint unless they have one or checkpointing is
-    off, and ddprun's training-timeout switch."""
+    off, and ddprun's training-timeout switch. A ModelCheckpoint of the user's without a dirpath
+    saves into ``ckpt_dir`` (Lightning's default, the logger's version directory, is not where a
+    restart looks); one warning when none of them writes ``ckpt_dir/last.ckpt``, what it resumes from."""
     callbacks = given or []
     callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
-    if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
+    own = [c for c in callbacks if isinstance(c, ModelCheckpoint)]
+    for cb in own:
+        if cb.dirpath is None:
+            cb.dirpath = os.path.realpath(os.path.expanduser(ckpt_dir))  # as ModelCheckpoint(dirpath=) keeps it
+    last = os.path.realpath(os.path.join(ckpt_dir, "last.ckpt"))
+    if checkpointing and own and info.is_main and not any(
+            cb.save_last and os.path.realpath(os.path.join(cb.dirpath or "", cb.CHECKPOINT_NAME_LAST + cb.FILE_EXTENSION))
+            == last for cb in own):
+        warnings.warn(f"ddprun: no ModelCheckpoint in trainer_kwargs' callbacks writes {last}, which a restarted "
+                      "fit resumes from: a restart starts anew unless it was a preemption. HINT: "
+                      "ModelCheckpoint(save_last=True), without a dirpath (fit's checkpoint directory).", stacklevel=4)
+    if checkpointing and not own:
         # no version counter: a last.ckpt there is this run's (a restart resumed from it), never another's
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=every,
                                          enable_version_counter=False))

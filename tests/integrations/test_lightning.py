@@ -229,6 +229,27 @@ def test_a_class_the_resume_would_refuse_fails_the_first_save_and_a_resume_names
                    resume=str(tmp_path / "elsewhere.ckpt"), trainer_kwargs=QUIET)
 
 
+def test_a_model_checkpoint_of_the_users_without_a_dirpath_saves_where_a_restart_resumes(clean_runtime, tmp_path,
+                                                                                         monkeypatch):
+    """Before: its files went to lightning_logs/version_N/checkpoints while a restart looked only in
+    the checkpoint directory: resume was silently off. And one that writes no last.ckpt there is said."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    import ddprun
+
+    run, ckpts = str(tmp_path / "run"), tmp_path / "run" / "checkpoints"
+    first = ddprun.fit(Tiny(), tiny_data(), batch_size=8, max_steps=2, run_dir=run,
+                       trainer_kwargs={**QUIET, "callbacks": [ModelCheckpoint(save_last=True)]})
+    assert first.checkpoint == str(ckpts / "last.ckpt") and (ckpts / "last.ckpt").exists()
+    fresh_process(monkeypatch)
+    again = ddprun.fit(Tiny(), tiny_data(), batch_size=8, max_steps=3, run_dir=run,
+                       trainer_kwargs={**QUIET, "callbacks": [ModelCheckpoint(save_last=True)]})
+    assert again.trainer.ckpt_path == str(ckpts / "last.ckpt") and again.steps == 3
+    with pytest.warns(UserWarning, match=r"no ModelCheckpoint in trainer_kwargs' callbacks writes .*last.ckpt"):
+        ddprun.fit(Tiny(), tiny_data(), batch_size=8, max_steps=1, run_dir=str(tmp_path / "run2"),
+                   trainer_kwargs={**QUIET, "callbacks": ModelCheckpoint(monitor="train_loss")})
+
+
 @pytest.mark.parametrize("own_trainer", [False, True], ids=["fit", "own-trainer"])
 def test_the_readmes_lightning_example_trains_both_ways(clean_runtime, tmp_path, monkeypatch, capsys, caplog,
                                                         own_trainer):
