@@ -66,6 +66,7 @@ from ddprun.errors import CheckpointError, ConfigError
 from ddprun.mismatch import TrainerMismatch, launch_shape
 from ddprun.runtime import RankInfo
 from ddprun.telemetry import SetupPhase, setup_phase
+from ddprun.train import resume as resume_mod
 from ddprun.train.loop import FitResult, resolve_run_dir
 from ddprun.train.options import PRECISIONS, check_seed, int_at_least
 
@@ -525,10 +526,14 @@ def fit_lightning(model: pl.LightningModule, train_data: Any = None, *, val_data
     trainer = pl.Trainer(**settings)
     _Saves(trainer)
     safe = {"weights_only": True} if "weights_only" in inspect.signature(trainer.fit).parameters else {}
-    ckpt_path = _agreed(_resume_path(resume, ckpt_dir), info)
+    # the nn.Module path's rule: "auto" after another fit() of this process finished here starts anew
+    # (stacklevel: the user's ddprun.fit line, fit_lightning <- ddprun.api.fit)
+    anew = resume_mod.finished_here(ckpt_dir, resume, info, stacklevel=3)
+    ckpt_path = _agreed(_resume_path(False if anew else resume, ckpt_dir), info)
     with _preemption_by_ddprun(trainer), _loading_trusted(ckpt_path):
         trainer.fit(model, train_dataloaders=train_loader, val_dataloaders=val_loader, datamodule=datamodule,
                     ckpt_path=ckpt_path, **safe)  # no code runs on resume: TRUSTED_TYPES only
+    resume_mod.mark_finished(ckpt_dir)  # not after a preemption (Preempted): the next start continues
     return _result(trainer, model, run_dir, info)
 
 

@@ -132,7 +132,7 @@ def tiny_data(n: int = 32) -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
 
 
-def test_fit_with_a_lightning_module_in_one_process_writes_into_the_run_dir(clean_runtime, tmp_path):
+def test_fit_with_a_lightning_module_in_one_process_writes_into_the_run_dir(clean_runtime, tmp_path, monkeypatch):
     import ddprun
     from ddprun.lightning import LightningFitResult
 
@@ -145,7 +145,14 @@ def test_fit_with_a_lightning_module_in_one_process_writes_into_the_run_dir(clea
     assert Path(result.checkpoint) == tmp_path / "run" / "checkpoints" / "last.ckpt"
     assert Path(result.checkpoint).exists()
     assert (tmp_path / "run" / "lightning_logs" / "version_0" / "metrics.csv").exists()
-    # the same run dir again (a restarted worker group): resume="auto" continues from last.ckpt
+    # a second fit of this process (pretrain, then fine-tune) starts anew, as for an nn.Module
+    with pytest.warns(UserWarning, match=r"fit\(\) already ran in this process .* starts anew") as said:
+        second = ddprun.fit(Tiny(), tiny_data(), batch_size=8, max_steps=2, run_dir=str(tmp_path / "run"),
+                            trainer_kwargs=quiet)
+    assert second.steps == 2 and second.trainer.ckpt_path is None
+    assert [w.filename for w in said if "already ran" in str(w.message)] == [__file__]  # the fit() line
+    # the same run dir in a new process (a restarted worker group): resume="auto" continues from last.ckpt
+    fresh_process(monkeypatch)
     again = ddprun.fit(Tiny(), tiny_data(), batch_size=8, max_steps=7, run_dir=str(tmp_path / "run"),
                        trainer_kwargs=quiet)
     assert again.steps == 7 and again.trainer.ckpt_path == result.checkpoint
