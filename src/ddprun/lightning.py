@@ -232,10 +232,22 @@ class LoopStart(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._phase.end()
 
+    # each evaluation batch is progress, as in ddprun.fit's own validation: trainer.validate, test and
+    # predict make no collective per batch (no sync_dist), and the stall watch saw a healthy pass as a hang
+    def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        telemetry.heartbeat()
+
+    def on_test_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        telemetry.heartbeat()
+
+    def on_predict_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        telemetry.heartbeat()
+
 
 class _TrainingTimeout(Callback):
-    """After the first optimizer step: ddprun's training timeout for collectives (one barrier, once,
-    on every rank: :func:`ddprun.runtime.use_training_timeout`)."""
+    """After the first optimizer step: ddprun's training timeout for collectives (one barrier on every
+    rank: :func:`ddprun.runtime.use_training_timeout`); again after each checkpoint save, which
+    returns to the long timeout (:class:`_Saves`), at the end of the next step."""
 
     def __init__(self) -> None:
         self.done = False
@@ -306,19 +318,26 @@ def _chain_last(trainer: pl.Trainer, path: str) -> None:
 
 class _Saves:
     """``trainer.save_checkpoint`` of fit_lightning's Trainer (ModelCheckpoint's saves and the
-    preemption's go through it): after the first one, rank 0 checks that the file loads back with
-    ``torch.load(weights_only=True)`` (what the resume does) and raises CheckpointError naming what it
-    would refuse, file removed, as ``ddprun.fit`` of an nn.Module does at its first save: found when
-    it is written, not at the restart that needs it (a crash loop under --max-restarts)."""
+    preemption's go through it), as ``ddprun.fit`` of an nn.Module saves (train/resume.py
+    ``Checkpoints.save``): the long (init) timeout while rank 0 writes and the others wait in
+    Lightning's barrier, the training timeout again after the next step (``timeout``), and a declared
+    ``checkpoint`` phase for the stall watch (``telemetry.busy``). After the first save, rank 0 checks
+    that the file loads back with ``torch.load(weights_only=True)`` (what the resume does) and raises
+    CheckpointError naming what it would refuse, file removed: found when it is written, not at the
+    restart that needs it (a crash loop under --max-restarts)."""
 
-    def __init__(self, trainer: pl.Trainer) -> None:
+    def __init__(self, trainer: pl.Trainer, timeout: _TrainingTimeout) -> None:
         self.checked = False
+        self.timeout = timeout
         self._save = trainer.save_checkpoint
         trainer.save_checkpoint = self.save  # type: ignore[method-assign]
         self._trainer = weakref.ref(trainer)
 
     def save(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
-        self._save(filepath, *args, **kwargs)
+        runtime.use_init_timeout()  # no collective: each rank's own waits
+        self.timeout.done = False
+        with telemetry.busy("checkpoint"):
+            self._save(filepath, *args, **kwargs)
         trainer = self._trainer()
         if not self.checked and trainer is not None and trainer.is_global_zero and os.path.isfile(filepath):
             self.checked = True
@@ -512,7 +531,8 @@ def fit_lightning(model: pl.LightningModule, train_data: Any = None, *, val_data
     # the user's callbacks are added to ddprun's, not given to the Trainer in place of them
     callbacks = _callbacks(user.pop("callbacks", None), user.get("enable_checkpointing", True), ckpt_dir,
                            checkpoint_every, info)
-    callbacks.append(_PreemptAtStep(ckpt_dir))
+    timeout = _TrainingTimeout()
+    callbacks += [timeout, _PreemptAtStep(ckpt_dir)]
     if epochs is None:
         epochs = 1 if max_steps is None else -1  # -1: Lightning's "unbounded"
     settings.update(
@@ -524,7 +544,7 @@ def fit_lightning(model: pl.LightningModule, train_data: Any = None, *, val_data
     settings.update(user)
     settings["callbacks"] = callbacks
     trainer = pl.Trainer(**settings)
-    _Saves(trainer)
+    _Saves(trainer, timeout)
     safe = {"weights_only": True} if "weights_only" in inspect.signature(trainer.fit).parameters else {}
     # the nn.Module path's rule: "auto" after another fit() of this process finished here starts anew
     # (stacklevel: the user's ddprun.fit line, fit_lightning <- ddprun.api.fit)
@@ -552,8 +572,8 @@ def _loaders(train_data: Any, val_data: Any, batch_size: int, info: RankInfo, se
 
 
 def _callbacks(given: Any, checkpointing: bool, ckpt_dir: str, every: int | None, info: RankInfo) -> list:
-    """The user's callbacks (one or a list), a ModelCheckpoint unless they have one or checkpointing is
-    off, and ddprun's training-timeout switch. A ModelCheckpoint of the user's without a dirpath
+    """The user's callbacks (one or a list), and a ModelCheckpoint unless they have one or checkpointing
+    is off. A ModelCheckpoint of the user's without a dirpath
     saves into ``ckpt_dir`` (Lightning's default, the logger's version directory, is not where a
     restart looks); one warning when none of them writes ``ckpt_dir/last.ckpt``, what it resumes from."""
     callbacks = given or []
@@ -573,7 +593,6 @@ def _callbacks(given: Any, checkpointing: bool, ckpt_dir: str, every: int | None
         # no version counter: a last.ckpt there is this run's (a restart resumed from it), never another's
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=every,
                                          enable_version_counter=False))
-    callbacks.append(_TrainingTimeout())
     return callbacks
 
 

@@ -257,6 +257,52 @@ def test_a_model_checkpoint_of_the_users_without_a_dirpath_saves_where_a_restart
                    trainer_kwargs={**QUIET, "callbacks": ModelCheckpoint(monitor="train_loss")})
 
 
+class Evaluated(Tiny):
+    def validation_step(self, batch, batch_idx):
+        return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+
+    test_step = validation_step
+
+    def predict_step(self, batch, batch_idx):
+        return self.layer(batch[0])
+
+
+@pytest.mark.parametrize("stage", ["validate", "test", "predict"])
+def test_each_evaluation_batch_outside_fit_is_progress_for_the_stall_watch(monkeypatch, stage):
+    """Before: trainer.validate/test/predict make no collective per batch (no sync_dist), so nothing
+    counted as progress and the stall watch named a healthy pass a hang after --stall-timeout."""
+    from ddprun import telemetry
+    from ddprun.lightning import LoopStart
+
+    p = telemetry.Progress()
+    monkeypatch.setattr(telemetry, "PROGRESS", p)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[LoopStart()], **QUIET)
+    getattr(trainer, stage)(Evaluated(), torch.utils.data.DataLoader(tiny_data(), batch_size=8))
+    assert (p.beats, p.began, p.in_setup) == (4, True, 0)
+
+
+def test_a_checkpoint_save_waits_with_the_long_timeout_in_a_checkpoint_phase(clean_runtime, tmp_path, monkeypatch):
+    """As ddprun.fit of an nn.Module: rank 0 writes while the others wait in Lightning's barrier, with
+    the init timeout and a declared phase, and the step after it goes back to the training timeout.
+    Before: after the first step the 300 s training timeout stayed for every save."""
+    import ddprun
+    from ddprun import runtime, telemetry
+
+    seen = []
+    monkeypatch.setattr(runtime, "use_training_timeout", lambda: seen.append("training timeout"))
+    monkeypatch.setattr(runtime, "use_init_timeout", lambda: seen.append("init timeout"))
+
+    class Saw(pl.Callback):
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+            seen.append(f"save at step {trainer.global_step} in phase {telemetry.PROGRESS.phase!r}")
+
+    ddprun.fit(Tiny(), tiny_data(), batch_size=8, max_steps=6, run_dir=str(tmp_path / "run"),
+               trainer_kwargs={**QUIET, "callbacks": [Saw()]})
+    saves = ["init timeout", "save at step {} in phase 'checkpoint'"] * 2  # epoch=0-step=N.ckpt, last.ckpt
+    assert seen == ["training timeout", *(x.format(4) for x in saves), "training timeout",
+                    *(x.format(6) for x in saves)]
+
+
 @pytest.mark.parametrize("own_trainer", [False, True], ids=["fit", "own-trainer"])
 def test_the_readmes_lightning_example_trains_both_ways(clean_runtime, tmp_path, monkeypatch, capsys, caplog,
                                                         own_trainer):
