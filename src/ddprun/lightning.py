@@ -464,17 +464,45 @@ def _check(model: Any, train_data: Any, val_data: Any, datamodule: Any, trainer_
                                "'bf16-mixed', '16-mixed' are accepted.")
 
 
-def _launch_args(info: RankInfo, trainer_kw: Mapping[str, Any]) -> dict[str, Any]:
-    """trainer_kwargs() of the live launch; the user's accelerator/devices/num_nodes must agree with it."""
+def _launch_args(info: RankInfo, trainer_kw: dict[str, Any]) -> dict[str, Any]:
+    """trainer_kwargs() of the live launch. The user's accelerator/devices/num_nodes must agree with it
+    (any of Lightning's spellings: "cuda" or "gpu", devices "auto", -1, a count, or the GPU indices
+    0..n-1); they are taken out of ``trainer_kw``, so the Trainer gets the launch's own values (on
+    CPU Lightning reads devices="auto" as 1)."""
     launch = trainer_kwargs(info)
-    devices, nodes = trainer_kw.get("devices", launch["devices"]), trainer_kw.get("num_nodes", launch["num_nodes"])
-    if (devices, nodes) != (launch["devices"], launch["num_nodes"]):
+    devices = _device_count(trainer_kw.pop("devices", info.local_world_size), info)
+    nodes = trainer_kw.pop("num_nodes", launch["num_nodes"])
+    if (devices, nodes) != (info.local_world_size, launch["num_nodes"]):
         raise TrainerMismatch(devices, nodes, _shape_environ(info), module=__name__)
-    if trainer_kw.get("accelerator", launch["accelerator"]) not in (launch["accelerator"], "auto"):
-        raise ConfigError("trainer_kwargs' accelerator differs from the device this rank was given.",
-                          seen=f"accelerator={trainer_kw['accelerator']!r}, rank device {info.device}",
-                          hint="Leave accelerator out; ddprun run --device cpu|cuda chooses it for the job.")
+    accelerator = trainer_kw.get("accelerator", "auto")
+    if isinstance(accelerator, str):
+        if {"cuda": "gpu"}.get(accelerator.lower(), accelerator.lower()) not in (launch["accelerator"], "auto"):
+            raise ConfigError("trainer_kwargs' accelerator differs from the device this rank was given.",
+                              seen=f"accelerator={accelerator!r}, rank device {info.device}",
+                              hint="Leave accelerator out; ddprun run --device cpu|cuda chooses it for the job.")
+        trainer_kw.pop("accelerator", None)
     return launch
+
+
+def _device_count(devices: Any, info: RankInfo) -> int:
+    """How many devices a Trainer's ``devices`` asks for on this node: "auto" and -1 mean every one
+    the launch gave it (one process each); GPU indices must be 0..n-1 (each rank is on its own)."""
+    n = info.local_world_size
+    if devices in ("auto", -1, "-1"):
+        return n
+    if isinstance(devices, str) and devices.strip().isdigit():
+        return int(devices)
+    if isinstance(devices, str) and "," in devices:
+        parts = [p.strip() for p in devices.split(",") if p.strip()]
+        devices = [int(p) for p in parts] if all(p.isdigit() for p in parts) else devices
+    if isinstance(devices, (list, tuple)) and sorted(devices) == list(range(len(devices))):
+        return len(devices)
+    if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0:
+        return devices
+    raise ConfigError("trainer_kwargs' devices is not this launch's devices.",
+                      seen=f"devices={devices!r}; this node runs {n} process(es), each on its own device "
+                           f"(this rank: {info.device})",
+                      hint=f"Leave devices out (the launch gives each rank its device), or give devices={n}.")
 
 
 def fit_lightning(model: pl.LightningModule, train_data: Any = None, *, val_data: Any = None, datamodule: Any = None,
@@ -504,7 +532,8 @@ def fit_lightning(model: pl.LightningModule, train_data: Any = None, *, val_data
     ModelCheckpoint in ``callbacks`` without a dirpath saves into that directory too (a restart resumes
     from its ``last.ckpt``: give it save_last=True).
     ``trainer_kwargs``: any other Trainer arguments (callbacks are added to ddprun's). accelerator,
-    devices and num_nodes come from the launch; given there, they must agree with it.
+    devices and num_nodes come from the launch; given there, they must agree with it ("cuda" or "gpu",
+    devices "auto", -1, the count or the indices 0..n-1).
 
     Checkpoints and restarts: ``checkpoint_every`` N also saves every N optimizer steps (default:
     Lightning's, at every epoch end); ``resume`` "auto" continues from ``last.ckpt`` in the

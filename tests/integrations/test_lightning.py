@@ -65,6 +65,36 @@ def test_trainer_kwargs_follow_the_launch(clean_runtime):
         env.validate_settings(num_devices=1, num_nodes=4)
 
 
+def test_fit_takes_every_spelling_of_this_launchs_accelerator_and_devices(clean_runtime):
+    """Before: accelerator="cuda" on a CUDA rank was "differs from the device", and devices="auto",
+    -1 or [0, 1] on a node of 2 were a mismatch ("= autoauto"). The launch's own values replace them."""
+    import dataclasses
+
+    from ddprun.lightning import _launch_args
+    from ddprun.mismatch import TrainerMismatch
+    from ddprun.runtime import RankInfo
+
+    gpu = RankInfo(rank=3, local_rank=1, node_rank=1, world_size=4, local_world_size=2,
+                   device=torch.device("cuda", 1), is_main=False)
+    for given in ({"accelerator": "cuda"}, {"accelerator": "GPU"}, {"accelerator": "auto"}, {"devices": "auto"},
+                  {"devices": -1}, {"devices": "-1"}, {"devices": [0, 1]}, {"devices": (1, 0)}, {"devices": "0,1"},
+                  {"devices": "2"}, {"devices": 2, "num_nodes": 2, "accelerator": "cuda"}):
+        kw = dict(given)
+        launch = _launch_args(gpu, kw)
+        assert (launch["accelerator"], launch["devices"], launch["num_nodes"], kw) == ("gpu", 2, 2, {}), given
+    cpu = dataclasses.replace(gpu, device=torch.device("cpu"))
+    kw = {"accelerator": "cpu", "devices": "auto", "max_time": "00:01:00"}
+    assert _launch_args(cpu, kw)["devices"] == 2 and kw == {"max_time": "00:01:00"}  # Lightning's "auto": 1 CPU
+    with pytest.raises(ConfigError, match="accelerator differs"):
+        _launch_args(gpu, {"accelerator": "cpu"})
+    with pytest.raises(ConfigError, match="accelerator differs"):
+        _launch_args(cpu, {"accelerator": "cuda"})
+    with pytest.raises(TrainerMismatch, match="devices=1 x num_nodes=2 = 2"):
+        _launch_args(gpu, {"devices": 1})
+    with pytest.raises(ConfigError, match=r"(?s)devices=\[1, 2\]; this node runs 2 process\(es\).*HINT: .*devices=2"):
+        _launch_args(gpu, {"devices": [1, 2]})
+
+
 def test_the_entry_point_checks_every_trainer_in_a_multi_rank_ddprun_worker(clean_runtime):
     from importlib.metadata import entry_points
 
