@@ -160,7 +160,9 @@ def trainer_kwargs(info: RankInfo | None = None, *, backend: str | None = None) 
     From the live launch: devices = processes on this node (LOCAL_WORLD_SIZE), num_nodes =
     WORLD_SIZE / LOCAL_WORLD_SIZE, accelerator "gpu" when this rank's device is CUDA else "cpu",
     strategy a ``DDPStrategy`` over :class:`DdprunEnvironment` with process-group ``backend``
-    (None: nccl on CUDA, gloo on CPU). One process (plain ``python``): devices=1, strategy "auto".
+    (None: nccl on CUDA, gloo on CPU). A rank bound to a GPU of its own (``srun --gpus-per-task=1``:
+    its device is cuda:0 whatever its local rank) gets devices=1 and a strategy whose devices are all
+    that one, so that Lightning trains on it. One process (plain ``python``): devices=1, strategy "auto".
     ``info``: default :func:`ddprun.rank_info` (creates nothing; the Trainer makes the process group
     unless :func:`ddprun.init` ran first, which also applies ddprun's network settings across hosts
     under srun/mpirun).
@@ -170,8 +172,15 @@ def trainer_kwargs(info: RankInfo | None = None, *, backend: str | None = None) 
     if info.world_size == 1:
         return {"accelerator": accelerator, "devices": 1, "num_nodes": 1, "strategy": "auto"}
     backend = backend or ("nccl" if accelerator == "gpu" else "gloo")
+    env = DdprunEnvironment(info)
+    if info.device.type == "cuda" and info.device.index != info.local_rank:
+        # a GPU of its own (srun --gpus-per-task=1: cuda:0 at local rank 2): Lightning's root device is
+        # parallel_devices[local_rank], so every entry is this rank's device; devices=1 is what it sees
+        strategy = DDPStrategy(parallel_devices=[info.device] * info.local_world_size, cluster_environment=env,
+                               process_group_backend=backend)
+        return {"accelerator": accelerator, "devices": 1, "num_nodes": _nodes(info), "strategy": strategy}
     return {"accelerator": accelerator, "devices": info.local_world_size, "num_nodes": _nodes(info),
-            "strategy": DDPStrategy(cluster_environment=DdprunEnvironment(info), process_group_backend=backend)}
+            "strategy": DDPStrategy(cluster_environment=env, process_group_backend=backend)}
 
 
 # -- callbacks ----------------------------------------------------------------------------------

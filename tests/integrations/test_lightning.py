@@ -95,6 +95,31 @@ def test_fit_takes_every_spelling_of_this_launchs_accelerator_and_devices(clean_
         _launch_args(gpu, {"devices": [1, 2]})
 
 
+def test_a_rank_bound_to_a_gpu_of_its_own_trains_on_it(clean_runtime, monkeypatch):
+    """srun --gpus-per-task=1: local rank 2 sees one GPU, cuda:0. Before: devices=LOCAL_WORLD_SIZE and
+    Lightning's root device cuda:<local rank>, a GPU this process does not have. (CUDA mocked: one GPU.)"""
+    import lightning.fabric.accelerators.cuda as fabric_cuda
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+    from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+
+    from ddprun.lightning import trainer_kwargs
+    from ddprun.runtime import RankInfo
+
+    for fn in (rank_zero_only, utils_rank_zero_only):  # the strategy sets them to its rank, 6: back after the test
+        monkeypatch.setattr(fn, "rank", fn.rank)
+    monkeypatch.setattr(fabric_cuda, "num_cuda_devices", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    info = RankInfo(rank=6, local_rank=2, node_rank=1, world_size=8, local_world_size=4,
+                    device=torch.device("cuda", 0), is_main=False)
+    trainer = pl.Trainer(**trainer_kwargs(info), logger=False, enable_checkpointing=False, **QUIET)
+    strategy = trainer.strategy
+    assert (strategy.root_device, strategy.local_rank, strategy.world_size) == (torch.device("cuda", 0), 2, 8)
+    assert (trainer.num_devices, trainer.num_nodes, strategy.distributed_sampler_kwargs) == \
+        (4, 2, {"num_replicas": 8, "rank": 6})
+    strategy.cluster_environment.validate_settings(num_devices=strategy.num_processes, num_nodes=strategy.num_nodes)
+
+
 def test_the_entry_point_checks_every_trainer_in_a_multi_rank_ddprun_worker(clean_runtime):
     from importlib.metadata import entry_points
 
