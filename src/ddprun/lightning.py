@@ -25,10 +25,14 @@ import this module.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import inspect
 import os
+import pathlib
+import pickle
 import time
+import warnings
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -58,16 +62,24 @@ else:
         raise ImportError(f"{__name__} needs {PACKAGE}: pip install 'ddprun[{extra}]'") from e
 
 from ddprun import runtime, telemetry
-from ddprun.errors import ConfigError
+from ddprun.errors import CheckpointError, ConfigError
 from ddprun.mismatch import TrainerMismatch, launch_shape
 from ddprun.runtime import RankInfo
 from ddprun.telemetry import SetupPhase, setup_phase
+from ddprun.train import resume as resume_mod
 from ddprun.train.loop import FitResult, resolve_run_dir
 from ddprun.train.options import PRECISIONS, check_seed, int_at_least
 
 __all__ = ["DdprunEnvironment", "LaunchCheck", "LightningFitResult", "LoopStart", "fit_lightning", "trainer_kwargs"]
 
 LIGHTNING_PRECISION = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}
+
+TRUSTED_TYPES: tuple[type, ...] = (pathlib.PurePosixPath, pathlib.PosixPath, pathlib.PureWindowsPath,
+                                   pathlib.WindowsPath, argparse.Namespace)
+"""What a LightningModule's ``save_hyperparameters()`` commonly holds besides plain values (a data
+directory, a script's parsed arguments), allowed to ``torch.load(weights_only=True)`` when fit resumes
+(``torch.serialization.safe_globals``, for the resume only): each is rebuilt from plain values by its
+own class, so a file still chooses no code to run. Any other class is named at fit's first save."""
 
 
 class DdprunEnvironment(ClusterEnvironment):
@@ -148,7 +160,9 @@ def trainer_kwargs(info: RankInfo | None = None, *, backend: str | None = None) 
     From the live launch: devices = processes on this node (LOCAL_WORLD_SIZE), num_nodes =
     WORLD_SIZE / LOCAL_WORLD_SIZE, accelerator "gpu" when this rank's device is CUDA else "cpu",
     strategy a ``DDPStrategy`` over :class:`DdprunEnvironment` with process-group ``backend``
-    (None: nccl on CUDA, gloo on CPU). One process (plain ``python``): devices=1, strategy "auto".
+    (None: nccl on CUDA, gloo on CPU). A rank bound to a GPU of its own (``srun --gpus-per-task=1``:
+    its device is cuda:0 whatever its local rank) gets devices=1 and a strategy whose devices are all
+    that one, so that Lightning trains on it. One process (plain ``python``): devices=1, strategy "auto".
     ``info``: default :func:`ddprun.rank_info` (creates nothing; the Trainer makes the process group
     unless :func:`ddprun.init` ran first, which also applies ddprun's network settings across hosts
     under srun/mpirun).
@@ -158,8 +172,15 @@ def trainer_kwargs(info: RankInfo | None = None, *, backend: str | None = None) 
     if info.world_size == 1:
         return {"accelerator": accelerator, "devices": 1, "num_nodes": 1, "strategy": "auto"}
     backend = backend or ("nccl" if accelerator == "gpu" else "gloo")
+    env = DdprunEnvironment(info)
+    if info.device.type == "cuda" and info.device.index != info.local_rank:
+        # a GPU of its own (srun --gpus-per-task=1: cuda:0 at local rank 2): Lightning's root device is
+        # parallel_devices[local_rank], so every entry is this rank's device; devices=1 is what it sees
+        strategy = DDPStrategy(parallel_devices=[info.device] * info.local_world_size, cluster_environment=env,
+                               process_group_backend=backend)
+        return {"accelerator": accelerator, "devices": 1, "num_nodes": _nodes(info), "strategy": strategy}
     return {"accelerator": accelerator, "devices": info.local_world_size, "num_nodes": _nodes(info),
-            "strategy": DDPStrategy(cluster_environment=DdprunEnvironment(info), process_group_backend=backend)}
+            "strategy": DDPStrategy(cluster_environment=env, process_group_backend=backend)}
 
 
 # -- callbacks ----------------------------------------------------------------------------------
@@ -220,10 +241,22 @@ class LoopStart(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._phase.end()
 
+    # each evaluation batch is progress, as in ddprun.fit's own validation: trainer.validate, test and
+    # predict make no collective per batch (no sync_dist), and the stall watch saw a healthy pass as a hang
+    def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        telemetry.heartbeat()
+
+    def on_test_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        telemetry.heartbeat()
+
+    def on_predict_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        telemetry.heartbeat()
+
 
 class _TrainingTimeout(Callback):
-    """After the first optimizer step: ddprun's training timeout for collectives (one barrier, once,
-    on every rank: :func:`ddprun.runtime.use_training_timeout`)."""
+    """After the first optimizer step: ddprun's training timeout for collectives (one barrier on every
+    rank: :func:`ddprun.runtime.use_training_timeout`); again after each checkpoint save, which
+    returns to the long timeout (:class:`_Saves`), at the end of the next step."""
 
     def __init__(self) -> None:
         self.done = False
@@ -265,6 +298,7 @@ class _PreemptAtStep(Callback):
             return barrier(*args, **kwargs)
 
         strategy.barrier = said_first  # type: ignore[method-assign]
+        _chain_last(trainer, path)
         try:
             trainer.save_checkpoint(path)
         finally:
@@ -275,6 +309,93 @@ class _PreemptAtStep(Callback):
         seconds = time.monotonic() - t0
         PREEMPT.saved = (PROGRESS.steps, trainer.global_step, path, seconds, "fit")
         raise Preempted(PREEMPT.signame, trainer.global_step, path, seconds)
+
+
+def _chain_last(trainer: pl.Trainer, path: str) -> None:
+    """Each ModelCheckpoint whose last checkpoint is ``path`` takes it as its own (``last_model_path``)
+    before the preemption's save, whose state then holds it: after the resume its next save replaces
+    ``path``, where with an empty ``last_model_path`` (no save of its own before the preemption)
+    Lightning's version counter would write ``last-v1.ckpt`` and leave ``path``, what every restart
+    resumes from, at the preemption's step."""
+    target = os.path.realpath(path)
+    for cb in trainer.checkpoint_callbacks:
+        if isinstance(cb, ModelCheckpoint) and cb.save_last and cb.dirpath:
+            own = os.path.join(cb.dirpath, cb.CHECKPOINT_NAME_LAST + cb.FILE_EXTENSION)
+            if os.path.realpath(own) == target:
+                cb.last_model_path = own
+
+
+class _Saves:
+    """``trainer.save_checkpoint`` of fit_lightning's Trainer (ModelCheckpoint's saves and the
+    preemption's go through it), as ``ddprun.fit`` of an nn.Module saves (train/resume.py
+    ``Checkpoints.save``): the long (init) timeout while rank 0 writes and the others wait in
+    Lightning's barrier, the training timeout again after the next step (``timeout``), and a declared
+    ``checkpoint`` phase for the stall watch (``telemetry.busy``). After the first save, rank 0 checks
+    that the file loads back with ``torch.load(weights_only=True)`` (what the resume does) and raises
+    CheckpointError naming what it would refuse, file removed: found when it is written, not at the
+    restart that needs it (a crash loop under --max-restarts)."""
+
+    def __init__(self, trainer: pl.Trainer, timeout: _TrainingTimeout) -> None:
+        self.checked = False
+        self.timeout = timeout
+        self._save = trainer.save_checkpoint
+        trainer.save_checkpoint = self.save  # type: ignore[method-assign]
+        self._trainer = weakref.ref(trainer)
+
+    def save(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
+        runtime.use_phase_timeout()  # no collective: each rank's own waits
+        self.timeout.done = False
+        with telemetry.busy("checkpoint"):
+            self._save(filepath, *args, **kwargs)
+        trainer = self._trainer()
+        if not self.checked and trainer is not None and trainer.is_global_zero and os.path.isfile(filepath):
+            self.checked = True
+            _check_loadable(os.fspath(filepath), trainer.global_step)
+
+
+def _refused(path: str) -> list[str]:
+    """The classes in ``path`` that ``torch.load(weights_only=True)`` refuses, TRUSTED_TYPES allowed."""
+    import torch
+
+    with torch.serialization.safe_globals(list(TRUSTED_TYPES)):
+        try:
+            return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+        except (ValueError, RuntimeError, OSError):  # not torch's zip format: torch.load's own check at resume
+            return []
+
+
+def _check_loadable(path: str, step: int) -> None:
+    refused = _refused(path)
+    if refused:
+        from ddprun.protocol.atomic import remove_durably
+
+        remove_durably(path)
+        raise CheckpointError(f"The checkpoint of step {step} could not be loaded back, so it was not kept.",
+                              seen=f"{os.path.basename(path)} holds {', '.join(refused)}, which "
+                                   "torch.load(weights_only=True) refuses",
+                              hint=_ALLOW_HINT)
+
+
+_ALLOW_HINT = ("A Lightning checkpoint holds the module's save_hyperparameters() values: keep them plain (str, "
+               "numbers, lists, dicts; a Path or an argparse.Namespace is allowed), or allow the class with "
+               "torch.serialization.add_safe_globals([...]) in the script before fit().")
+
+
+@contextlib.contextmanager
+def _loading_trusted(path: str | None) -> Iterator[None]:
+    """Around ``trainer.fit(ckpt_path=path, weights_only=True)``: TRUSTED_TYPES allowed, and a load
+    that torch refuses for a class is a ConfigError naming it."""
+    import torch
+
+    try:
+        with torch.serialization.safe_globals(list(TRUSTED_TYPES)):
+            yield
+    except pickle.UnpicklingError as e:
+        refused = _refused(path) if path is not None else []  # none: another unpickling error, as it is
+        if not refused:
+            raise
+        raise ConfigError("The checkpoint to resume from holds a class that torch.load(weights_only=True) refuses.",
+                          seen=f"{path} holds {', '.join(refused)}", hint=_ALLOW_HINT) from e
 
 
 @contextlib.contextmanager
@@ -352,17 +473,45 @@ def _check(model: Any, train_data: Any, val_data: Any, datamodule: Any, trainer_
                                "'bf16-mixed', '16-mixed' are accepted.")
 
 
-def _launch_args(info: RankInfo, trainer_kw: Mapping[str, Any]) -> dict[str, Any]:
-    """trainer_kwargs() of the live launch; the user's accelerator/devices/num_nodes must agree with it."""
+def _launch_args(info: RankInfo, trainer_kw: dict[str, Any]) -> dict[str, Any]:
+    """trainer_kwargs() of the live launch. The user's accelerator/devices/num_nodes must agree with it
+    (any of Lightning's spellings: "cuda" or "gpu", devices "auto", -1, a count, or the GPU indices
+    0..n-1); they are taken out of ``trainer_kw``, so the Trainer gets the launch's own values (on
+    CPU Lightning reads devices="auto" as 1)."""
     launch = trainer_kwargs(info)
-    devices, nodes = trainer_kw.get("devices", launch["devices"]), trainer_kw.get("num_nodes", launch["num_nodes"])
-    if (devices, nodes) != (launch["devices"], launch["num_nodes"]):
+    devices = _device_count(trainer_kw.pop("devices", info.local_world_size), info)
+    nodes = trainer_kw.pop("num_nodes", launch["num_nodes"])
+    if (devices, nodes) != (info.local_world_size, launch["num_nodes"]):
         raise TrainerMismatch(devices, nodes, _shape_environ(info), module=__name__)
-    if trainer_kw.get("accelerator", launch["accelerator"]) not in (launch["accelerator"], "auto"):
-        raise ConfigError("trainer_kwargs' accelerator differs from the device this rank was given.",
-                          seen=f"accelerator={trainer_kw['accelerator']!r}, rank device {info.device}",
-                          hint="Leave accelerator out; ddprun run --device cpu|cuda chooses it for the job.")
+    accelerator = trainer_kw.get("accelerator", "auto")
+    if isinstance(accelerator, str):
+        if {"cuda": "gpu"}.get(accelerator.lower(), accelerator.lower()) not in (launch["accelerator"], "auto"):
+            raise ConfigError("trainer_kwargs' accelerator differs from the device this rank was given.",
+                              seen=f"accelerator={accelerator!r}, rank device {info.device}",
+                              hint="Leave accelerator out; ddprun run --device cpu|cuda chooses it for the job.")
+        trainer_kw.pop("accelerator", None)
     return launch
+
+
+def _device_count(devices: Any, info: RankInfo) -> int:
+    """How many devices a Trainer's ``devices`` asks for on this node: "auto" and -1 mean every one
+    the launch gave it (one process each); GPU indices must be 0..n-1 (each rank is on its own)."""
+    n = info.local_world_size
+    if devices in ("auto", -1, "-1"):
+        return n
+    if isinstance(devices, str) and devices.strip().isdigit():
+        return int(devices)
+    if isinstance(devices, str) and "," in devices:
+        parts = [p.strip() for p in devices.split(",") if p.strip()]
+        devices = [int(p) for p in parts] if all(p.isdigit() for p in parts) else devices
+    if isinstance(devices, (list, tuple)) and sorted(devices) == list(range(len(devices))):
+        return len(devices)
+    if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0:
+        return devices
+    raise ConfigError("trainer_kwargs' devices is not this launch's devices.",
+                      seen=f"devices={devices!r}; this node runs {n} process(es), each on its own device "
+                           f"(this rank: {info.device})",
+                      hint=f"Leave devices out (the launch gives each rank its device), or give devices={n}.")
 
 
 def fit_lightning(model: pl.LightningModule, train_data: Any = None, *, val_data: Any = None, datamodule: Any = None,
@@ -388,9 +537,12 @@ def fit_lightning(model: pl.LightningModule, train_data: Any = None, *, val_data
     Defaults (each replaced by the same key in ``trainer_kwargs``): a DDPStrategy over
     :class:`DdprunEnvironment` (gloo on CPU, nccl on CUDA) when world_size > 1; ``logger``
     CSVLogger(run_dir, name="lightning_logs"); a ModelCheckpoint(run_dir/checkpoints or
-    ``checkpoint_dir``, save_last=True) unless ``callbacks`` has one or enable_checkpointing=False.
+    ``checkpoint_dir``, save_last=True) unless ``callbacks`` has one or enable_checkpointing=False; a
+    ModelCheckpoint in ``callbacks`` without a dirpath saves into that directory too (a restart resumes
+    from its ``last.ckpt``: give it save_last=True).
     ``trainer_kwargs``: any other Trainer arguments (callbacks are added to ddprun's). accelerator,
-    devices and num_nodes come from the launch; given there, they must agree with it.
+    devices and num_nodes come from the launch; given there, they must agree with it ("cuda" or "gpu",
+    devices "auto", -1, the count or the indices 0..n-1).
 
     Checkpoints and restarts: ``checkpoint_every`` N also saves every N optimizer steps (default:
     Lightning's, at every epoch end); ``resume`` "auto" continues from ``last.ckpt`` in the
@@ -416,8 +568,9 @@ def fit_lightning(model: pl.LightningModule, train_data: Any = None, *, val_data
     ckpt_dir = checkpoint_dir or os.path.join(run_dir, "checkpoints")
     # the user's callbacks are added to ddprun's, not given to the Trainer in place of them
     callbacks = _callbacks(user.pop("callbacks", None), user.get("enable_checkpointing", True), ckpt_dir,
-                           checkpoint_every)
-    callbacks.append(_PreemptAtStep(ckpt_dir))
+                           checkpoint_every, info)
+    timeout = _TrainingTimeout()
+    callbacks += [timeout, _PreemptAtStep(ckpt_dir)]
     if epochs is None:
         epochs = 1 if max_steps is None else -1  # -1: Lightning's "unbounded"
     settings.update(
@@ -429,10 +582,16 @@ def fit_lightning(model: pl.LightningModule, train_data: Any = None, *, val_data
     settings.update(user)
     settings["callbacks"] = callbacks
     trainer = pl.Trainer(**settings)
+    _Saves(trainer, timeout)
     safe = {"weights_only": True} if "weights_only" in inspect.signature(trainer.fit).parameters else {}
-    with _preemption_by_ddprun(trainer):
+    # the nn.Module path's rule: "auto" after another fit() of this process finished here starts anew
+    # (stacklevel: the user's ddprun.fit line, fit_lightning <- ddprun.api.fit)
+    anew = resume_mod.finished_here(ckpt_dir, resume, info, stacklevel=3)
+    ckpt_path = _agreed(_resume_path(False if anew else resume, ckpt_dir), info)
+    with _preemption_by_ddprun(trainer), _loading_trusted(ckpt_path):
         trainer.fit(model, train_dataloaders=train_loader, val_dataloaders=val_loader, datamodule=datamodule,
-                    ckpt_path=_agreed(_resume_path(resume, ckpt_dir), info), **safe)  # no code runs on resume
+                    ckpt_path=ckpt_path, **safe)  # no code runs on resume: TRUSTED_TYPES only
+    resume_mod.mark_finished(ckpt_dir)  # not after a preemption (Preempted): the next start continues
     return _result(trainer, model, run_dir, info)
 
 
@@ -450,14 +609,28 @@ def _loaders(train_data: Any, val_data: Any, batch_size: int, info: RankInfo, se
     return train_loader, val_loader
 
 
-def _callbacks(given: Any, checkpointing: bool, ckpt_dir: str, every: int | None) -> list:
-    """The user's callbacks (one or a list), a ModelCheckpoint unless they have one or checkpointing is
-    off, and ddprun's training-timeout switch."""
+def _callbacks(given: Any, checkpointing: bool, ckpt_dir: str, every: int | None, info: RankInfo) -> list:
+    """The user's callbacks (one or a list), and a ModelCheckpoint unless they have one or checkpointing
+    is off. A ModelCheckpoint of the user's without a dirpath
+    saves into ``ckpt_dir`` (Lightning's default, the logger's version directory, is not where a
+    restart looks); one warning when none of them writes ``ckpt_dir/last.ckpt``, what it resumes from."""
     callbacks = given or []
     callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
-    if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=every))
-    callbacks.append(_TrainingTimeout())
+    own = [c for c in callbacks if isinstance(c, ModelCheckpoint)]
+    for cb in own:
+        if cb.dirpath is None:
+            cb.dirpath = os.path.realpath(os.path.expanduser(ckpt_dir))  # as ModelCheckpoint(dirpath=) keeps it
+    last = os.path.realpath(os.path.join(ckpt_dir, "last.ckpt"))
+    if checkpointing and own and info.is_main and not any(
+            cb.save_last and os.path.realpath(os.path.join(cb.dirpath or "", cb.CHECKPOINT_NAME_LAST + cb.FILE_EXTENSION))
+            == last for cb in own):
+        warnings.warn(f"ddprun: no ModelCheckpoint in trainer_kwargs' callbacks writes {last}, which a restarted "
+                      "fit resumes from: a restart starts anew unless it was a preemption. HINT: "
+                      "ModelCheckpoint(save_last=True), without a dirpath (fit's checkpoint directory).", stacklevel=4)
+    if checkpointing and not own:
+        # no version counter: a last.ckpt there is this run's (a restart resumed from it), never another's
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=every,
+                                         enable_version_counter=False))
     return callbacks
 
 

@@ -7,6 +7,8 @@ Two `ddprun run` agents on 127.0.0.1 are two nodes. Every Lightning process impo
 
 from __future__ import annotations
 
+import argparse
+import enum
 import json
 import re
 import time
@@ -21,13 +23,14 @@ from tests.helpers import DDPRUN, ddprun_nodes, describe, extra, run_agents
 
 pl = extra("lightning.pytorch")
 
-from ddprun.errors import ConfigError  # noqa: E402
+from ddprun.errors import CheckpointError, ConfigError  # noqa: E402
 
 pytestmark = pytest.mark.integrations
 
 SCRIPTS = Path(__file__).parent / "scripts"
 FIT = str(SCRIPTS / "lightning_fit.py")
 BORING = str(SCRIPTS / "boring_unmodified.py")
+QUIET = {"enable_progress_bar": False, "enable_model_summary": False}
 
 
 def facts(out: Path, pattern: str = "rank-*.json") -> list[dict]:
@@ -60,6 +63,61 @@ def test_trainer_kwargs_follow_the_launch(clean_runtime):
         env.validate_settings(num_devices=2, num_nodes=1)
     with pytest.raises(TrainerMismatch):  # the product agrees, but local rank 1 would have no device
         env.validate_settings(num_devices=1, num_nodes=4)
+
+
+def test_fit_takes_every_spelling_of_this_launchs_accelerator_and_devices(clean_runtime):
+    """Before: accelerator="cuda" on a CUDA rank was "differs from the device", and devices="auto",
+    -1 or [0, 1] on a node of 2 were a mismatch ("= autoauto"). The launch's own values replace them."""
+    import dataclasses
+
+    from ddprun.lightning import _launch_args
+    from ddprun.mismatch import TrainerMismatch
+    from ddprun.runtime import RankInfo
+
+    gpu = RankInfo(rank=3, local_rank=1, node_rank=1, world_size=4, local_world_size=2,
+                   device=torch.device("cuda", 1), is_main=False)
+    for given in ({"accelerator": "cuda"}, {"accelerator": "GPU"}, {"accelerator": "auto"}, {"devices": "auto"},
+                  {"devices": -1}, {"devices": "-1"}, {"devices": [0, 1]}, {"devices": (1, 0)}, {"devices": "0,1"},
+                  {"devices": "2"}, {"devices": 2, "num_nodes": 2, "accelerator": "cuda"}):
+        kw = dict(given)
+        launch = _launch_args(gpu, kw)
+        assert (launch["accelerator"], launch["devices"], launch["num_nodes"], kw) == ("gpu", 2, 2, {}), given
+    cpu = dataclasses.replace(gpu, device=torch.device("cpu"))
+    kw = {"accelerator": "cpu", "devices": "auto", "max_time": "00:01:00"}
+    assert _launch_args(cpu, kw)["devices"] == 2 and kw == {"max_time": "00:01:00"}  # Lightning's "auto": 1 CPU
+    with pytest.raises(ConfigError, match="accelerator differs"):
+        _launch_args(gpu, {"accelerator": "cpu"})
+    with pytest.raises(ConfigError, match="accelerator differs"):
+        _launch_args(cpu, {"accelerator": "cuda"})
+    with pytest.raises(TrainerMismatch, match="devices=1 x num_nodes=2 = 2"):
+        _launch_args(gpu, {"devices": 1})
+    with pytest.raises(ConfigError, match=r"(?s)devices=\[1, 2\]; this node runs 2 process\(es\).*HINT: .*devices=2"):
+        _launch_args(gpu, {"devices": [1, 2]})
+
+
+def test_a_rank_bound_to_a_gpu_of_its_own_trains_on_it(clean_runtime, monkeypatch):
+    """srun --gpus-per-task=1: local rank 2 sees one GPU, cuda:0. Before: devices=LOCAL_WORLD_SIZE and
+    Lightning's root device cuda:<local rank>, a GPU this process does not have. (CUDA mocked: one GPU.)"""
+    import lightning.fabric.accelerators.cuda as fabric_cuda
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+    from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+
+    from ddprun.lightning import trainer_kwargs
+    from ddprun.runtime import RankInfo
+
+    for fn in (rank_zero_only, utils_rank_zero_only):  # the strategy sets them to its rank, 6: back after the test
+        monkeypatch.setattr(fn, "rank", fn.rank)
+    monkeypatch.setattr(fabric_cuda, "num_cuda_devices", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    info = RankInfo(rank=6, local_rank=2, node_rank=1, world_size=8, local_world_size=4,
+                    device=torch.device("cuda", 0), is_main=False)
+    trainer = pl.Trainer(**trainer_kwargs(info), logger=False, enable_checkpointing=False, **QUIET)
+    strategy = trainer.strategy
+    assert (strategy.root_device, strategy.local_rank, strategy.world_size) == (torch.device("cuda", 0), 2, 8)
+    assert (trainer.num_devices, trainer.num_nodes, strategy.distributed_sampler_kwargs) == \
+        (4, 2, {"num_replicas": 8, "rank": 6})
+    strategy.cluster_environment.validate_settings(num_devices=strategy.num_processes, num_nodes=strategy.num_nodes)
 
 
 def test_the_entry_point_checks_every_trainer_in_a_multi_rank_ddprun_worker(clean_runtime):
@@ -129,7 +187,7 @@ def tiny_data(n: int = 32) -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
 
 
-def test_fit_with_a_lightning_module_in_one_process_writes_into_the_run_dir(clean_runtime, tmp_path):
+def test_fit_with_a_lightning_module_in_one_process_writes_into_the_run_dir(clean_runtime, tmp_path, monkeypatch):
     import ddprun
     from ddprun.lightning import LightningFitResult
 
@@ -142,10 +200,162 @@ def test_fit_with_a_lightning_module_in_one_process_writes_into_the_run_dir(clea
     assert Path(result.checkpoint) == tmp_path / "run" / "checkpoints" / "last.ckpt"
     assert Path(result.checkpoint).exists()
     assert (tmp_path / "run" / "lightning_logs" / "version_0" / "metrics.csv").exists()
-    # the same run dir again (a restarted worker group): resume="auto" continues from last.ckpt
+    # a second fit of this process (pretrain, then fine-tune) starts anew, as for an nn.Module
+    with pytest.warns(UserWarning, match=r"fit\(\) already ran in this process .* starts anew") as said:
+        second = ddprun.fit(Tiny(), tiny_data(), batch_size=8, max_steps=2, run_dir=str(tmp_path / "run"),
+                            trainer_kwargs=quiet)
+    assert second.steps == 2 and second.trainer.ckpt_path is None
+    assert [w.filename for w in said if "already ran" in str(w.message)] == [__file__]  # the fit() line
+    # the same run dir in a new process (a restarted worker group): resume="auto" continues from last.ckpt
+    fresh_process(monkeypatch)
     again = ddprun.fit(Tiny(), tiny_data(), batch_size=8, max_steps=7, run_dir=str(tmp_path / "run"),
                        trainer_kwargs=quiet)
     assert again.steps == 7 and again.trainer.ckpt_path == result.checkpoint
+
+
+def test_a_preemption_before_the_first_save_and_the_saves_after_its_resume_keep_one_last_ckpt(clean_runtime,
+                                                                                             tmp_path, monkeypatch):
+    """Before: the preemption's last.ckpt held a ModelCheckpoint state without last_model_path, so after
+    the resume Lightning's version counter put every later save into last-v1.ckpt, and last.ckpt (what
+    a restart resumes from) stayed at the preemption's step for good."""
+    import ddprun
+    from ddprun import preempt
+    from ddprun.telemetry import PROGRESS
+
+    run, ckpts = str(tmp_path / "run"), tmp_path / "run" / "checkpoints"
+    # due at the first optimizer step: before ModelCheckpoint's first save (the epoch's end, step 4)
+    monkeypatch.setattr(preempt, "PREEMPT", preempt.PreemptState(stop_step=PROGRESS.steps, signame="SIGTERM",
+                                                                 requested=True))
+    with pytest.raises(preempt.Preempted):
+        ddprun.fit(Tiny(), tiny_data(), batch_size=8, max_steps=7, run_dir=run, trainer_kwargs=QUIET)
+    assert torch.load(ckpts / "last.ckpt", weights_only=False)["global_step"] == 1
+    monkeypatch.setattr(preempt, "PREEMPT", preempt.PreemptState())
+    again = ddprun.fit(Tiny(), tiny_data(), batch_size=8, max_steps=7, run_dir=run, trainer_kwargs=QUIET)
+    assert again.trainer.ckpt_path == str(ckpts / "last.ckpt") and again.steps == 7
+    assert sorted(p.name for p in ckpts.glob("last*.ckpt")) == ["last.ckpt"]
+    assert torch.load(ckpts / "last.ckpt", weights_only=False)["global_step"] == 7
+    assert again.checkpoint == str(ckpts / "last.ckpt")
+
+
+def fresh_process(monkeypatch) -> None:
+    """What a restart in a new process remembers of this one's fits: nothing (ddprun.train.resume)."""
+    from ddprun.train import resume
+
+    monkeypatch.setattr(resume, "_FINISHED_IN_THIS_PROCESS", set())
+
+
+class WithPaths(Tiny):
+    def __init__(self, data_dir=Path("/data/set"), args=argparse.Namespace(lr=0.1, name="x")):
+        super().__init__()
+        self.save_hyperparameters()
+
+
+class Kind(enum.Enum):
+    SMALL = 1
+
+
+class WithEnum(Tiny):
+    def __init__(self, kind=Kind.SMALL):
+        super().__init__()
+        self.save_hyperparameters()
+
+
+def test_a_module_whose_hyperparameters_hold_a_path_and_a_namespace_resumes(clean_runtime, tmp_path, monkeypatch):
+    """Before: resume loaded with weights_only=True, which refuses pathlib.PosixPath and argparse.Namespace
+    in save_hyperparameters(): every restart crashed with UnpicklingError (a crash loop)."""
+    import ddprun
+
+    run = str(tmp_path / "run")
+    first = ddprun.fit(WithPaths(), tiny_data(), batch_size=8, max_steps=2, run_dir=run, trainer_kwargs=QUIET)
+    fresh_process(monkeypatch)
+    again = ddprun.fit(WithPaths(), tiny_data(), batch_size=8, max_steps=4, run_dir=run, trainer_kwargs=QUIET)
+    assert again.trainer.ckpt_path == first.checkpoint and again.steps == 4
+    assert again.model.hparams.data_dir == Path("/data/set") and again.model.hparams.args.lr == 0.1
+
+
+def test_a_class_the_resume_would_refuse_fails_the_first_save_and_a_resume_names_it(clean_runtime, tmp_path):
+    """As ddprun.fit of an nn.Module: the class is named when the checkpoint is written, not at the
+    restart that needs it; a checkpoint from elsewhere that holds one is a ConfigError at the resume."""
+    import ddprun
+
+    run, ckpts = str(tmp_path / "run"), tmp_path / "run" / "checkpoints"
+    with pytest.raises(CheckpointError, match=r"(?s)holds .*test_lightning\.Kind, which torch.load\(weights_only=True\) "
+                                              r"refuses.*add_safe_globals"):
+        ddprun.fit(WithEnum(), tiny_data(), batch_size=8, max_steps=2, run_dir=run, trainer_kwargs=QUIET)
+    assert not list(ckpts.glob("*.ckpt"))
+    trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, **QUIET)
+    trainer.fit(WithEnum(), torch.utils.data.DataLoader(tiny_data(), batch_size=8))
+    trainer.save_checkpoint(tmp_path / "elsewhere.ckpt")
+    with pytest.raises(ConfigError, match=r"(?s)elsewhere.ckpt holds .*Kind.*add_safe_globals"):
+        ddprun.fit(WithEnum(), tiny_data(), batch_size=8, max_steps=2, run_dir=str(tmp_path / "run2"),
+                   resume=str(tmp_path / "elsewhere.ckpt"), trainer_kwargs=QUIET)
+
+
+def test_a_model_checkpoint_of_the_users_without_a_dirpath_saves_where_a_restart_resumes(clean_runtime, tmp_path,
+                                                                                         monkeypatch):
+    """Before: its files went to lightning_logs/version_N/checkpoints while a restart looked only in
+    the checkpoint directory: resume was silently off. And one that writes no last.ckpt there is said."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    import ddprun
+
+    run, ckpts = str(tmp_path / "run"), tmp_path / "run" / "checkpoints"
+    first = ddprun.fit(Tiny(), tiny_data(), batch_size=8, max_steps=2, run_dir=run,
+                       trainer_kwargs={**QUIET, "callbacks": [ModelCheckpoint(save_last=True)]})
+    assert first.checkpoint == str(ckpts / "last.ckpt") and (ckpts / "last.ckpt").exists()
+    fresh_process(monkeypatch)
+    again = ddprun.fit(Tiny(), tiny_data(), batch_size=8, max_steps=3, run_dir=run,
+                       trainer_kwargs={**QUIET, "callbacks": [ModelCheckpoint(save_last=True)]})
+    assert again.trainer.ckpt_path == str(ckpts / "last.ckpt") and again.steps == 3
+    with pytest.warns(UserWarning, match=r"no ModelCheckpoint in trainer_kwargs' callbacks writes .*last.ckpt"):
+        ddprun.fit(Tiny(), tiny_data(), batch_size=8, max_steps=1, run_dir=str(tmp_path / "run2"),
+                   trainer_kwargs={**QUIET, "callbacks": ModelCheckpoint(monitor="train_loss")})
+
+
+class Evaluated(Tiny):
+    def validation_step(self, batch, batch_idx):
+        return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+
+    test_step = validation_step
+
+    def predict_step(self, batch, batch_idx):
+        return self.layer(batch[0])
+
+
+@pytest.mark.parametrize("stage", ["validate", "test", "predict"])
+def test_each_evaluation_batch_outside_fit_is_progress_for_the_stall_watch(monkeypatch, stage):
+    """Before: trainer.validate/test/predict make no collective per batch (no sync_dist), so nothing
+    counted as progress and the stall watch named a healthy pass a hang after --stall-timeout."""
+    from ddprun import telemetry
+    from ddprun.lightning import LoopStart
+
+    p = telemetry.Progress()
+    monkeypatch.setattr(telemetry, "PROGRESS", p)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[LoopStart()], **QUIET)
+    getattr(trainer, stage)(Evaluated(), torch.utils.data.DataLoader(tiny_data(), batch_size=8))
+    assert (p.beats, p.began, p.in_setup) == (4, True, 0)
+
+
+def test_a_checkpoint_save_waits_with_the_long_timeout_in_a_checkpoint_phase(clean_runtime, tmp_path, monkeypatch):
+    """As ddprun.fit of an nn.Module: rank 0 writes while the others wait in Lightning's barrier, with
+    the init timeout and a declared phase, and the step after it goes back to the training timeout.
+    Before: after the first step the 300 s training timeout stayed for every save."""
+    import ddprun
+    from ddprun import runtime, telemetry
+
+    seen = []
+    monkeypatch.setattr(runtime, "use_training_timeout", lambda: seen.append("training timeout"))
+    monkeypatch.setattr(runtime, "use_phase_timeout", lambda: seen.append("init timeout"))
+
+    class Saw(pl.Callback):
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+            seen.append(f"save at step {trainer.global_step} in phase {telemetry.PROGRESS.phase!r}")
+
+    ddprun.fit(Tiny(), tiny_data(), batch_size=8, max_steps=6, run_dir=str(tmp_path / "run"),
+               trainer_kwargs={**QUIET, "callbacks": [Saw()]})
+    saves = ["init timeout", "save at step {} in phase 'checkpoint'"] * 2  # epoch=0-step=N.ckpt, last.ckpt
+    assert seen == ["training timeout", *(x.format(4) for x in saves), "training timeout",
+                    *(x.format(6) for x in saves)]
 
 
 @pytest.mark.parametrize("own_trainer", [False, True], ids=["fit", "own-trainer"])

@@ -71,6 +71,19 @@ def mark_finished(directory: str) -> None:
     _FINISHED_IN_THIS_PROCESS.add(os.path.abspath(directory))
 
 
+def finished_here(directory: str, resume: Any, info: RankInfo, stacklevel: int) -> bool:
+    """Whether ``resume="auto"`` must start anew in ``directory``: another fit() of this process
+    finished there (pretrain, then fine-tune; a benchmark's blocks), which is a new run, not an
+    interrupted one. Every rank finished the same fits, so every rank decides the same; rank 0 warns,
+    at the user's fit() line (``stacklevel`` as the caller would give it to warnings.warn)."""
+    if resume != "auto" or os.path.abspath(directory) not in _FINISHED_IN_THIS_PROCESS:
+        return False
+    if info.is_main:
+        warnings.warn(f"ddprun: fit() already ran in this process with checkpoints in {directory}; this "
+                      "fit() starts anew (resume=True or a path continues from them).", stacklevel=stacklevel + 1)
+    return True
+
+
 class Checkpoints:
     """Where fit's checkpoints go and whether this rank writes them (module docstring)."""
 
@@ -94,16 +107,8 @@ class Checkpoints:
         run = run or os.path.dirname(os.path.abspath(directory))
         check_resume(resume)
         source = directory if resume in ("auto", True, False) else os.path.abspath(os.fspath(resume))
-        wanted = resume is not False
-        if resume == "auto" and os.path.abspath(directory) in _FINISHED_IN_THIS_PROCESS:
-            # Another fit() of this process finished here (pretrain, then fine-tune; a benchmark's
-            # blocks): that is a new run, not an interrupted one, so "auto" does not continue it.
-            # Every rank finished the same fits, so every rank decides the same.
-            wanted = False
-            if info.is_main:
-                # stacklevel: the user's ddprun.fit line (open <- _setup <- fit_module <- ddprun.api.fit)
-                warnings.warn(f"ddprun: fit() already ran in this process with checkpoints in {directory}; this "
-                              "fit() starts anew (resume=True or a path continues from them).", stacklevel=5)
+        # stacklevel: the user's ddprun.fit line (open <- _setup <- fit_module <- ddprun.api.fit)
+        wanted = resume is not False and not finished_here(directory, resume, info, stacklevel=5)
         if not _distributed(info):
             self = cls(directory, info, keep)
             cls._prepare(directory, lock=run)
