@@ -11,6 +11,7 @@ attempts: torch's c10d shares one store server for the whole job, see agent/atte
     stall              set by the observer that found no progress for the stall threshold (who, when)
     stall/summary      the hang report's one-line summary, once written (every agent prints it)
     place/<N>          where rank N's main thread is, answered on ``stall`` (the request it answers in it)
+    stall/answers/<d>  a counter: the ranks that wrote their place for the request whose digest is <d>
     timing/<N>         rank N's step-time medians over its latest window (telemetry), every window
     timing-final/<N>   rank N published its last window at a clean exit
     failures           a counter; failure/<k> the k-th failure record (protocol/failure.py)
@@ -247,6 +248,12 @@ class Keys:
     @property
     def stall_summary(self) -> str:
         return self._k("stall/summary")
+
+    def answers(self, request: str) -> str:
+        """How many ranks answered the stall request ``request`` (each adds 1 after its ``place``): the
+        claimant reads this one counter until every rank answered, then their places once. Named by
+        the request, so an answer to an earlier one that comes after its clean-up is not counted."""
+        return self._k(f"stall/answers/{hashlib.sha1(request.encode()).hexdigest()[:16]}")
 
     @property
     def failures(self) -> str:
