@@ -21,7 +21,16 @@ from ddprun.errors import ConfigError
 from ddprun.protocol import defaults
 from ddprun.protocol import failure as fr
 from ddprun.protocol.env import WorkerEnv, node_store_address
-from ddprun.protocol.store import Keys, claim, present, publish_failure, read_causes, refusal, store_prefix
+from ddprun.protocol.store import (
+    Keys,
+    claim,
+    present,
+    publish_failure,
+    read_causes,
+    read_counter,
+    refusal,
+    store_prefix,
+)
 
 
 class JobRefused(Exception):
@@ -216,7 +225,10 @@ class JobChannel:
         """Stay (bounded) until every other rank has read the failure: this process keeps its node's
         agent, and maybe the store the others read it from, alive meanwhile."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self._failure_store().add(self.keys.acks, 0) < self.world_size - 1:
+        while time.monotonic() < deadline:
+            acks = read_counter(self._failure_store(), self.keys.acks)
+            if acks is None or acks >= self.world_size - 1:  # None: not a count; nothing to wait for
+                return
             time.sleep(0.05)
 
     def ack_failure(self, store: Any = None) -> None:
