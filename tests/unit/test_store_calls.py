@@ -169,3 +169,35 @@ def test_a_monitor_reading_the_job_store_goes_on_past_an_alarm_that_holds_no_num
     server.set(ch.keys.cause(int(server.add(ch.keys.causes, 1))), rec.to_json())
     m._tick(client)
     assert seen == [rec] and m._failed_polls == 0
+
+
+def test_a_failure_read_that_times_out_keeps_the_alarm_for_the_next_poll(tmp_path, monkeypatch):
+    """A read of the records slower than STORE_CALL_S gave "no failure", and the alarm that announced
+    it counted as read: the rank did not look again until the alarm moved again."""
+    from ddprun.protocol import defaults
+    from ddprun.protocol import failure as fr
+    from ddprun.protocol.store import publish_failure
+    from ddprun.worker import monitor as monitor_mod
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ch, client = _channel(tmp_path, server, rank=1, world=4)
+    m = monitor_mod.Monitor(ch)
+    seen = []
+    monkeypatch.setattr(m, "_stopped_by", lambda cause, store: seen.append(cause))
+    m._tick(client)
+    rec = fr.FailureRecord(fr.ERROR, 3, "ValueError: bad batch", 0, "a")
+    publish_failure(server, ch.keys, rec)
+    monkeypatch.setattr(defaults, "STORE_CALL_S", 0.2)
+
+    class Slow(Counting):
+        def multi_get(self, keys):
+            time.sleep(0.6)  # the store's host busy, or the network slow, this once
+            return self.store.multi_get(keys)
+
+    try:
+        m._tick(Slow(client.store))  # the monitor's loop drops this client and polls again with another
+    except TimeoutError:
+        pass
+    assert seen == []
+    m._tick(Counting(store_client(server.port, 10.0)))
+    assert seen == [rec]
