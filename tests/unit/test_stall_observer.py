@@ -138,37 +138,50 @@ def test_inside_a_setup_phase_only_a_step_begins_the_loop_and_a_phase_ends_once(
     assert q.in_setup == 0 and telemetry.PROGRESS.in_setup == 0
 
 
-def test_a_failing_poll_is_said_once_then_the_watch_goes_on_until_a_bounded_give_up(tmp_path, monkeypatch, capsys):
+def test_a_failing_poll_is_said_once_and_a_store_gone_for_long_is_tried_slower_while_signals_still_act(
+        tmp_path, monkeypatch, capsys):
+    """The monitor used to end after MAX_FAILED_POLLS; a preemption signal its signal thread handed it
+    afterwards was dropped, and the rank trained on through it. It keeps trying the store, every
+    RETRY_S, and a signal handed while the store is gone ends the rank at once."""
+    import signal
+
     monkeypatch.setattr(defaults, "MONITOR_POLL_S", 0.02)
+    monkeypatch.setattr(monitor_mod, "RETRY_S", 0.3, raising=False)
     (tmp_path / "logs").mkdir()
     calls, ready = [], []
-    five = threading.Event()
 
     def unreachable():
         if not ready:  # the channel's own client, made at its start; the monitor's next ones fail
             ready.append(1)
             return object()
         calls.append(time.monotonic())
-        if len(calls) == 5:
-            five.set()
         raise ConnectionError("Connection refused\nsecond line")
 
     environ = {"RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
                "TORCHELASTIC_RUN_ID": "a", "DDPRUN_ATTEMPT": "0"}
     mon = monitor_mod.Monitor(JobChannel(environ, WorkerEnv(run_dir=str(tmp_path)), connect=unreachable)).start()
-    assert five.wait(5)
-    assert mon._thread.is_alive()  # still watching after five failed polls
+    deadline = time.monotonic() + 10
+    while len(calls) < monitor_mod.MAX_FAILED_POLLS + 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    mon.stop()
     mon._thread.join(timeout=5)
-    assert not mon._thread.is_alive() and len(calls) == monitor_mod.MAX_FAILED_POLLS
+    given_up = calls[monitor_mod.MAX_FAILED_POLLS - 1]
+    assert len(calls) >= monitor_mod.MAX_FAILED_POLLS + 2, calls  # still trying after it said the store gone
+    assert all(b - a >= 0.25 for a, b in zip(calls, calls[1:]) if a >= given_up), calls  # every RETRY_S
     err = capsys.readouterr().err.splitlines()
     assert err == [
         "ddprun: rank 1's monitor: a poll of the job store failed (ConnectionError: Connection refused); "
         "still watching",
         f"ddprun: rank 1's monitor: the job store has not answered for "
-        f"{monitor_mod.MAX_FAILED_POLLS * 0.02:.0f} s; this rank's watchdog stops",
+        f"{monitor_mod.MAX_FAILED_POLLS * 0.02:.0f} s; it is tried every 0.3 s, and a preemption signal ends this "
+        "rank at once",
     ]
     logged = (tmp_path / "logs" / "monitor-rank-1.log").read_text().splitlines()
     assert [line.split(" ", 2)[2] for line in logged] == [e.removeprefix("ddprun: ") for e in err]
+    died = []
+    monkeypatch.setattr(monitor_mod.preempt, "die_by", died.append)
+    mon._hand([signal.SIGTERM])  # the signal thread's hand-over, the store still gone
+    assert died == [signal.SIGTERM]
 
 
 def test_stall_timeout_0_turns_the_watch_off_and_only_the_first_and_last_ranks_observe():
@@ -255,3 +268,41 @@ def test_a_claimant_whose_clean_up_failed_reports_the_next_stall(tmp_path):
     second = store.get(keys.stall).decode()
     assert second != first and json.loads(second)["by"] == 0
     assert "no rank advanced for 80 s" in rank0._summary, rank0._summary
+
+
+def test_the_claimant_waits_for_the_answers_on_one_counter_not_every_rank_s_place(tmp_path):
+    """At 8,192 ranks a check of every place key cost 20-110 ms, made every 20 ms for up to 5 s while
+    the ranks wrote their answers to the same single-threaded store: healthy ranks were named as not
+    answering. The claimant now reads one counter a poll, less often as it waits, and every place once."""
+    import json
+
+    from tests.helpers import Counting, store_server
+
+    server, world = store_server(), 8
+
+    def monitor(rank, store):
+        environ = {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": "1", "TORCHELASTIC_RUN_ID": "a", "DDPRUN_ATTEMPT": "0"}
+        wenv = WorkerEnv(run_dir=str(tmp_path), stall_timeout=1.0, stall_end=100.0)
+        return monitor_mod.Monitor(JobChannel(environ, wenv, connect=lambda: store))
+
+    claimant, others = Counting(server), [monitor(r, server) for r in range(1, world)]
+    rank0 = monitor(0, claimant)
+
+    def answer_late():  # the other ranks answer 0.6 s after the request, as their monitors poll
+        deadline = time.monotonic() + 5
+        while not server.check([rank0.ch.keys.stall]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.6)
+        for m in others:
+            m._answer_stall(server)
+
+    helper = threading.Thread(target=answer_late)
+    helper.start()
+    began = time.monotonic()
+    rank0._report(claimant, 40.0)
+    took = time.monotonic() - began
+    helper.join()
+    assert "did not answer" not in rank0._summary and json.loads(server.get(rank0.ch.keys.stall))["by"] == 0
+    assert claimant.calls.count("check") <= 3, claimant.calls  # the places once (and the claim's own reads)
+    assert len(claimant.calls) < 25 and took < 2.0, (took, claimant.calls)

@@ -11,6 +11,7 @@ attempts: torch's c10d shares one store server for the whole job, see agent/atte
     stall              set by the observer that found no progress for the stall threshold (who, when)
     stall/summary      the hang report's one-line summary, once written (every agent prints it)
     place/<N>          where rank N's main thread is, answered on ``stall`` (the request it answers in it)
+    stall/answers/<d>  a counter: the ranks that wrote their place for the request whose digest is <d>
     timing/<N>         rank N's step-time medians over its latest window (telemetry), every window
     timing-final/<N>   rank N published its last window at a clean exit
     failures           a counter; failure/<k> the k-th failure record (protocol/failure.py)
@@ -248,6 +249,12 @@ class Keys:
     def stall_summary(self) -> str:
         return self._k("stall/summary")
 
+    def answers(self, request: str) -> str:
+        """How many ranks answered the stall request ``request`` (each adds 1 after its ``place``): the
+        claimant reads this one counter until every rank answered, then their places once. Named by
+        the request, so an answer to an earlier one that comes after its clean-up is not counted."""
+        return self._k(f"stall/answers/{hashlib.sha1(request.encode()).hexdigest()[:16]}")
+
     @property
     def failures(self) -> str:
         return self._k("failures")
@@ -323,6 +330,20 @@ def value_or_empty(store: Any, key: str) -> str:
     return text(store.get(key)) if store.check([key]) else ""
 
 
+def read_counter(store: Any, key: str) -> int | None:
+    """A counter's value (0 when absent); None when it holds something that is not an integer.
+
+    Not ``add(key, 0)``: on such a value TCPStore's server fails the add and closes the client's
+    connection (DistNetworkError), so every later call of that client fails as if the store were
+    down. One ``compare_set`` that changes nothing reads it instead: "0" is put back as "0", another
+    value is returned as it is, and an absent key is not created (the server returns the expected
+    "0")."""
+    try:
+        return int(text(store.compare_set(key, "0", "0")))
+    except ValueError:
+        return None
+
+
 def raise_alarm(store: Any, keys: Keys) -> None:
     """After a write the ranks act on (the module docstring's ``alarm``)."""
     store.add(keys.alarm, 1)
@@ -361,11 +382,12 @@ def read_records(store: Any, names: list[str]) -> dict[str, fr.FailureRecord]:
 
 def read_causes(store: Any, keys: Keys, known: Any = ()) -> dict[str, fr.FailureRecord]:
     """Every first-hand record, or while there is none the job's first ECHOES_READ records; the
-    keys in ``known`` are not read again. A bounded read whatever the job's size."""
-    n = int(store.add(keys.causes, 0))
+    keys in ``known`` are not read again. A bounded read whatever the job's size. A counter that is not
+    an integer counts 0: the first-hand records are among the job's first records too."""
+    n = read_counter(store, keys.causes) or 0
     names = [keys.cause(c) for c in range(1, n + 1)]
     if n == 0:
-        names = [keys.failure(k) for k in range(1, min(int(store.add(keys.failures, 0)), ECHOES_READ) + 1)]
+        names = [keys.failure(k) for k in range(1, min(read_counter(store, keys.failures) or 0, ECHOES_READ) + 1)]
     return read_records(store, [k for k in names if k not in known])
 
 

@@ -21,7 +21,16 @@ from ddprun.errors import ConfigError
 from ddprun.protocol import defaults
 from ddprun.protocol import failure as fr
 from ddprun.protocol.env import WorkerEnv, node_store_address
-from ddprun.protocol.store import Keys, claim, present, publish_failure, read_causes, refusal, store_prefix
+from ddprun.protocol.store import (
+    Keys,
+    claim,
+    present,
+    publish_failure,
+    read_causes,
+    read_counter,
+    refusal,
+    store_prefix,
+)
 
 
 class JobRefused(Exception):
@@ -216,7 +225,10 @@ class JobChannel:
         """Stay (bounded) until every other rank has read the failure: this process keeps its node's
         agent, and maybe the store the others read it from, alive meanwhile."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self._failure_store().add(self.keys.acks, 0) < self.world_size - 1:
+        while time.monotonic() < deadline:
+            acks = read_counter(self._failure_store(), self.keys.acks)
+            if acks is None or acks >= self.world_size - 1:  # None: not a count; nothing to wait for
+                return
             time.sleep(0.05)
 
     def ack_failure(self, store: Any = None) -> None:
@@ -231,16 +243,20 @@ class JobChannel:
 
     def failures(self, store: Any = None) -> list[fr.FailureRecord]:
         """The job's first-hand records, or while there is none its first echoes (protocol/store.py
-        read_causes: 3 store calls whatever the job's size); [] when the store cannot be read."""
-        try:  # bounded: a stopped store host would hold the caller (a failing rank) for ever
-            if store is None:
-                return list(read_causes(self._failure_store(), self.keys).values())
+        read_causes: 3 store calls whatever the job's size); [] when the store cannot be read.
+        ``store``: another client than the channel's (the monitor's), on which a read that fails or
+        takes over STORE_CALL_S raises instead (TimeoutError): read as "no failure", the alarm that
+        announced one was taken as read, and not read again until it moved again."""
+        if store is not None:  # bounded: a stopped store host would hold the monitor for ever
             return list(within(defaults.STORE_CALL_S, read_causes, store, self.keys).values())
+        try:  # bounded: a stopped store host would hold the caller (a failing rank) for ever
+            return list(read_causes(self._failure_store(), self.keys).values())
         except Exception:  # noqa: BLE001 - the store is gone or does not answer: nothing to read
             return []
 
     def cause(self, store: Any = None) -> fr.FailureRecord | None:
-        """The root cause among the records of other ranks (None: no other rank failed)."""
+        """The root cause among the records of other ranks (None: no other rank failed); raises as
+        :meth:`failures` does with ``store``."""
         return self.cause_among(self.failures(store))
 
     def cause_among(self, records: list[fr.FailureRecord]) -> fr.FailureRecord | None:
