@@ -123,14 +123,20 @@ def _handler(signum: int, frame: Any) -> None:
         PREEMPT.handled.set()
 
 
+def stops_itself(signum: int) -> bool:
+    """Whether the script set a handler of its own for ``signum`` (chained behind ours): it decides
+    what the signal does (a flag its loop reads, a save, then its exit), not the signal's default."""
+    chained = PREEMPT._previous.get(signum)
+    return callable(chained) and chained is not signal.default_int_handler
+
+
 def let_own_handler_run(signum: int, timeout_s: float) -> None:
     """Before this process ends by ``signum``: the script's own handler for it (chained) gets up to
     ``timeout_s`` to run and return. The main thread runs Python handlers only between bytecodes, so
     a monitor thread that decides at once (a store call or two) could end the process before it ran
     (seen under CPU load: Lightning's "Received SIGTERM" never written); a handler that never returns
     (blocked in C, or in a collective no other rank joins) is not waited for past the bound."""
-    chained = PREEMPT._previous.get(signum)
-    if callable(chained) and chained is not signal.default_int_handler:
+    if stops_itself(signum):
         PREEMPT.handled.wait(timeout_s)
 
 

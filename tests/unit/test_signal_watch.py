@@ -46,6 +46,7 @@ def rank_1(tmp_path, monkeypatch):
     state.fit_active = True  # something stops at a step: a preemption request does not end the rank
     monkeypatch.setattr(monitor_mod, "PREEMPT", state)
     monkeypatch.setattr(signals_mod, "PREEMPT", state)
+    monkeypatch.setattr(preempt, "PREEMPT", state)  # whose handlers the script set (preempt.stops_itself)
     died: list[int] = []
     monkeypatch.setattr(preempt, "die_by", died.append)
     node = store_server()
@@ -124,6 +125,39 @@ def test_a_frozen_agents_node_store_is_asked_within_a_bound(monkeypatch):
     frozen = threading.Event()
     mark = signals_mod.NodeMark(lambda: frozen.wait(10))
     t0 = time.monotonic()
-    assert mark("k") is False and time.monotonic() - t0 < 1.0
+    assert mark("k") == "" and time.monotonic() - t0 < 1.0
     frozen.set()
-    assert signals_mod.NodeMark(None)("k") is False  # no node store: the monitor asks the job store
+    assert signals_mod.NodeMark(None)("k") == ""  # no node store: the monitor asks the job store
+
+
+def test_an_agents_stop_because_nothing_stops_at_a_step_leaves_the_scripts_own_handler_to_end_it(rank_1):
+    """Megatron's --exit-signal-handler, a torchrun script's own SIGTERM handler: it sets a flag, and the
+    loop saves and exits at its next step. torchrun's agent gives it 30 s; ddprun's worker ended it the
+    moment its agent's stop came, and the save never happened. Any other stop still ends it at once."""
+    make, node, relay, died = rank_1
+    job = store_server()
+    mon, w = make(job)
+    signals_mod.PREEMPT._previous[signal.SIGTERM] = lambda signum, frame: None  # the script's own handler
+    node.set(mon.ch.keys.stopping(1), pp.STOPPING_FOR_NONE)
+    os.write(w, bytes([signal.SIGTERM]))  # left to the script: not ended, not a new request
+    os.write(w, bytes([signal.SIGUSR1]))  # no handler of the script's: ended at once
+    assert _within(5, lambda: died) < 5 and died == [signal.SIGUSR1]
+    assert not job.check([mon.ch.keys.preempt]) or "SIGTERM" not in str(job.get(mon.ch.keys.preempt))
+    node.set(mon.ch.keys.stopping(1), "1")  # a failure's or a restart's stop
+    os.write(w, bytes([signal.SIGTERM]))
+    assert _within(5, lambda: len(died) == 2) < 5 and died == [signal.SIGUSR1, signal.SIGTERM]
+
+
+def test_a_request_nothing_stops_at_leaves_a_rank_whose_script_handles_the_signal_to_its_handler(rank_1, monkeypatch):
+    """SLURM signals every process: the rank's own SIGTERM reaches its monitor, the job answers that
+    nothing stops at a step (no ddprun.fit, no on_preempt), and the script's handler decides."""
+    make, node, relay, died = rank_1
+    monkeypatch.setattr(defaults, "OWN_HANDLER_WAIT_S", 0.1)  # before: the rank ended once its handler ran
+    signals_mod.PREEMPT.fit_active = False
+    signals_mod.PREEMPT._previous[signal.SIGTERM] = lambda signum, frame: None
+    job = store_server()
+    mon, w = make(job)
+    os.write(w, bytes([signal.SIGTERM]))
+    assert _within(5, lambda: signals_mod.PREEMPT.requested) < 5
+    assert job.get(mon.ch.keys.preempt_stop) == pp.NO_STEP.encode()
+    assert _within(0.5, lambda: died) >= 0.5 and died == []  # before: ended right after the handler returned

@@ -26,6 +26,11 @@ NO_STEP = "none"
 """``preempt/stop`` when the first proposer has nothing that stops at a step (neither ddprun.fit nor
 an ``on_preempt`` callback): the signalled processes then end at once, as without ddprun."""
 
+STOPPING_FOR_NONE = "none"
+"""The value of an agent's ``stopping/<node>`` mark when it stops its workers because the job
+answered :data:`NO_STEP` (any other stop marks "1"): a worker whose script handles the signal itself
+is then left to its handler, as under torchrun, within ``--stop-grace``; every other stop ends it at once."""
+
 EXIT_CODE = 75
 """``ddprun run``'s exit code after every rank stopped at the agreed step (EX_TEMPFAIL: run it again)."""
 

@@ -54,7 +54,7 @@ from ddprun.telemetry import PROGRESS, TIMER, summarize
 from ddprun.worker import collectives, stacks
 from ddprun.worker.channel import JobChannel
 from ddprun.worker.exit import record, stopped_message
-from ddprun.worker.signals import NodeMark, SignalWatch, wake
+from ddprun.worker.signals import NodeMark, SignalWatch, left_to_script, wake
 
 RATE_SAMPLE_S = 0.4
 """At least this long between two samples of the step rate (a stop step's horizon, protocol/preempt.py)."""
@@ -487,7 +487,10 @@ class Monitor:
     def _signals(self, store: Any, sigs: list[int]) -> None:
         """Preemption signals that reached this rank (module docstring)."""
         for sig in sigs:
-            if self._agent_stopping(store):
+            why = self._agent_stopping(store)
+            if why and left_to_script(why, sig):
+                continue  # the script's own handler ends it (worker/signals.py)
+            if why:
                 preempt.die_by(sig)  # torch's agent stops its workers: as it always did
             if PREEMPT.signum is None:
                 PREEMPT.signum = sig
@@ -500,11 +503,13 @@ class Monitor:
             else:
                 self._forced(sig)
 
-    def _agent_stopping(self, store: Any) -> bool:
+    def _agent_stopping(self, store: Any) -> str:
+        """The agent's stop mark in the job store ("" when none; "1" when the store does not answer)."""
+        key = self.ch.keys.stopping(self.ch.node_rank)
         try:
-            return bool(store.check([self.ch.keys.stopping(self.ch.node_rank)]))
+            return (text(store.get(key)) or "1") if store.check([key]) else ""
         except Exception:  # noqa: BLE001 - no store: the job is ending anyway
-            return True
+            return "1"
 
     def _forced(self, sig: int) -> None:
         """A second preemption signal: end this rank now, with one line and a record."""
@@ -537,7 +542,10 @@ class Monitor:
         # next poll; marked before, this rank would never learn the stop step the others stop at
         PREEMPT.requested, PREEMPT.signame = True, signame
         if agreed == pp.NO_STEP:
-            if PREEMPT.signum is not None:  # nothing stops at a step: this signal does what it always did
+            if PREEMPT.signum is not None and preempt.stops_itself(PREEMPT.signum):
+                self._note(f"rank {self.ch.rank}: nothing stops at a step, and the script handles {signame} "
+                           "itself: its handler decides when this rank ends, as under torchrun")
+            elif PREEMPT.signum is not None:  # nothing stops at a step: this signal does what it always did
                 preempt.let_own_handler_run(PREEMPT.signum, defaults.OWN_HANDLER_WAIT_S)
                 preempt.die_by(PREEMPT.signum)
             return  # the signalled processes end now; this rank then ends as a peer of theirs

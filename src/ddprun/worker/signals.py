@@ -4,8 +4,11 @@
 A signal that the rank's agent sends as it stops its workers (a failure, a restart, a job store
 that stopped answering) ends the rank at once: the agent marks its stop in its node store before it
 signals them (agent/noderelay.py ``stopping``), and that one local read is all this thread waits
-for. Every other signal goes to the monitor (worker/monitor.py), which asks the job to stop at one
-step through the job store. So a monitor whose store call waits on a host that went silent (the
+for. The one exception is a stop because nothing in the job stops at a step (the mark says
+``protocol.preempt.STOPPING_FOR_NONE``) of a script with its own handler for the signal: as under
+torchrun, that handler decides (a flag its loop reads, a save, its exit), and the agent's
+``--stop-grace`` bounds it. Every other signal goes to the monitor (worker/monitor.py), which asks the
+job to stop at one step through the job store. So a monitor whose store call waits on a host that went silent (the
 client's 30 s timeout: no FIN or RST comes from a machine that lost power) delays only a
 preemption request, never the agent's stop.
 """
@@ -22,6 +25,7 @@ from ddprun import preempt
 from ddprun._util import Bounded, within
 from ddprun.preempt import PREEMPT
 from ddprun.protocol import defaults
+from ddprun.protocol import preempt as pp
 
 POLL_S = 1.0
 """How often the thread looks at its stop event while no signal comes (:meth:`SignalWatch.stop` wakes it at once)."""
@@ -56,13 +60,17 @@ class NodeMark:
         except Exception:  # noqa: BLE001 - a signal will try again
             self._client = None
 
-    def __call__(self, key: str) -> bool:
+    def __call__(self, key: str) -> str:
+        """The mark's value; "" when there is none (or no answer)."""
         try:
             client = self._connected()
-            return client is not None and bool(client.check([key]))
+            if client is None or not client.check([key]):
+                return ""
+            value = client.get(key)
+            return (value.decode(errors="replace") if isinstance(value, bytes) else str(value)) or "1"
         except Exception:  # noqa: BLE001 - no answer: the monitor decides through the job store
             self._client = None
-            return False
+            return ""
 
     def _connected(self) -> Any:
         if self._client is None and self._connect is not None:
@@ -104,7 +112,20 @@ class SignalWatch:
                 continue
             if not sigs:
                 continue
-            if self._mark(self._key):
+            why = self._mark(self._key)
+            if why:
+                # a signal the script's own handler (chained, on the main thread) ends the rank by is left
+                # to it, within the agent's --stop-grace; any other ends it now, as it always did
+                sigs = [sig for sig in sigs if not left_to_script(why, sig)]
+                if not sigs:
+                    continue
                 PREEMPT.say_saved_before_stop(STOP_SAVE_WAIT_S)
-                preempt.die_by(sigs[0])  # torch's agent stops its workers: as it always did
+                preempt.die_by(sigs[0])
             self._handoff(sigs)
+
+
+def left_to_script(why: str, signum: int) -> bool:
+    """Whether the agent's stop (its mark, ``why``) by ``signum`` is the script's to end: the job
+    answered that nothing stops at a step, and the script handles that signal itself (as under torchrun,
+    whose agent gives it 30 s)."""
+    return why == pp.STOPPING_FOR_NONE and preempt.stops_itself(signum)
