@@ -638,6 +638,27 @@ def test_the_exit_barrier_is_left_once_the_job_has_a_first_hand_cause_and_not_fo
     assert a.exit_barrier_done() and a.job_failed() == first
 
 
+def test_another_nodes_lost_record_ends_the_exit_barrier_and_fails_the_job_only_if_it_never_arrived(agent, store):
+    """A node whose ranks ended 0 waits in the exit barrier; another node (not its ring neighbour, which
+    alone watches that node's beat) names a third node lost: the wait ends once the record is read, and
+    the job failed of it when the lost node had not arrived, not when it had (its ranks finished)."""
+    from ddprun.protocol.store import publish_failure
+
+    a, _ = agent
+    lost = fr.FailureRecord(fr.LOST, -1, "its agent stopped answering for 10 s", 2, "host-c", by="observer",
+                            t=time.time())
+    assert not a.exit_barrier_done()
+    publish_failure(store, Keys("ddprun/job/r1/"), lost)
+    deadline = time.monotonic() + 3
+    while not a.exit_barrier_done() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert a.exit_barrier_done() and a.lost is None and a.job_failed() is None
+    a.exit_barrier_left(3, 3)  # every agent arrived: the lost node had finished
+    assert a.lost_before_end() is None
+    a.exit_barrier_left(2, 3)
+    assert a.lost_before_end() == lost
+
+
 def test_node_0_whose_ranks_finished_lingers_only_until_the_others_have_their_records(agent, store):
     """Its ranks (0, 1) ended 0 and need no record; rank 3 finished first (the cause rank 2's record
     carries): every rank is accounted for at once, where it used to wait out the bound."""

@@ -168,6 +168,8 @@ class AgentFailures:
         self._oom0: int | None = None
         """The cgroup's oom_kill count when this attempt's workers started (on_workers_started)."""
         self.lost: fr.FailureRecord | None = None
+        self._barrier_short = False
+        """The agents' exit barrier was left before every agent arrived (:meth:`exit_barrier_left`)."""
         self._hang_said: bytes | None = None
         self._told: Keys | None = None
         """The attempt whose cause-read mark this node set (:meth:`_mark_cause_read`)."""
@@ -893,9 +895,23 @@ class AgentFailures:
         return port_open(self._addr, self._port)
 
     def exit_barrier_done(self) -> bool:
-        """Leave the agents' exit barrier early: a node is lost, or the job failed (a first-hand cause
-        is known): that node will never arrive."""
-        return self.lost is not None or self.job_failed() is not None
+        """Leave the agents' exit barrier early: a node is lost (this node named it, or another node's
+        record says so), or the job failed (a first-hand cause is known): that node will never arrive."""
+        return self.lost is not None or self._lost_record() is not None or self.job_failed() is not None
+
+    def exit_barrier_left(self, arrived: int, n: int) -> None:
+        """The exit barrier was left having seen ``arrived`` of the ``n`` agents (agent/torch_agent.py)."""
+        self._barrier_short = arrived < n
+
+    def _lost_record(self) -> fr.FailureRecord | None:
+        """The first record of a lost node (or store) known, else None."""
+        return fr.root_cause([rec for rec in self.records() if rec.kind == fr.LOST])
+
+    def lost_before_end(self) -> fr.FailureRecord | None:
+        """A node lost while this one waited for the others at the end: the record naming it, when the
+        exit barrier was left before every agent arrived (a lost node that had arrived finished its
+        ranks, and the job did not fail). None otherwise."""
+        return self._lost_record() if self._barrier_short else None
 
     def job_failed(self) -> fr.FailureRecord | None:
         """The job's first-hand cause read so far when a rank's (a worker's failure, or its end that left

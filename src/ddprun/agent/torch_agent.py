@@ -25,7 +25,8 @@ the hooks ddprun needs and torch does not offer:
   flagged) ends the agent at once, as during the first rendezvous.
 * a node waiting in the rendezvous looks at the round sooner in a small job (agent/rendezvous_poll.py).
 * a bounded exit barrier that ends early when ``exit_barrier_done()`` says so (a node was lost),
-  instead of torch's fixed 300 s wait for agents that may be gone.
+  instead of torch's fixed 300 s wait for agents that may be gone; ``on_exit_barrier_left(arrived,
+  n)`` says how many agents it saw arrive.
 
 Everything else (rendezvous, worker processes, restarts, supervision) is torch's LocalElasticAgent.
 """
@@ -73,6 +74,8 @@ class AgentHooks:
     on_signal: Callable[[int], None] = lambda sig: None
     """This agent got a death signal (SIGTERM, SIGINT, ...): called before torch stops the workers."""
     exit_barrier_done: Callable[[], bool] = lambda: False
+    on_exit_barrier_left: Callable[[int, int], None] = lambda arrived, n: None
+    """The exit barrier was left with ``arrived`` of ``n`` agents seen there (the last count read)."""
     exit_barrier_s: float = 300.0
     stop_grace_s: float = 30.0
     """Seconds between SIGTERM and SIGKILL when the agent stops its workers."""
@@ -313,14 +316,15 @@ class DdprunAgent(LocalElasticAgent):
         if store is None or n is None:
             return
         key = "ddprun/exit-barrier/" + str(self._worker_group.spec.rdzv_handler.get_run_id())
-        deadline = time.monotonic() + self._exit_barrier_timeout
+        deadline, arrived = time.monotonic() + self._exit_barrier_timeout, 0
         try:  # each call bounded: a stopped store host would hold it for ever
-            within(defaults.STORE_CALL_S, store.add, key, 1)
-            while within(defaults.STORE_CALL_S, store.add, key, 0) < n and time.monotonic() < deadline and \
-                    not self._hooks.exit_barrier_done():
+            arrived = within(defaults.STORE_CALL_S, store.add, key, 1)
+            while arrived < n and time.monotonic() < deadline and not self._hooks.exit_barrier_done():
                 time.sleep(0.1)
+                arrived = within(defaults.STORE_CALL_S, store.add, key, 0)
         except Exception:  # noqa: BLE001 - the store host ended first (or froze): nothing left to wait for
             pass
+        self._hooks.on_exit_barrier_left(int(arrived), n)
 
 
 RENDEZVOUS_CALL_S = 60.0
