@@ -990,3 +990,31 @@ def test_the_probe_names_a_store_that_takes_connections_but_answers_nothing(tmp_
     assert lost.headline() == f"the node hosting the job store was lost: the job store at 127.0.0.1:{store.port} " \
                               "stopped answering", lost.headline()
     assert took < 2.0, took
+
+
+def test_a_neighbour_silent_through_a_pause_this_agent_slept_through_too_is_not_lost(tmp_path, store, monkeypatch):
+    """The whole job suspended between two ticks (scontrol suspend, a paused VM): the monotonic clock
+    ran 400 s while no process ran. The first look at the neighbour's unchanged beat after it is no
+    loss: its silence counts from the resume, and a neighbour still silent lost_after later is lost."""
+    import types
+
+    from ddprun.agent import failures as failures_mod
+
+    clock = [1000.0]
+    monkeypatch.setattr(failures_mod, "time", types.SimpleNamespace(monotonic=lambda: clock[0], time=time.time))
+    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", io.StringIO(),
+                      connect=preconnected(store.port))
+    keys = Keys("ddprun/job/r1/")
+    a._keys, a._node, a._nnodes, a._started_at = keys, 0, 2, clock[0]
+    store_client(store.port).set(keys.agent(1), json.dumps({"host": "host-b", "beat": 2}))
+    seen, beat = (None, None, clock[0]), 0
+    for step in (0.5, 0.5, 400.0, 0.5, 0.5, 0.5, 0.5):  # ticks, the pause, ticks: the neighbour unchanged
+        clock[0] += step
+        beat += 1
+        seen = a._tick(beat, seen)
+        assert a.lost is None, (step, a.lost)
+    while a.lost is None and beat < 60:  # still unchanged: lost, its silence counted from the resume
+        clock[0] += 0.5
+        beat += 1
+        seen = a._tick(beat, seen)
+    assert a.lost is not None and a.lost.node_rank == 1 and "for 10 s" in a.lost.summary, a.lost

@@ -168,6 +168,9 @@ class AgentFailures:
         self._oom0: int | None = None
         """The cgroup's oom_kill count when this attempt's workers started (on_workers_started)."""
         self.lost: fr.FailureRecord | None = None
+        self._alive_at, self._rebased_at = time.monotonic(), float("-inf")
+        """When the failure thread's last tick ended, and when it last found it had not run for a while
+        (:meth:`_held`)."""
         self._barrier_short = False
         """The agents' exit barrier was left before every agent arrived (:meth:`exit_barrier_left`)."""
         self._hang_said: bytes | None = None
@@ -448,7 +451,15 @@ class AgentFailures:
 
     def _tick(self, beat: int, seen_at: tuple[Any, Any, float]) -> tuple[Any, Any, float]:
         """Every half second: the alarm, and what it announces when it moved; every second (even
-        ``beat``): the heartbeat with the node's progress, its timings, the neighbour's heartbeat."""
+        ``beat``): the heartbeat with the node's progress, its timings, the neighbour's heartbeat.
+        First, whether this thread ran since the last tick ended (:meth:`_held`)."""
+        self._held(time.monotonic())
+        try:
+            return self._tick_once(beat, seen_at)
+        finally:
+            self._alive_at = time.monotonic()
+
+    def _tick_once(self, beat: int, seen_at: tuple[Any, Any, float]) -> tuple[Any, Any, float]:
         keys = self._keys  # first: a client of a later attempt's store only ever sees old keys, which it skips
         store = self._client()
         if keys is None:
@@ -598,9 +609,10 @@ class AgentFailures:
         now = time.monotonic()
         if value != seen_at[1]:
             return key, value, now
+        silent = now - max(seen_at[2], self._rebased_at)  # not through a time this agent did not run either
         # also a neighbour that never beat in this attempt (killed right after its workers started)
-        if (value is None or b'"done"' not in value) and now - seen_at[2] >= self._lost_after and self.lost is None:
-            lost = fr.FailureRecord(fr.LOST, -1, f"its agent stopped answering for {now - seen_at[2]:.0f} s",
+        if (value is None or b'"done"' not in value) and silent >= self._lost_after and self.lost is None:
+            lost = fr.FailureRecord(fr.LOST, -1, f"its agent stopped answering for {silent:.0f} s",
                                     other, self._host_of(other, value), by="observer", t=time.time())
             with self._lock:
                 # Only a neighbour of the attempt that runs. While torch re-forms the group its rendezvous
@@ -613,6 +625,17 @@ class AgentFailures:
             if current:
                 self._publish(lost, keys)
         return seen_at
+
+    def _held(self, now: float) -> None:
+        """This thread did not run for defaults.HELD_GAP_S between the end of its last tick and ``now``
+        (the job suspended, or this agent frozen, while it waited for its next tick; a slow store call
+        inside a tick is no such gap): the neighbour's silence then counts from now (``_rebased_at``),
+        and so does the time since which a worker's end is enforced: the others did not run either."""
+        if now - self._alive_at > defaults.HELD_GAP_S:
+            self._rebased_at = now
+            with self._lock:
+                if self._cause_seen is not None:
+                    self._cause_seen = now
 
     def _give_up_store(self) -> tuple[fr.FailureRecord, list[int]]:
         """Under the lock: the store's host is gone; name it and give it up. Returns its record and this
