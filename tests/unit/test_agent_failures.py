@@ -67,8 +67,9 @@ def test_a_restart_names_the_rank_that_failed_on_another_node_and_its_attempt_fo
     a, out = agent
     publish(store, "r1", killed(3, 1))
     a.on_restarting(0, 1)
-    assert out.getvalue() == ("ddprun: rank 3 (node 1, host-1) was killed by SIGKILL (its log: logs/rank-3.log "
-                              "on host-1); restarting the workers (restart 1 of 1)\n")
+    # its log as the restart keeps it, under this attempt's id (agent/logs.py keep_as_attempt)
+    assert out.getvalue() == ("ddprun: rank 3 (node 1, host-1) was killed by SIGKILL (its log: "
+                              "logs/rank-3.attempt-r1.log on host-1); restarting the workers (restart 1 of 1)\n")
     # the new attempt (the last one) must not inherit the old cause: it would stop its workers
     a.on_workers_started("r2", 0, 2, {0: (0, 0, ""), 1: (1, 0, "")}, world_size=4,
                          store=("127.0.0.1", store.port), last_attempt=True)

@@ -35,7 +35,7 @@ from ddprun.protocol import defaults
 from ddprun.protocol import failure as fr
 from ddprun.protocol import preempt as pp
 from ddprun.protocol.atomic import write_text_atomic
-from ddprun.protocol.rundir import RunDir
+from ddprun.protocol.rundir import RunDir, rank_log_name
 from ddprun.protocol.store import (
     Announced,
     Keys,
@@ -152,6 +152,8 @@ class AgentFailures:
         self._local: dict[int, fr.FailureRecord] = {}
         self._workers: dict[int, tuple[int, int, str]] = {}  # rank -> (local rank, pid, error file)
         self._keys: Keys | None = None
+        self._attempt = ""
+        """The attempt id of the workers that run (agent/attempt.py; their logs are kept under it)."""
         self._node, self._nnodes, self._world = 0, 1, 1
         self._last_attempt: bool = True
         self._cause_seen: float | None = None
@@ -195,7 +197,7 @@ class AgentFailures:
             if store is not None and store != (self._addr, self._port):
                 self._addr, self._port = store
                 self._store, self._answered = None, False
-            self._keys = Keys(f"ddprun/{self._run_id}/{attempt}/")
+            self._keys, self._attempt = Keys(f"ddprun/{self._run_id}/{attempt}/"), attempt
             self._started_at = time.monotonic()
             # a store named lost in the last attempt is tried afresh: this round's may be another (a new
             # group rank 0 hosts it, agent/torch_agent.py follow_round_store) or back; lost again only
@@ -708,7 +710,8 @@ class AgentFailures:
         if cause is not None:
             what = cause.headline()
             if cause.rank >= 0:
-                what += f" (its log: logs/rank-{cause.rank}.log on {cause.host})"
+                # the name it has once the restart moved it aside (agent/logs.py keep_as_attempt)
+                what += f" (its log: {rank_log_name(cause.rank, self._attempt)} on {cause.host})"
         print(f"ddprun: {what}; restarting the workers (restart {most - left} of {most})", file=self.out, flush=True)
 
     def probe_lost(self, wait_s: float = PROBE_S) -> list[fr.FailureRecord]:

@@ -37,6 +37,7 @@ from ddprun.protocol import defaults
 from ddprun.protocol import env as wenv
 from ddprun.protocol.atomic import write_text_atomic
 from ddprun.protocol.failure import FailureRecord
+from ddprun.protocol.rundir import rank_log_name
 
 
 class Publisher(Protocol):
@@ -57,11 +58,14 @@ def exit_code_of(e: SystemExit) -> int:
     return 1
 
 
-def stopped_message(cause: FailureRecord) -> str:
-    """What a rank ended by another rank's failure says (the agent groups these)."""
+def stopped_message(cause: FailureRecord, ch: Any = None) -> str:
+    """What a rank ended by another rank's failure says (the agent groups these). ``ch``: this rank's
+    JobChannel; where a restart may follow this attempt, the cause's log is named as the restart keeps
+    it (``rank-N.attempt-<attempt id>.log``)."""
     if cause.rank < 0:
         return f"{STOPPED_MARK} {cause.headline()}"
-    return (f"{STOPPED_MARK} {cause.headline()} (its log: logs/rank-{cause.rank}.log on {cause.host})")
+    attempt = "" if ch is None or ch.last_attempt else str(ch.wenv.attempt or "")
+    return f"{STOPPED_MARK} {cause.headline()} (its log: {rank_log_name(cause.rank, attempt)} on {cause.host})"
 
 
 def say(text: str) -> None:

@@ -466,7 +466,7 @@ class Monitor:
             return None
 
     def _stopped_by(self, cause: fr.FailureRecord, store: Any) -> None:
-        msg = stopped_message(cause)
+        msg = stopped_message(cause, self.ch)
         print(msg, file=sys.stderr, flush=True)
         rec = self.ch.stopped(cause)
         from ddprun.worker.exit import write_error_file
