@@ -288,4 +288,4 @@ def main(argv: list[str] | None = None) -> None:
     if monitor is not None:
         monitor.flush_timing() if code == 0 else monitor.stop()
     loaderworkers.end_workers()
-    ddp_exit.hard_exit(code, wenv.exit_timeout if wenv is not None else defaults.EXIT_TIMEOUT_S)
+    ddp_exit.hard_exit(code, wenv.exit_timeout if wenv is not None else defaults.EXIT_TIMEOUT_S, channel)
