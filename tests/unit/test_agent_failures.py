@@ -553,19 +553,27 @@ def test_the_request_is_read_on_demand_before_a_beat_reads_it(agent, store):
 
 def test_an_oom_kill_is_evidence_only_for_a_sigkill_of_its_own_attempt(agent, store, monkeypatch):
     """The cgroup's oom_kill count is read at each attempt's start: a kill in attempt r1 does not make
-    a later SIGKILL (a scheduler, a user) an out-of-memory kill in r2."""
+    a later SIGKILL (a scheduler, a user) an out-of-memory kill in r2, and a count that was read and
+    stayed says it was not one; only a count that cannot be read leaves the question open."""
     a, _ = agent
-    kills = iter([1, 1, 1, 2])
+    kills = iter([1, 1, 1, 2, None, None])
     monkeypatch.setattr("ddprun.cgroups.oom_kills", lambda: next(kills))
     a.on_workers_started("r2", 0, 2, {0: (0, 0, ""), 1: (1, 0, "")}, world_size=4,
                          store=("127.0.0.1", store.port), last_attempt=True)  # r1's kill counted: 1
     a.on_worker_exit(1, 1, 0, -signal.SIGKILL)  # still 1: not an OOM kill
-    assert a.local_record(1).hint == fr.SIGKILL_HINT
+    hint = a.local_record(1).hint
+    assert hint.startswith("killed by SIGKILL, not by the out-of-memory killer (the cgroup's oom_kill count stayed "
+                           "1): a scheduler that ended the job"), hint
+    assert "out-of-memory killer?" not in hint, hint
     a.on_workers_started("r3", 0, 2, {0: (0, 0, ""), 1: (1, 0, "")}, world_size=4,
                          store=("127.0.0.1", store.port), last_attempt=True)
     a.on_worker_exit(1, 1, 0, -signal.SIGKILL)  # 1 -> 2 in this attempt
     assert a.local_record(1).hint.startswith("the out-of-memory killer ended it (the cgroup's oom_kill count went "
                                              "1 -> 2)"), a.local_record(1).hint
+    a.on_workers_started("r4", 0, 2, {0: (0, 0, ""), 1: (1, 0, "")}, world_size=4,
+                         store=("127.0.0.1", store.port), last_attempt=True)
+    a.on_worker_exit(1, 1, 0, -signal.SIGKILL)  # no count to read (no memory controller): only the question
+    assert a.local_record(1).hint == fr.SIGKILL_HINT
 
 
 def test_after_a_network_outage_shorter_than_the_lost_bound_the_beat_is_back_within_two_seconds(tmp_path, store,

@@ -263,7 +263,7 @@ class AgentFailures:
                                 local_rank=local_rank, t=now)
         else:
             rec = fr.from_exit(rank, code, node_rank=self._node, host=self.host, local_rank=local_rank, t=now,
-                               oom_evidence=self._oom_evidence(code))
+                               oom_kills=self._oom_kills())
         with self._lock:
             self._local[rank] = rec
         self._publish(rec)
@@ -276,11 +276,10 @@ class AgentFailures:
         except Exception:  # noqa: BLE001 - the node store is this process's own; never fail the exit on it
             return None
 
-    def _oom_evidence(self, code: int) -> str:
-        if code != -signal.SIGKILL or self._oom0 is None:
-            return ""
+    def _oom_kills(self) -> tuple[int, int] | None:
+        """The cgroup's oom_kill count when this attempt's workers started and now (None: not readable)."""
         now = cgroups.oom_kills()
-        return f"the cgroup's oom_kill count went {self._oom0} -> {now}" if now is not None and now > self._oom0 else ""
+        return None if self._oom0 is None or now is None else (self._oom0, now)
 
     def _publish(self, rec: fr.FailureRecord, keys: Keys | None = None) -> None:
         """Into the run directory and the store (best effort: the store may be gone), under ``keys``
