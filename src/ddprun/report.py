@@ -36,10 +36,38 @@ TIMING_COLUMNS = ("t", "rank", "window", "n", "step", "data", "compute", "allred
 
 
 def _read_csv(path: str) -> list[dict[str, str]]:
+    """The rows of ``path`` that have as many fields as its header (a NUL, a block a crash left
+    unwritten, is read as nothing): a failed run's report is written too, and a full disk or a
+    SIGKILL mid-append leaves its last row short. Their readers leave out a row whose number does
+    not parse (:func:`_int`)."""
     if not os.path.exists(path):
         return []
-    with open(path, newline="") as fp:
-        return list(csv.DictReader(fp))
+    with open(path, newline="", errors="replace") as fp:
+        rows = csv.DictReader(io.StringIO(fp.read().replace("\0", "")))
+        return [r for r in rows if None not in r and None not in r.values()]
+
+
+def _int(v: str | None) -> int | None:
+    try:
+        return int(v) if v is not None else None
+    except ValueError:
+        return None
+
+
+def _read_events(path: str) -> list[dict]:
+    """The events of ``path`` (JSON lines); a line that does not parse (torn by a crash) is skipped."""
+    if not os.path.exists(path):
+        return []
+    events = []
+    with open(path, errors="replace") as fp:
+        for line in fp:
+            try:
+                event = json.loads(line) if line.strip() else None
+            except ValueError:
+                continue
+            if isinstance(event, dict):
+                events.append(event)
+    return events
 
 
 def _num(v: str | None) -> float:
@@ -55,12 +83,9 @@ def load_run(run_dir: str) -> dict:
     if os.path.exists(os.path.join(run_dir, "plan.json")):
         with open(os.path.join(run_dir, "plan.json")) as fp:
             plan = json.load(fp)
-    metrics = _read_csv(os.path.join(run_dir, "metrics.csv"))
-    timings = _read_csv(os.path.join(run_dir, TIMINGS))
-    events = []
-    if os.path.exists(os.path.join(run_dir, EVENTS)):
-        with open(os.path.join(run_dir, EVENTS)) as fp:
-            events = [json.loads(line) for line in fp if line.strip()]
+    metrics = [r for r in _read_csv(os.path.join(run_dir, "metrics.csv")) if _int(r.get("step")) is not None]
+    timings = [r for r in _read_csv(os.path.join(run_dir, TIMINGS)) if _int(r.get("rank")) is not None]
+    events = _read_events(os.path.join(run_dir, EVENTS))
     train = [{"step": int(r["step"]), "loss": _num(r.get("loss")), "samples_per_s": _num(r.get("samples_per_s"))}
              for r in metrics if r.get("loss")]
     val_names = [c for c in (metrics[0].keys() if metrics else []) if c.startswith("val_")]
@@ -309,12 +334,24 @@ def render(data: dict, other: dict | None = None) -> str:
                      else f"<p class='missing'>{html.escape(MISSING.get(title, 'Nothing was logged.'))}</p>")
     parts.append("<h2>Events</h2>")
     parts.append(_events_table(data["events"], _t0(data)))
-    payload = json.dumps({"this": data, "other": other}, allow_nan=True).replace("</", "<\\/")
+    # strict JSON (JSON.parse rejects NaN): a number that is not one (a NaN loss, a missing value) is null
+    payload = json.dumps(_finite({"this": data, "other": other}), allow_nan=False).replace("</", "<\\/")
     parts.append(f"<script id='ddprun-data' type='application/json'>{payload}</script>")
     parts.append("<script>window.addEventListener('load',function(){var n=0;"
                  "document.querySelectorAll('img.plot').forEach(function(i){if(i.complete&&i.naturalWidth>0)n++;});"
                  "document.body.dataset.rendered=String(n);});</script></body></html>")
     return "".join(parts)
+
+
+def _finite(value: object) -> object:
+    """``value`` with every float that is NaN or infinite, at any depth, as None (JSON's null)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def write_report(run_dir: str, compare: str | None = None, out: str | None = None) -> str:

@@ -298,3 +298,32 @@ def test_a_rank_that_raises_is_named_by_every_node_also_when_its_node_hosts_the_
     assert sum(e.output.count("Traceback") for e in ended) == 1, describe(ended)
     log = (tmp_path / "runs" / "fault" / "logs" / f"rank-{rank}.log").read_text()
     assert log.count("Traceback") == 1 and f"RuntimeError: injected failure on rank {rank}" in log, log
+
+
+@pytest.mark.timeout(90)
+def test_a_node_lost_after_the_others_ranks_finished_fails_the_job_on_every_other_node(nodes, tmp_path):
+    """2 x 1: the rank on the node that does not host the endpoint's store (the exit barrier) goes on
+    alone after the other rank ended its script (exit 0); its agent is then killed. The other node,
+    waiting for it at the end, names it lost and exits 1, instead of 0 (the job never finished)."""
+    script = str(Path(__file__).parent / "scripts" / "linger_rank.py")
+    job = nodes(2, 1, [str(tmp_path / "pids")], script=script)
+    pids = job.worker_pids(range(2))
+    survivor = job.store_host()
+    victim = 1 - survivor
+    lingering = next(rank for rank, pid in pids.items() if job.agent_of(pid) == victim)
+    (tmp_path / "pids" / "linger").write_text(str(lingering))
+    deadline = time.monotonic() + 30
+    while running(pids[1 - lingering]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running(pids[1 - lingering]), job.describe()
+    killed_at = job.signal(victim, signal.SIGKILL)
+    out = job.finish_one(survivor, timeout=40)
+    ended = job.finish(timeout=5)
+    assert out.returncode == 1 and ended[victim].returncode == -signal.SIGKILL, describe(ended)
+    assert "this node's ranks ended their script (exit 0), but the job failed:" in out.output, describe(ended)
+    assert re.fullmatch(rf"node {victim} \(\S+\) was lost: its agent stopped answering.*|the node hosting the job "
+                        r"store was lost: the job store at \S+ stopped answering.*", cause_line(out.output)), \
+        describe(ended)
+    print(f"a node lost after the other's ranks finished -> the other exited after {out.ended_at - killed_at:.1f} s")
+    assert out.ended_at - killed_at < 30, describe(ended)
+    assert_nothing_left(tmp_path)

@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -221,4 +222,33 @@ def test_a_console_that_goes_away_leaves_the_job_training_to_its_end(tmp_path):
     gone = log.index("ddprun: the console went away (BrokenPipeError: [Errno 32] Broken pipe): the job goes on")
     assert "step 30/30" in log[gone:] and "ddprun: report: runs/gone/report.html" in log[gone:], log
     assert "Traceback" not in log, log
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_during_a_restart_whose_rendezvous_cannot_complete_ends_the_agent_at_once(nodes, tmp_path):
+    """2 x 1 (a fixed --nnodes 2, one restart): the node that does not host the store is killed, so
+    the survivor restarts its worker into a rendezvous that can never complete. A scheduler's SIGTERM
+    then ends it at once with its line and 143, as during the first rendezvous, instead of a wait for
+    --join-timeout (after which a scheduler SIGKILLs it, no line)."""
+    job = nodes(2, 1, ["--steps", "600", "--step-s", "0.1"], extra=["--max-restarts", "1", "--join-timeout", "60"])
+    job.worker_pids(range(2))
+    survivor = job.store_host()
+    job.signal(1 - survivor, signal.SIGKILL)
+    restarted = re.compile(r"^ddprun: .*restarting the workers \(restart 1 of 1\)$", re.M)
+    out = job.finish_one(survivor, timeout=0)
+    deadline = time.monotonic() + 30
+    while not restarted.search(out.output) and out.returncode is None and time.monotonic() < deadline:
+        time.sleep(0.1)  # polling its output for the restart line, bounded
+        out = job.finish_one(survivor, timeout=0)
+    assert restarted.search(out.output) and out.returncode is None, describe([out])
+    sent_at = job.signal(survivor, signal.SIGTERM)
+    ended = job.finish_one(survivor, timeout=15)
+    assert ended.returncode == 128 + signal.SIGTERM, describe([ended])
+    assert "ddprun: stopped by SIGTERM; workers stopped." in ended.output, describe([ended])
+    assert "Traceback" not in ended.output and "not every node joined" not in ended.output, describe([ended])
+    print(f"SIGTERM during a restart -> the agent exited after {ended.ended_at - sent_at:.1f} s")
+    assert ended.ended_at - sent_at < 10, describe([ended])
+    finished = job.finish(timeout=5)
+    assert finished[1 - survivor].returncode == -signal.SIGKILL, describe(finished)
     assert_nothing_left(tmp_path)

@@ -8,6 +8,7 @@ per rank, so restoring the wrong rank's RNG state, or none, would show.
 """
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -67,7 +68,9 @@ def test_a_sigkilled_worker_is_restarted_and_fit_resumes_bitwise(tmp_path):
     assert max(int(f["restart_count"]) for f in got) == 1 and {int(f["restart_count"]) for f in got} <= {0, 1}, got
     # one attempt id on every node (the rendezvous round), whatever each agent's restart count says
     assert len({f["attempt"] for f in got}) == 1 and got[0]["attempt"] != "r0", got
-    assert (tmp_path / "runs" / "rs2x2" / "logs" / "rank-3.attempt-0.log").exists()
+    named = re.findall(r"^ddprun: rank 3 \(node 1, .*\(its log: (\S+) on ", both, re.M)
+    assert named and named[0].startswith("logs/rank-3.attempt-r"), describe(results)
+    assert (tmp_path / "runs" / "rs2x2" / named[0]).exists(), describe(results)  # the name the line printed
     assert_bitwise(ref, out, 4)
     assert_nothing_left(tmp_path)  # the killed attempt's workers and both agents
 

@@ -67,8 +67,9 @@ def test_a_restart_names_the_rank_that_failed_on_another_node_and_its_attempt_fo
     a, out = agent
     publish(store, "r1", killed(3, 1))
     a.on_restarting(0, 1)
-    assert out.getvalue() == ("ddprun: rank 3 (node 1, host-1) was killed by SIGKILL (its log: logs/rank-3.log "
-                              "on host-1); restarting the workers (restart 1 of 1)\n")
+    # its log as the restart keeps it, under this attempt's id (agent/logs.py keep_as_attempt)
+    assert out.getvalue() == ("ddprun: rank 3 (node 1, host-1) was killed by SIGKILL (its log: "
+                              "logs/rank-3.attempt-r1.log on host-1); restarting the workers (restart 1 of 1)\n")
     # the new attempt (the last one) must not inherit the old cause: it would stop its workers
     a.on_workers_started("r2", 0, 2, {0: (0, 0, ""), 1: (1, 0, "")}, world_size=4,
                          store=("127.0.0.1", store.port), last_attempt=True)
@@ -552,19 +553,27 @@ def test_the_request_is_read_on_demand_before_a_beat_reads_it(agent, store):
 
 def test_an_oom_kill_is_evidence_only_for_a_sigkill_of_its_own_attempt(agent, store, monkeypatch):
     """The cgroup's oom_kill count is read at each attempt's start: a kill in attempt r1 does not make
-    a later SIGKILL (a scheduler, a user) an out-of-memory kill in r2."""
+    a later SIGKILL (a scheduler, a user) an out-of-memory kill in r2, and a count that was read and
+    stayed says it was not one; only a count that cannot be read leaves the question open."""
     a, _ = agent
-    kills = iter([1, 1, 1, 2])
+    kills = iter([1, 1, 1, 2, None, None])
     monkeypatch.setattr("ddprun.cgroups.oom_kills", lambda: next(kills))
     a.on_workers_started("r2", 0, 2, {0: (0, 0, ""), 1: (1, 0, "")}, world_size=4,
                          store=("127.0.0.1", store.port), last_attempt=True)  # r1's kill counted: 1
     a.on_worker_exit(1, 1, 0, -signal.SIGKILL)  # still 1: not an OOM kill
-    assert a.local_record(1).hint == fr.SIGKILL_HINT
+    hint = a.local_record(1).hint
+    assert hint.startswith("killed by SIGKILL, not by the out-of-memory killer (the cgroup's oom_kill count stayed "
+                           "1): a scheduler that ended the job"), hint
+    assert "out-of-memory killer?" not in hint, hint
     a.on_workers_started("r3", 0, 2, {0: (0, 0, ""), 1: (1, 0, "")}, world_size=4,
                          store=("127.0.0.1", store.port), last_attempt=True)
     a.on_worker_exit(1, 1, 0, -signal.SIGKILL)  # 1 -> 2 in this attempt
     assert a.local_record(1).hint.startswith("the out-of-memory killer ended it (the cgroup's oom_kill count went "
                                              "1 -> 2)"), a.local_record(1).hint
+    a.on_workers_started("r4", 0, 2, {0: (0, 0, ""), 1: (1, 0, "")}, world_size=4,
+                         store=("127.0.0.1", store.port), last_attempt=True)
+    a.on_worker_exit(1, 1, 0, -signal.SIGKILL)  # no count to read (no memory controller): only the question
+    assert a.local_record(1).hint == fr.SIGKILL_HINT
 
 
 def test_after_a_network_outage_shorter_than_the_lost_bound_the_beat_is_back_within_two_seconds(tmp_path, store,
@@ -636,6 +645,27 @@ def test_the_exit_barrier_is_left_once_the_job_has_a_first_hand_cause_and_not_fo
     while not a.exit_barrier_done() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert a.exit_barrier_done() and a.job_failed() == first
+
+
+def test_another_nodes_lost_record_ends_the_exit_barrier_and_fails_the_job_only_if_it_never_arrived(agent, store):
+    """A node whose ranks ended 0 waits in the exit barrier; another node (not its ring neighbour, which
+    alone watches that node's beat) names a third node lost: the wait ends once the record is read, and
+    the job failed of it when the lost node had not arrived, not when it had (its ranks finished)."""
+    from ddprun.protocol.store import publish_failure
+
+    a, _ = agent
+    lost = fr.FailureRecord(fr.LOST, -1, "its agent stopped answering for 10 s", 2, "host-c", by="observer",
+                            t=time.time())
+    assert not a.exit_barrier_done()
+    publish_failure(store, Keys("ddprun/job/r1/"), lost)
+    deadline = time.monotonic() + 3
+    while not a.exit_barrier_done() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert a.exit_barrier_done() and a.lost is None and a.job_failed() is None
+    a.exit_barrier_left(3, 3)  # every agent arrived: the lost node had finished
+    assert a.lost_before_end() is None
+    a.exit_barrier_left(2, 3)
+    assert a.lost_before_end() == lost
 
 
 def test_node_0_whose_ranks_finished_lingers_only_until_the_others_have_their_records(agent, store):
@@ -969,3 +999,31 @@ def test_the_probe_names_a_store_that_takes_connections_but_answers_nothing(tmp_
     assert lost.headline() == f"the node hosting the job store was lost: the job store at 127.0.0.1:{store.port} " \
                               "stopped answering", lost.headline()
     assert took < 2.0, took
+
+
+def test_a_neighbour_silent_through_a_pause_this_agent_slept_through_too_is_not_lost(tmp_path, store, monkeypatch):
+    """The whole job suspended between two ticks (scontrol suspend, a paused VM): the monotonic clock
+    ran 400 s while no process ran. The first look at the neighbour's unchanged beat after it is no
+    loss: its silence counts from the resume, and a neighbour still silent lost_after later is lost."""
+    import types
+
+    from ddprun.agent import failures as failures_mod
+
+    clock = [1000.0]
+    monkeypatch.setattr(failures_mod, "time", types.SimpleNamespace(monotonic=lambda: clock[0], time=time.time))
+    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", io.StringIO(),
+                      connect=preconnected(store.port))
+    keys = Keys("ddprun/job/r1/")
+    a._keys, a._node, a._nnodes, a._started_at = keys, 0, 2, clock[0]
+    store_client(store.port).set(keys.agent(1), json.dumps({"host": "host-b", "beat": 2}))
+    seen, beat = (None, None, clock[0]), 0
+    for step in (0.5, 0.5, 400.0, 0.5, 0.5, 0.5, 0.5):  # ticks, the pause, ticks: the neighbour unchanged
+        clock[0] += step
+        beat += 1
+        seen = a._tick(beat, seen)
+        assert a.lost is None, (step, a.lost)
+    while a.lost is None and beat < 60:  # still unchanged: lost, its silence counted from the resume
+        clock[0] += 0.5
+        beat += 1
+        seen = a._tick(beat, seen)
+    assert a.lost is not None and a.lost.node_rank == 1 and "for 10 s" in a.lost.summary, a.lost

@@ -129,7 +129,20 @@ def test_logs_spec_gives_every_worker_the_attempt_and_keeps_each_attempts_log(tm
     envs = {0: {"RANK": "0", "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0"}}
     spec.reify(envs)
     assert envs[0]["DDPRUN_ATTEMPT"] == "r2" and seen == ["0", "0"]
-    assert (tmp_path / "logs" / "rank-0.attempt-0.log").read_text() == "attempt 1\n"
+    # kept under the attempt that wrote it: the name the restart's line printed (agent/failures.py)
+    assert (tmp_path / "logs" / "rank-0.attempt-r1.log").read_text() == "attempt 1\n"
+
+
+def test_a_log_of_a_rank_an_elastic_round_gave_another_node_is_kept_under_its_attempt_too(tmp_path):
+    """The restart line names the failed rank's log as its node keeps it at the next start: also when
+    that start gives the node other ranks (the log is no longer at a path this node starts)."""
+    spec = RankLogsSpecs(str(tmp_path), None, set(), WorkerEnv(run_dir=str(tmp_path)),
+                         attempt_id=lambda count: f"r{count}")
+    spec.reify({0: {"RANK": "1", "GROUP_RANK": "1", "TORCHELASTIC_RESTART_COUNT": "0"}})
+    (tmp_path / "logs" / "rank-1.log").write_text("it failed here\n")
+    spec.reify({0: {"RANK": "0", "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": "1"}})
+    assert not (tmp_path / "logs" / "rank-1.log").exists()
+    assert (tmp_path / "logs" / "rank-1.attempt-r0.log").read_text() == "it failed here\n"
 
 
 def test_a_round_that_moves_rank_0_elsewhere_leaves_this_node_only_its_new_ranks(tmp_path):
@@ -151,8 +164,8 @@ def test_a_round_that_moves_rank_0_elsewhere_leaves_this_node_only_its_new_ranks
     follower._pump()
     spec.reify({0: {"RANK": "1", "GROUP_RANK": "1", "TORCHELASTIC_RESTART_COUNT": "0"}})
     assert not spec.has_rank0 and set(spec.local_workers) == {1}
-    os.replace(log, tmp_path / "logs" / "elsewhere.log")  # the other node keeps it aside, and starts its rank 0
-    log.write_text("rank 0 on the other node\n")
+    assert not log.exists()  # this node kept its own log aside (under its attempt)
+    log.write_text("rank 0 on the other node\n")  # the other node starts its rank 0
     follower.stop()
     assert out.getvalue() == "round 0 on this node\nits last line, unended\n"
 

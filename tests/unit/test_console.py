@@ -116,6 +116,19 @@ def test_a_rank_stopped_by_another_says_so_in_one_line():
     assert stopped_message(lost) == f"{STOPPED_MARK} node 1 (b) was lost: its agent stopped answering for 10 s"
 
 
+def test_a_stopped_rank_names_the_causes_log_as_a_restart_keeps_it():
+    """Where a restart may follow this attempt, the cause's log is moved aside under the attempt's id
+    before the next start (agent/logs.py keep_as_attempt): the line names that file, not the path the
+    next attempt's log takes; in the last attempt the log stays where it is."""
+    from types import SimpleNamespace
+
+    cause = rec(fr.ERROR, 3, "RuntimeError: injected failure on rank 3", node_rank=1, host="b")
+    ch = SimpleNamespace(last_attempt=False, wenv=SimpleNamespace(attempt="r2"))
+    assert stopped_message(cause, ch).endswith("(its log: logs/rank-3.attempt-r2.log on b)")
+    ch.last_attempt = True
+    assert stopped_message(cause, ch).endswith("(its log: logs/rank-3.log on b)")
+
+
 def test_a_rank_inferred_to_have_finished_first_is_outranked_by_any_record_seen_first_hand():
     """`finished first` is read from an echo; in a job whose ranks may end at different times, a node
     lost later (its observer's record) is the cause, whenever that record arrives."""

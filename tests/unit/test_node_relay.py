@@ -238,7 +238,11 @@ def test_a_worker_whose_relay_stops_beating_reports_to_the_job_store_and_the_obs
     assert not m._direct
     clock = [monitor_mod.time.monotonic()]
     monkeypatch.setattr(monitor_mod.time, "monotonic", lambda: clock[0])
-    clock[0] += defaults.RELAY_STALE_S + 0.1  # the agent froze (SIGSTOP): no beat since
+    for _ in range(int(defaults.RELAY_STALE_S / defaults.MONITOR_POLL_S) - 1):  # the agent froze (SIGSTOP): no beat
+        clock[0] += defaults.MONITOR_POLL_S  # since, while this rank polls on
+        m._tick(jc)
+    assert not m._direct
+    clock[0] += defaults.MONITOR_POLL_S
     PROGRESS.steps += 1
     m._tick(jc)
     assert m._direct and int(job.add(m.ch.keys.directs, 0)) == 1
@@ -246,6 +250,34 @@ def test_a_worker_whose_relay_stops_beating_reports_to_the_job_store_and_the_obs
     assert observer._progress(ojc)[3] == PROGRESS.total
     m._tick(jc)
     assert int(job.add(m.ch.keys.directs, 0)) == 1  # registered once
+
+
+def test_a_job_suspended_and_resumed_is_no_hang_and_no_frozen_relay_to_its_ranks(tmp_path, job, relay, monkeypatch):
+    """The whole job suspended (scontrol suspend, a paused VM): this rank's monotonic clock ran 400 s
+    while nothing ran, its agent's relay included. At the first poll after it neither the relay's
+    unchanged beat (the rank would leave its node store for the attempt) nor the job's unchanged
+    progress (a hang report) is judged over the pause; both count from the resume."""
+    a = agent(tmp_path, job, relay)
+    a._tick(2, (None, 0.0))
+    m, jc, _ = worker(tmp_path, job, relay, rank=0)
+    m.observer = monitor_mod.StallObserver(5.0, 30.0)
+    reported: list[float] = []
+    monkeypatch.setattr(m, "_report", lambda store, stalled: reported.append(stalled))
+    clock = [monitor_mod.time.monotonic()]
+    monkeypatch.setattr(monitor_mod.time, "monotonic", lambda: clock[0])
+    m._tick(jc)
+    for step in (400.0, defaults.STALL_CHECK_S, defaults.STALL_CHECK_S):  # the pause, then two checks
+        clock[0] += step
+        m._tick(jc)
+    assert not m._direct and reported == []
+    bound = monitor_mod.stall_threshold(5.0, armed=PROGRESS.began)
+    relayed = parse_relay(relay._store.get(m.ch.keys.relay))
+    assert relayed is not None
+    for beat in range(int(bound / defaults.STALL_CHECK_S) - 2):  # still no progress: a stall, from the resume
+        relay._store.set(m.ch.keys.relay, relay_value(relayed[0] + 1 + beat, relayed[1]))  # its agent beats again
+        clock[0] += defaults.STALL_CHECK_S
+        m._tick(jc)
+    assert reported == [pytest.approx(bound)]
 
 
 def test_relay_values_and_a_malformed_node_store_variable():

@@ -150,3 +150,28 @@ def test_the_warm_up_wants_a_cpu_more_than_the_worker_processes_the_machine_runs
     assert not spare_cpu(processes_here(1, 2, "127.0.0.1"), 2)  # 2 nodes on loopback: both run here
     assert not spare_cpu(processes_here(8, 1, None), 8)
     assert not spare_cpu(processes_here(8, 2, None), 96)  # the rendezvous host is not known
+
+
+def test_a_torn_events_line_a_short_metrics_row_and_a_nan_loss_keep_the_report(tmp_path):
+    """A failed run gets its report too, and a full disk or a SIGKILL mid-append leaves a torn last
+    line in events.jsonl and a short last row in metrics.csv (and timings.csv): those are left out,
+    the rest is reported. A NaN loss is null in the embedded data, which JSON.parse (strict JSON,
+    no NaN) must read."""
+    make_run(tmp_path)
+    with open(tmp_path / "metrics.csv", "a") as fp:
+        fp.write("28,1,nan,,,1200.0,0.008\n30,1,0.")  # a diverged step, then a row cut short
+    with open(tmp_path / "timings.csv", "a") as fp:
+        fp.write("1008,1,4,1")
+    with open(tmp_path / "events.jsonl", "a") as fp:
+        fp.write('{"kind": "hang", "t": 1009.0, "mess')
+    html = open(write_report(str(tmp_path))).read()
+
+    def strict(text: str) -> None:
+        raise ValueError(f"not JSON: {text}")
+
+    m = re.search(r"<script id='ddprun-data' type='application/json'>(.*?)</script>", html, re.S)
+    data = json.loads(m.group(1).replace("<\\/", "</"), parse_constant=strict)["this"]
+    assert [p["step"] for p in data["train"]] == [10, 20, 28] and data["train"][-1]["loss"] is None
+    assert [e["kind"] for e in data["events"]] == ["straggler", "preemption"]
+    assert [row["window"] for row in data["timings"]["1"]] == [1, 2, 3]
+    assert plot_titles(html) == list(PLOTS)

@@ -1,5 +1,6 @@
 """ddprun's hooks in torch's agent (agent/torch_agent.py) that unit tests can reach without a job."""
 
+import signal
 from types import SimpleNamespace
 
 import pytest
@@ -43,6 +44,7 @@ def test_a_node_whose_round_the_rendezvous_moved_past_restarts_once_under_its_ow
     agent._hooks = AgentHooks(on_dropped=lambda: said.append("dropped"),
                               on_membership_change=lambda: said.append("a node waits"))
     agent._dropped, agent._joined_round, agent._pcontext = False, 4, None  # no workers started
+    agent._preempt_said = None
     agent._watch_dropped(handler)
     agent._watch_dropped(handler)  # every rendezvous: wrapped once
     assert handler.num_nodes_waiting() == 0 and not round_moved_on(handler, 4)
@@ -334,6 +336,29 @@ def test_a_group_that_died_of_this_agents_own_signal_ends_the_agent_as_a_signal_
         with pytest.raises(SignalException, match="got signal: 15"):
             agent._monitor_workers(SimpleNamespace())
     assert agent._remaining_restarts == 0
+
+
+def test_a_preemption_signal_during_a_restart_or_flagged_before_it_ends_the_agent_at_once(monkeypatch):
+    """While workers run, a first preemption signal is a flag; once a restart begins (the old workers
+    stopping, the rendezvous again) there is no step to stop at: a signal ends the agent, and one
+    flagged before the restart ends it before torch stops anything."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    said: list[str] = []
+    agent = DdprunAgent.__new__(DdprunAgent)
+    agent._hooks = AgentHooks(on_preempt_signal=lambda sig: said.append(f"flag {sig}"))
+    agent._preempt_said, agent._workers_run, agent._dropped = None, True, False
+    monkeypatch.setattr(LocalElasticAgent, "_restart_workers", lambda self, group: said.append("restart"))
+    agent._restart_workers(SimpleNamespace(state=WorkerState.HEALTHY))  # a node joins: the new workers not yet run
+    with pytest.raises(SignalException, match="got signal: 15"):
+        agent._preempt_signal(signal.SIGTERM, None)
+    agent._workers_run = True  # the new workers run: a flag again
+    agent._preempt_signal(signal.SIGTERM, None)
+    with pytest.raises(SignalException, match="got signal: 15"):
+        agent._restart_workers(SimpleNamespace(state=WorkerState.HEALTHY))
+    assert said == ["restart", "flag 15"]
 
 
 def test_on_a_torch_without_shutdown_timeout_the_agent_starts_and_a_signal_stop_keeps_ddprun_grace(monkeypatch):

@@ -96,8 +96,11 @@ def later(name, after_s):
 
 threading.Thread(target=later, args=("thread", 0.3)).start()
 ThreadPoolExecutor(1).submit(later, "pool", 0.3)  # how torch's dcp.async_save runs by default
+def stuck():
+    time.sleep(3600)
+
 if sys.argv[2] == "stuck":
-    threading.Thread(target=time.sleep, args=(3600,)).start()
+    threading.Thread(target=stuck, name="saver").start()
 hard_exit(0, handlers_s=float(sys.argv[3]))
 """
 
@@ -113,10 +116,22 @@ def test_the_exit_waits_for_the_threads_the_script_left_running_as_python_does(t
 
 
 def test_a_thread_that_never_ends_is_bounded_and_named(tmp_path):
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}
+    """The rank's record names the stage and the thread still running (its agent's line would say
+    "the process ended without a Python error"), and the stack shown is that thread's, not the main
+    thread's wait for it in ddprun's own exit."""
+    error_file = tmp_path / "rank-3.error.json"
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path), "TORCHELASTIC_ERROR_FILE": str(error_file),
+           "RANK": "3", "GROUP_RANK": "1", "LOCAL_RANK": "1"}
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-c", THREADS, str(tmp_path), "stuck", "1"], capture_output=True, text=True,
                        timeout=30, env=env)
     assert r.returncode == 1 and time.monotonic() - t0 < 15, r.stderr
     assert "ddprun: a thread the script left running (a non-daemon thread or a thread pool: an async save?) did not " \
         "return within 1 s; exiting anyway" in r.stderr, r.stderr
+    assert "thread 'saver':" in r.stderr and "in stuck" in r.stderr, r.stderr
+    assert "hard_exit" not in r.stderr and "_shutdown" not in r.stderr, r.stderr
+    rec = json.loads(error_file.read_text())["message"]["extraInfo"]["ddprun"]
+    assert (rec["kind"], rec["rank"], rec["node_rank"]) == ("error", 3, 1), rec
+    assert rec["summary"] == ("its exit did not end within 1 s (--exit-timeout): a thread the script left running "
+                              "(a non-daemon thread or a thread pool: an async save?) did not return; non-daemon "
+                              "threads still running: 'saver'"), rec

@@ -35,7 +35,7 @@ from ddprun.protocol import defaults
 from ddprun.protocol import failure as fr
 from ddprun.protocol import preempt as pp
 from ddprun.protocol.atomic import write_text_atomic
-from ddprun.protocol.rundir import RunDir
+from ddprun.protocol.rundir import RunDir, rank_log_name
 from ddprun.protocol.store import (
     Announced,
     Keys,
@@ -152,6 +152,8 @@ class AgentFailures:
         self._local: dict[int, fr.FailureRecord] = {}
         self._workers: dict[int, tuple[int, int, str]] = {}  # rank -> (local rank, pid, error file)
         self._keys: Keys | None = None
+        self._attempt = ""
+        """The attempt id of the workers that run (agent/attempt.py; their logs are kept under it)."""
         self._node, self._nnodes, self._world = 0, 1, 1
         self._last_attempt: bool = True
         self._cause_seen: float | None = None
@@ -168,6 +170,11 @@ class AgentFailures:
         self._oom0: int | None = None
         """The cgroup's oom_kill count when this attempt's workers started (on_workers_started)."""
         self.lost: fr.FailureRecord | None = None
+        self._alive_at, self._rebased_at = time.monotonic(), float("-inf")
+        """When the failure thread's last tick ended, and when it last found it had not run for a while
+        (:meth:`_held`)."""
+        self._barrier_short = False
+        """The agents' exit barrier was left before every agent arrived (:meth:`exit_barrier_left`)."""
         self._hang_said: bytes | None = None
         self._told: Keys | None = None
         """The attempt whose cause-read mark this node set (:meth:`_mark_cause_read`)."""
@@ -190,7 +197,7 @@ class AgentFailures:
             if store is not None and store != (self._addr, self._port):
                 self._addr, self._port = store
                 self._store, self._answered = None, False
-            self._keys = Keys(f"ddprun/{self._run_id}/{attempt}/")
+            self._keys, self._attempt = Keys(f"ddprun/{self._run_id}/{attempt}/"), attempt
             self._started_at = time.monotonic()
             # a store named lost in the last attempt is tried afresh: this round's may be another (a new
             # group rank 0 hosts it, agent/torch_agent.py follow_round_store) or back; lost again only
@@ -256,7 +263,7 @@ class AgentFailures:
                                 local_rank=local_rank, t=now)
         else:
             rec = fr.from_exit(rank, code, node_rank=self._node, host=self.host, local_rank=local_rank, t=now,
-                               oom_evidence=self._oom_evidence(code))
+                               oom_kills=self._oom_kills())
         with self._lock:
             self._local[rank] = rec
         self._publish(rec)
@@ -269,11 +276,10 @@ class AgentFailures:
         except Exception:  # noqa: BLE001 - the node store is this process's own; never fail the exit on it
             return None
 
-    def _oom_evidence(self, code: int) -> str:
-        if code != -signal.SIGKILL or self._oom0 is None:
-            return ""
+    def _oom_kills(self) -> tuple[int, int] | None:
+        """The cgroup's oom_kill count when this attempt's workers started and now (None: not readable)."""
         now = cgroups.oom_kills()
-        return f"the cgroup's oom_kill count went {self._oom0} -> {now}" if now is not None and now > self._oom0 else ""
+        return None if self._oom0 is None or now is None else (self._oom0, now)
 
     def _publish(self, rec: fr.FailureRecord, keys: Keys | None = None) -> None:
         """Into the run directory and the store (best effort: the store may be gone), under ``keys``
@@ -446,7 +452,15 @@ class AgentFailures:
 
     def _tick(self, beat: int, seen_at: tuple[Any, Any, float]) -> tuple[Any, Any, float]:
         """Every half second: the alarm, and what it announces when it moved; every second (even
-        ``beat``): the heartbeat with the node's progress, its timings, the neighbour's heartbeat."""
+        ``beat``): the heartbeat with the node's progress, its timings, the neighbour's heartbeat.
+        First, whether this thread ran since the last tick ended (:meth:`_held`)."""
+        self._held(time.monotonic())
+        try:
+            return self._tick_once(beat, seen_at)
+        finally:
+            self._alive_at = time.monotonic()
+
+    def _tick_once(self, beat: int, seen_at: tuple[Any, Any, float]) -> tuple[Any, Any, float]:
         keys = self._keys  # first: a client of a later attempt's store only ever sees old keys, which it skips
         store = self._client()
         if keys is None:
@@ -596,9 +610,10 @@ class AgentFailures:
         now = time.monotonic()
         if value != seen_at[1]:
             return key, value, now
+        silent = now - max(seen_at[2], self._rebased_at)  # not through a time this agent did not run either
         # also a neighbour that never beat in this attempt (killed right after its workers started)
-        if (value is None or b'"done"' not in value) and now - seen_at[2] >= self._lost_after and self.lost is None:
-            lost = fr.FailureRecord(fr.LOST, -1, f"its agent stopped answering for {now - seen_at[2]:.0f} s",
+        if (value is None or b'"done"' not in value) and silent >= self._lost_after and self.lost is None:
+            lost = fr.FailureRecord(fr.LOST, -1, f"its agent stopped answering for {silent:.0f} s",
                                     other, self._host_of(other, value), by="observer", t=time.time())
             with self._lock:
                 # Only a neighbour of the attempt that runs. While torch re-forms the group its rendezvous
@@ -611,6 +626,17 @@ class AgentFailures:
             if current:
                 self._publish(lost, keys)
         return seen_at
+
+    def _held(self, now: float) -> None:
+        """This thread did not run for defaults.HELD_GAP_S between the end of its last tick and ``now``
+        (the job suspended, or this agent frozen, while it waited for its next tick; a slow store call
+        inside a tick is no such gap): the neighbour's silence then counts from now (``_rebased_at``),
+        and so does the time since which a worker's end is enforced: the others did not run either."""
+        if now - self._alive_at > defaults.HELD_GAP_S:
+            self._rebased_at = now
+            with self._lock:
+                if self._cause_seen is not None:
+                    self._cause_seen = now
 
     def _give_up_store(self) -> tuple[fr.FailureRecord, list[int]]:
         """Under the lock: the store's host is gone; name it and give it up. Returns its record and this
@@ -683,7 +709,8 @@ class AgentFailures:
         if cause is not None:
             what = cause.headline()
             if cause.rank >= 0:
-                what += f" (its log: logs/rank-{cause.rank}.log on {cause.host})"
+                # the name it has once the restart moved it aside (agent/logs.py keep_as_attempt)
+                what += f" (its log: {rank_log_name(cause.rank, self._attempt)} on {cause.host})"
         print(f"ddprun: {what}; restarting the workers (restart {most - left} of {most})", file=self.out, flush=True)
 
     def probe_lost(self, wait_s: float = PROBE_S) -> list[fr.FailureRecord]:
@@ -893,9 +920,23 @@ class AgentFailures:
         return port_open(self._addr, self._port)
 
     def exit_barrier_done(self) -> bool:
-        """Leave the agents' exit barrier early: a node is lost, or the job failed (a first-hand cause
-        is known): that node will never arrive."""
-        return self.lost is not None or self.job_failed() is not None
+        """Leave the agents' exit barrier early: a node is lost (this node named it, or another node's
+        record says so), or the job failed (a first-hand cause is known): that node will never arrive."""
+        return self.lost is not None or self._lost_record() is not None or self.job_failed() is not None
+
+    def exit_barrier_left(self, arrived: int, n: int) -> None:
+        """The exit barrier was left having seen ``arrived`` of the ``n`` agents (agent/torch_agent.py)."""
+        self._barrier_short = arrived < n
+
+    def _lost_record(self) -> fr.FailureRecord | None:
+        """The first record of a lost node (or store) known, else None."""
+        return fr.root_cause([rec for rec in self.records() if rec.kind == fr.LOST])
+
+    def lost_before_end(self) -> fr.FailureRecord | None:
+        """A node lost while this one waited for the others at the end: the record naming it, when the
+        exit barrier was left before every agent arrived (a lost node that had arrived finished its
+        ranks, and the job did not fail). None otherwise."""
+        return self._lost_record() if self._barrier_short else None
 
     def job_failed(self) -> fr.FailureRecord | None:
         """The job's first-hand cause read so far when a rank's (a worker's failure, or its end that left

@@ -1,6 +1,6 @@
 """Where worker output goes: ``<run dir>/logs/rank-<N>.log`` per worker, rank 0 (and --tee ranks)
 followed onto the console, torch's own agent chatter into ``logs/agent-<host>.log`` (appended to).
-Nothing is overwritten: a restart keeps each attempt's log (``rank-<N>.attempt-<k>.log``), a
+Nothing is overwritten: a restart keeps each attempt's log (``rank-<N>.attempt-<attempt id>.log``), a
 relaunch into the same run directory moves the earlier launch's to ``logs/before-<launch>/``.
 
 :class:`RankLogsSpecs` plugs into torch's agent (``LogsSpecs.reify`` is called once per attempt
@@ -41,15 +41,18 @@ def remove_empty_early_logs(run_dir: str) -> None:
             pass
 
 
-def keep_as_attempt(path: str) -> None:
-    """Move ``rank-N.log`` aside to the first free ``rank-N.attempt-K.log`` (K from 0: a restart's
-    count on one node; free, since another node may have kept one of the same rank before)."""
+def keep_as_attempt(path: str, attempt: str = "") -> None:
+    """Move ``rank-N.log`` aside to ``rank-N.attempt-<attempt>.log``, the job-wide id of the attempt that
+    wrote it (agent/attempt.py: the name a restart's line printed for it). A log of an attempt not
+    known here (another node's, in a shared run dir), or whose name is taken, goes to the first free
+    ``rank-N.attempt-K.log`` (K from 0)."""
     stem = path[:-len(".log")]
+    target = f"{stem}.attempt-{attempt}.log" if attempt else ""
     k = 0
-    while os.path.exists(f"{stem}.attempt-{k}.log"):
-        k += 1
+    while not target or os.path.exists(target):
+        target, k = f"{stem}.attempt-{k}.log", k + 1
     try:
-        os.replace(path, f"{stem}.attempt-{k}.log")
+        os.replace(path, target)
     except OSError:  # gone meanwhile
         pass
 
@@ -232,6 +235,8 @@ class RankLogsSpecs(LogsSpecs):
         self._extra_env = dict(extra_env or {})
         self.attempt = ""
         """The attempt id given to the latest workers."""
+        self._wrote: dict[str, str] = {}
+        """Global rank -> the attempt id of the log this node's latest start wrote for it."""
         self._launch_t = time.time()
         self._launch = time.strftime("%Y%m%d-%H%M%S-", time.localtime(self._launch_t)) + f"{os.getpid()}"
 
@@ -253,6 +258,12 @@ class RankLogsSpecs(LogsSpecs):
             attempt = self._attempt_id(next(iter(envs.values())).get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.attempt = attempt or f"c{next(iter(envs.values())).get('TORCHELASTIC_RESTART_COUNT', '0')}" if envs else ""
         exported = replace(self._worker_env, attempt=attempt, merge_stderr=True).to_environ()
+        # every log of this node's last start, by the attempt that wrote it: also one of a rank that an
+        # elastic round gives another node now (the restart line named it so)
+        for rank, wrote in self._wrote.items():
+            if os.path.exists(rank_log_path(self._run_dir, rank)):
+                keep_as_attempt(rank_log_path(self._run_dir, rank), wrote)
+        self._wrote = {env["RANK"]: self.attempt for env in envs.values()}
         for local_rank, env in envs.items():
             rank = env["RANK"]
             path = rank_log_path(self._run_dir, rank)

@@ -2,7 +2,8 @@
 the store, the grace, and how the node's launch ends.
 
 The agent's handler (agent/torch_agent.py, in place of torch's once the workers run) only records
-the first signal; a second one stops the workers at once, as torch does. :meth:`Preemption.check`
+the first signal; a second one stops the workers at once, as torch does (so does any signal while a
+restart stops the old workers and re-enters the rendezvous: no step to stop at then). :meth:`Preemption.check`
 runs in the agent's monitor loop: it publishes this node's request, notices one from another node
 (agent/failures.py reads the store), and says when the grace is over. Then torch's agent stops the
 workers that have not stopped (SIGTERM, and SIGKILL after ``--stop-grace``).

@@ -568,6 +568,7 @@ class _AgentRun:
                            on_dropped=self._dropped,
                            on_rendezvous=self.attempts.set_round,
                            on_signal=self._on_signal, exit_barrier_done=self.failures.exit_barrier_done,
+                           on_exit_barrier_left=self.failures.exit_barrier_left,
                            stop_grace_s=self.run_.cfg.stop_grace, preempt_signals=self.preemption.signals,
                            on_preempt_signal=self.preemption.on_signal, preempt_check=self.preemption.check,
                            preempting=self.preemption.preempting,
@@ -592,8 +593,9 @@ class _AgentRun:
 
     def _finished(self, err: TextIO) -> Outcome:
         """Every worker of this node ended 0. The job failed all the same when another rank's failure
-        is known (one that this node's ranks ended before it, say: every node names the cause)."""
-        cause = self.failures.job_failed()
+        is known (one that this node's ranks ended before it, say: every node names the cause), or a
+        node was lost before it reached the agents' exit barrier (its ranks had not all finished)."""
+        cause = self.failures.job_failed() or self.failures.lost_before_end()
         if cause is None:
             return Outcome(0, self.run_.rundir.path, 0.0)
         self.failures.linger(finished=True)  # the store's host stays until every rank has a record, as on a failure

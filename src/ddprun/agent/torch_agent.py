@@ -17,13 +17,16 @@ the hooks ddprun needs and torch does not offer:
   record of why reaches the other nodes before the echoes of the stopped workers do.
 * node 0 shares the workers' store address in every rendezvous round (:func:`share_bootstrap`:
   torch 2.13 hangs when a node joins a running elastic job).
-* preemption (agent/preemption.py): once the workers run, the preemption signals only set a flag
+* preemption (agent/preemption.py): while the workers run, the preemption signals only set a flag
   (``on_preempt_signal``); ``preempt_check()`` runs every monitor interval and returns a signal
   when the grace is over (then the workers are stopped as torch stops them); while preempting no
-  restart is made; ``on_stopping()`` before torch signals its workers for any other reason.
+  restart is made; ``on_stopping()`` before torch signals its workers for any other reason. From a
+  restart's start until its workers run, there is no step to stop at: a signal then (or one already
+  flagged) ends the agent at once, as during the first rendezvous.
 * a node waiting in the rendezvous looks at the round sooner in a small job (agent/rendezvous_poll.py).
 * a bounded exit barrier that ends early when ``exit_barrier_done()`` says so (a node was lost),
-  instead of torch's fixed 300 s wait for agents that may be gone.
+  instead of torch's fixed 300 s wait for agents that may be gone; ``on_exit_barrier_left(arrived,
+  n)`` says how many agents it saw arrive.
 
 Everything else (rendezvous, worker processes, restarts, supervision) is torch's LocalElasticAgent.
 """
@@ -71,6 +74,8 @@ class AgentHooks:
     on_signal: Callable[[int], None] = lambda sig: None
     """This agent got a death signal (SIGTERM, SIGINT, ...): called before torch stops the workers."""
     exit_barrier_done: Callable[[], bool] = lambda: False
+    on_exit_barrier_left: Callable[[int, int], None] = lambda arrived, n: None
+    """The exit barrier was left with ``arrived`` of ``n`` agents seen there (the last count read)."""
     exit_barrier_s: float = 300.0
     stop_grace_s: float = 30.0
     """Seconds between SIGTERM and SIGKILL when the agent stops its workers."""
@@ -112,6 +117,8 @@ class DdprunAgent(LocalElasticAgent):
         self._preempt_said: int | None = None
         self._dropped = False
         self._joined_round: int | None = None
+        self._workers_run = False
+        """Workers of this attempt run (a preemption signal is a flag), from their start to a restart."""
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         # a pid reported in an attempt before may be a new worker's now (pids wrap): its death is news
@@ -121,6 +128,7 @@ class DdprunAgent(LocalElasticAgent):
             pids = super()._start_workers(worker_group)
         else:
             pids = self._start_from(pool, worker_group)
+        self._workers_run = True
         self._catch_preemption()  # after torch's own handlers, which its process context installs at start
         self._say_before_close(worker_group)
         self._hooks.on_workers_started(worker_group, pids, self._remaining_restarts)
@@ -169,7 +177,8 @@ class DdprunAgent(LocalElasticAgent):
             signal.signal(sig, self._preempt_signal)
 
     def _preempt_signal(self, signum: int, frame: Any) -> None:
-        if self._preempt_said is not None:  # a second signal: stop now, as torch does
+        # a second signal, or one while no workers run (a restart: nothing to stop at a step): stop now
+        if self._preempt_said is not None or not self._workers_run:
             _signal_exception(signum, frame)
         self._preempt_said = signum
         self._hooks.on_preempt_signal(signum)
@@ -202,6 +211,11 @@ class DdprunAgent(LocalElasticAgent):
             self._hooks.on_dropped()
         else:
             self._hooks.on_membership_change()
+        # from here until the new workers run, a signal ends the agent (torch's handler or ours): a
+        # restart whose rendezvous cannot complete would otherwise wait out --join-timeout
+        self._workers_run = False
+        if self._preempt_said is not None:  # it came while the group failed or the hooks above ran
+            _signal_exception(self._preempt_said, None)
         super()._restart_workers(worker_group)
 
     def _report_exits(self, worker_group: WorkerGroup) -> None:
@@ -302,14 +316,15 @@ class DdprunAgent(LocalElasticAgent):
         if store is None or n is None:
             return
         key = "ddprun/exit-barrier/" + str(self._worker_group.spec.rdzv_handler.get_run_id())
-        deadline = time.monotonic() + self._exit_barrier_timeout
+        deadline, arrived = time.monotonic() + self._exit_barrier_timeout, 0
         try:  # each call bounded: a stopped store host would hold it for ever
-            within(defaults.STORE_CALL_S, store.add, key, 1)
-            while within(defaults.STORE_CALL_S, store.add, key, 0) < n and time.monotonic() < deadline and \
-                    not self._hooks.exit_barrier_done():
+            arrived = within(defaults.STORE_CALL_S, store.add, key, 1)
+            while arrived < n and time.monotonic() < deadline and not self._hooks.exit_barrier_done():
                 time.sleep(0.1)
+                arrived = within(defaults.STORE_CALL_S, store.add, key, 0)
         except Exception:  # noqa: BLE001 - the store host ended first (or froze): nothing left to wait for
             pass
+        self._hooks.on_exit_barrier_left(int(arrived), n)
 
 
 RENDEZVOUS_CALL_S = 60.0

@@ -62,6 +62,13 @@ itself for the rest of the attempt (its agent stopped or frozen). As long as a n
 an agent merely short of CPU for a few seconds must not move its ranks' load onto the job's store
 (3 s did, for 135 of 2,048 simulated ranks in benchmarks/control_plane.py)."""
 
+HELD_GAP_S = 3.0
+"""A loop of an agent or a worker that finds this long (several of its polls) since its own last tick
+did not run meanwhile: the whole job suspended (scontrol suspend, SIGSTOP of the job, a paused VM; the
+monotonic clock runs on through it), or this process frozen. It rebases every "since" time it judges
+others by (a neighbour's beat, the job's progress, its relay's beat) to now: the others did not run
+either, and their silence through it is no loss, no stall."""
+
 STALL_CHECK_S = 1.0
 """The stall observer compares every rank's progress this often."""
 

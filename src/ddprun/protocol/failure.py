@@ -101,6 +101,21 @@ SIGKILL_HINT = ("killed by SIGKILL: the out-of-memory killer? see `dmesg` or the
                 "(oom_kill; cgroup v1: memory.oom_control); or a scheduler that ended the job")
 
 
+def sigkill_hint(oom_kills: tuple[int, int] | None) -> str:
+    """Why a worker may have got SIGKILL, from the cgroup's oom_kill count (before, after; None: not
+    readable, and the hint can only ask)."""
+    if oom_kills is None:
+        return SIGKILL_HINT
+    before, after = oom_kills
+    if after > before:
+        return (f"the out-of-memory killer ended it (the cgroup's oom_kill count went {before} -> {after}): the "
+                "node's processes needed more memory than the node or its container allows (smaller batches, "
+                "fewer DataLoader workers, or a larger memory limit)")
+    return (f"killed by SIGKILL, not by the out-of-memory killer (the cgroup's oom_kill count stayed {after}): "
+            "a scheduler that ended the job (its time or memory limit, a preemption) or another process "
+            "(kill -9); see the scheduler's log for the job")
+
+
 @dataclass(frozen=True)
 class FailureRecord:
     """One rank's failure. ``rank`` is the global rank (-1: a whole node, see ``node_rank``)."""
@@ -204,15 +219,13 @@ def signal_name(exit_code: int) -> str:
 
 
 def from_exit(rank: int, exit_code: int, *, node_rank: int, host: str, local_rank: int, t: float,
-              oom_evidence: str = "") -> FailureRecord:
-    """The agent's record of a worker that ended with ``exit_code`` and left no record of its own."""
+              oom_kills: tuple[int, int] | None = None) -> FailureRecord:
+    """The agent's record of a worker that ended with ``exit_code`` and left no record of its own;
+    ``oom_kills``: the cgroup's oom_kill count when the attempt started and after this exit (None: not
+    readable), which says whether the out-of-memory killer ended a SIGKILLed worker."""
     if exit_code < 0:
         name = signal_name(exit_code)
-        hint = SIGKILL_HINT if name == "SIGKILL" else ""
-        if oom_evidence:
-            hint = (f"the out-of-memory killer ended it ({oom_evidence}): the node's processes needed more "
-                    "memory than the node or its container allows (smaller batches, fewer DataLoader workers, "
-                    "or a larger memory limit)")
+        hint = sigkill_hint(oom_kills) if name == "SIGKILL" else ""
         return FailureRecord(SIGNAL, rank, "", node_rank, host, local_rank, exit_code, name, hint, by="agent", t=t)
     return FailureRecord(EXIT, rank, "the process ended without a Python error", node_rank, host, local_rank,
                          exit_code, by="agent", t=t)

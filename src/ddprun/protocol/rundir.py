@@ -3,7 +3,9 @@ report write there. Pure paths; nothing here creates or reads a file.
 
     plan.json            the rank table after rendezvous (rank 0)
     preflight.json       every node's preflight facts and the findings (rank 0)
-    logs/rank-N.log      rank N's stdout+stderr; rank-N.attempt-K.log for earlier attempts
+    logs/rank-N.log      rank N's stdout+stderr; rank-N.attempt-A.log for an earlier attempt A (its
+                         job-wide id: r<round>, c<restart>), rank-N.attempt-K.log (K = 0, 1, ...) for
+                         one of an attempt the node that kept it did not run
     logs/rank-N.early.log  what rank N printed before joining stderr to stdout (usually removed)
     logs/rank-N.error.json torch's error file of rank N (its last error, written by the worker)
     logs/agent-HOST.log  torch's agent chatter and C++ warnings of the node HOST
@@ -45,8 +47,9 @@ class RunDir:
     def rank_log(self, rank: int | str) -> str:
         return self.join("logs", f"rank-{rank}.log")
 
-    def attempt_log(self, rank: int | str, attempt: int) -> str:
+    def attempt_log(self, rank: int | str, attempt: int | str) -> str:
         return self.join("logs", f"rank-{rank}.attempt-{attempt}.log")
+
 
     def early_log(self, rank: int | str) -> str:
         return self.join("logs", f"rank-{rank}.early.log")
@@ -110,3 +113,10 @@ class RunDir:
     @property
     def report_html(self) -> str:
         return self.join("report.html")
+
+
+def rank_log_name(rank: int | str, attempt: str = "") -> str:
+    """Rank ``rank``'s log, as a console line names it (relative to the run dir): of ``attempt``, the
+    name it has once its node's next start moved it aside (agent/logs.py keep_as_attempt); without an
+    attempt, the live log."""
+    return f"logs/rank-{rank}.attempt-{attempt}.log" if attempt else f"logs/rank-{rank}.log"

@@ -162,7 +162,7 @@ def _on_error(e: BaseException, channel: JobChannel | None, oom0: int | None = N
         # A peer failed first: one line naming the cause. An error of this rank's own that is no echo
         # (raised in the user's code, not a collective's) keeps its traceback, here and in the error file.
         first_line = (str(e).splitlines() or [""])[0][:200]
-        msg = ddp_exit.stopped_message(cause)
+        msg = ddp_exit.stopped_message(cause, channel)
         ddp_exit.say(f"{msg}\n  (this rank then saw {type(e).__name__}: {first_line})")
         if not echo:
             ddp_exit.print_user_traceback(e)
@@ -288,4 +288,4 @@ def main(argv: list[str] | None = None) -> None:
     if monitor is not None:
         monitor.flush_timing() if code == 0 else monitor.stop()
     loaderworkers.end_workers()
-    ddp_exit.hard_exit(code, wenv.exit_timeout if wenv is not None else defaults.EXIT_TIMEOUT_S)
+    ddp_exit.hard_exit(code, wenv.exit_timeout if wenv is not None else defaults.EXIT_TIMEOUT_S, channel)

@@ -36,7 +36,8 @@ from ddprun import loaderworkers
 from ddprun.protocol import defaults
 from ddprun.protocol import env as wenv
 from ddprun.protocol.atomic import write_text_atomic
-from ddprun.protocol.failure import FailureRecord
+from ddprun.protocol.failure import ERROR, FailureRecord
+from ddprun.protocol.rundir import rank_log_name
 
 
 class Publisher(Protocol):
@@ -57,11 +58,14 @@ def exit_code_of(e: SystemExit) -> int:
     return 1
 
 
-def stopped_message(cause: FailureRecord) -> str:
-    """What a rank ended by another rank's failure says (the agent groups these)."""
+def stopped_message(cause: FailureRecord, ch: Any = None) -> str:
+    """What a rank ended by another rank's failure says (the agent groups these). ``ch``: this rank's
+    JobChannel; where a restart may follow this attempt, the cause's log is named as the restart keeps
+    it (``rank-N.attempt-<attempt id>.log``)."""
     if cause.rank < 0:
         return f"{STOPPED_MARK} {cause.headline()}"
-    return (f"{STOPPED_MARK} {cause.headline()} (its log: logs/rank-{cause.rank}.log on {cause.host})")
+    attempt = "" if ch is None or ch.last_attempt else str(ch.wenv.attempt or "")
+    return f"{STOPPED_MARK} {cause.headline()} (its log: {rank_log_name(cause.rank, attempt)} on {cause.host})"
 
 
 def say(text: str) -> None:
@@ -214,28 +218,44 @@ def _flush_open_files() -> None:
                 pass
 
 
-def _hung_handlers(code: int, limit_s: float, stage: list[str]) -> None:
-    """The exit's ``stage[0]`` (the atexit handlers, then the flush of open files) ran past ``limit_s``:
-    say where the main thread is, then leave."""
+THREADS_STAGE = "a thread the script left running (a non-daemon thread or a thread pool: an async save?)"
+
+
+def _hung_handlers(code: int, limit_s: float, stage: list[str], channel: Publisher | None = None) -> None:
+    """The exit's ``stage[0]`` (the threads the script left running, the atexit handlers, the flush of
+    open files) ran past ``limit_s``: a clean end records why it fails now (the stage, and the threads
+    still running), then says where they are (those threads' stacks, else the main thread's), and leaves."""
     last = threading.Timer(5.0, os._exit, args=(code or 1,))  # stderr may be the stream that blocks
     last.daemon = True
     last.start()
-    frame = sys._current_frames().get(threading.main_thread().ident or 0)
-    where = "".join(traceback.format_stack(frame)[-3:]) if frame is not None else "?\n"
+    frames = sys._current_frames()
+    left = [t for t in threading.enumerate() if not t.daemon and t.is_alive()
+            and t is not threading.main_thread() and t is not threading.current_thread()]
+    summary = f"its exit did not end within {limit_s:.0f} s (--exit-timeout): {stage[0]} did not return"
+    if left:
+        summary += "; non-daemon threads still running: " + ", ".join(repr(t.name) for t in left)
+    rec = own_record(ERROR, summary, os.environ) if code == 0 else None
+    if rec is not None:  # a failure has its own record already: the hang is no cause
+        record(rec, None)  # the files first: the agent reads the error file as this worker's record
+    shown = left if stage[0] == THREADS_STAGE and left else [threading.main_thread()]
+    where = "".join(f"  thread {t.name!r}:\n" + "".join(traceback.format_stack(frames[t.ident])[-4:])
+                    for t in shown if t.ident in frames) or "?\n"
     print(f"ddprun: {stage[0]} did not return within {limit_s:.0f} s; exiting anyway. It is at:\n{where}",
           file=sys.stderr, flush=True)
+    if rec is not None and channel is not None:
+        channel.record_failure(rec)  # the job's copy (bounded by the timer above at worst)
     os._exit(code or 1)
 
 
-def hard_exit(code: int, handlers_s: float = defaults.EXIT_TIMEOUT_S) -> None:
+def hard_exit(code: int, handlers_s: float = defaults.EXIT_TIMEOUT_S, channel: Publisher | None = None) -> None:
     """As the interpreter's own exit, each step bounded together by ``handlers_s``: after a clean end
     wait for the threads the script left running (non-daemon threads, thread pools: an async
     checkpoint's save), run the atexit handlers, flush every open file; then ``os._exit(code)`` (no
     finalization)."""
     if wenv.soft_exit(os.environ):
         sys.exit(code)
-    stage = ["a thread the script left running (a non-daemon thread or a thread pool: an async save?)"]
-    guard = threading.Timer(handlers_s, _hung_handlers, args=(code, handlers_s, stage))
+    stage = [THREADS_STAGE]
+    guard = threading.Timer(handlers_s, _hung_handlers, args=(code, handlers_s, stage, channel))
     guard.daemon = True
     guard.start()
     if code == 0 and threading.current_thread() is threading.main_thread():  # a failure ends at once
@@ -249,7 +269,7 @@ def hard_exit(code: int, handlers_s: float = defaults.EXIT_TIMEOUT_S) -> None:
     except Exception:  # noqa: BLE001
         traceback.print_exc()
         code = code or 1
-    guard.args = (code, handlers_s, stage)
+    guard.args = (code, handlers_s, stage, channel)
     # the guard stays on: a flush blocks on a pipe nobody reads (a child's stdin) or a hung file system
     stage[0] = "the flush of an open file (a pipe nobody reads? a hung file system?)"
     _flush_open_files()

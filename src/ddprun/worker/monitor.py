@@ -145,6 +145,8 @@ class Monitor:
         self._registered = False
         self._relay_seen: tuple[int, float] = (-1, time.monotonic())
         """The relay's latest beat and when it moved (at first: the thread's start)."""
+        self._alive_at = time.monotonic()
+        """When this thread's last poll ended (:meth:`_held`)."""
         self._directs: set[int] = set()
         self._directs_read = 0
         """Readers (observers, rank 0): the ranks registered as talking to the job store, and how many."""
@@ -282,6 +284,13 @@ class Monitor:
             pass
 
     def _tick(self, store: Any) -> None:
+        self._held(time.monotonic())
+        try:
+            self._poll(store)
+        finally:
+            self._alive_at = time.monotonic()
+
+    def _poll(self, store: Any) -> None:
         if os.getppid() != self._ppid:  # the agent is gone (PR_SET_PDEATHSIG does this on Linux first)
             os._exit(1)
         ch = self.ch
@@ -376,6 +385,19 @@ class Monitor:
             return None
         return relay[1] if relay is not None else None
 
+    def _held(self, now: float) -> None:
+        """This thread did not run for defaults.HELD_GAP_S between the end of its last poll and ``now``
+        (the job suspended, this rank frozen; a slow store call inside a poll is no such gap): the
+        relay's beat and the job's progress are judged from now (the others did not run either), so a
+        resume is no hang report and no switch to the job store."""
+        if now - self._alive_at > defaults.HELD_GAP_S:
+            self._relay_seen = (self._relay_seen[0], now)
+            obs = self.observer
+            if obs is not None:
+                obs.since = now
+                if obs.reported_at is not None:
+                    obs.reported_at = now
+
     def _node_failed(self, e: Exception) -> None:
         self._go_direct(f"its node store did not answer within {defaults.RELAY_STALE_S:.0f} s (its agent is stopped "
                         "or frozen)" if isinstance(e, TimeoutError) else f"its node store failed ({type(e).__name__})")
@@ -465,7 +487,7 @@ class Monitor:
             return None
 
     def _stopped_by(self, cause: fr.FailureRecord, store: Any) -> None:
-        msg = stopped_message(cause)
+        msg = stopped_message(cause, self.ch)
         print(msg, file=sys.stderr, flush=True)
         rec = self.ch.stopped(cause)
         from ddprun.worker.exit import write_error_file

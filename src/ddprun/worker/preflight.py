@@ -212,7 +212,7 @@ def await_verdict(ch: Any) -> None:
     verdict = ch.store.get(ch.keys.preflight).decode(errors="replace")
     if verdict != "ok" and ch.rank != 0:
         cause = ch.cause() or fr.FailureRecord(fr.PREFLIGHT, 0, verdict, 0, "?")
-        msg = stopped_message(cause)
+        msg = stopped_message(cause, ch)
         print(msg, file=sys.stderr, flush=True)
         record(ch.stopped(cause), ch, message=msg)
         ch.ack_failure()
