@@ -326,3 +326,32 @@ def test_a_spot_interruption_notice_in_the_metadata_stops_every_rank_at_one_step
     assert int(step) > 5 and Path(path).exists(), describe(ended)
     assert "Traceback" not in "".join(e.output for e in ended), describe(ended)
     assert_nothing_left(tmp_path)
+
+
+OWN_HANDLER = str(Path(__file__).parent / "scripts" / "own_handler_loop.py")
+
+
+@pytest.mark.timeout(120)
+def test_a_script_with_its_own_sigterm_handler_saves_where_it_decides_when_every_agent_is_signalled(tmp_path):
+    """Kubernetes deletes every pod of the job: each agent (PID 1) gets SIGTERM, its workers do not.
+    Nothing in the job stops at a step (no ddprun.fit, no on_preempt), so each agent stops its workers
+    as torchrun's does, with SIGTERM and --stop-grace, and the script's own handler decides: every rank
+    saves after one step and returns. Before: each rank ended the moment its agent's stop came."""
+    out = tmp_path / "out"
+    job = Nodes(tmp_path, 2, 1, ["--out", str(out)], script=OWN_HANDLER, extra=["--log-dir", str(tmp_path / "runs")])
+    deadline = time.monotonic() + 60
+    while not all((out / f"started-{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all((out / f"started-{r}").exists() for r in (0, 1)), job.describe()
+    sent = min(job.signal(i, signal.SIGTERM) for i in (0, 1))
+    ended = job.finish(timeout=60)
+    saved = {r: (out / f"saved-{r}.txt").read_text() for r in (0, 1) if (out / f"saved-{r}.txt").exists()}
+    assert set(saved) == {0, 1} and saved[0] == saved[1], describe(ended)  # both ranks, after the same step
+    assert not (out / "after-loop-0.txt").exists(), "the script trained to its end"
+    assert [e.returncode for e in ended] == [128 + signal.SIGTERM] * 2, describe(ended)
+    for e in ended:
+        assert "ddprun: stopped by SIGTERM; workers stopped." in e.output, describe(ended)
+        assert "Traceback" not in e.output, describe(ended)
+    print(f"every agent SIGTERMed -> both nodes ended {max(e.ended_at for e in ended) - sent:.1f} s later")
+    assert max(e.ended_at for e in ended) - sent < 20, describe(ended)  # the save's 1 s, well inside --stop-grace
+    assert_nothing_left(tmp_path)

@@ -178,3 +178,24 @@ def test_a_request_nothing_stops_at_leaves_a_rank_whose_script_handles_the_signa
     assert _within(5, lambda: signals_mod.PREEMPT.requested) < 5
     assert job.get(mon.ch.keys.preempt_stop) == pp.NO_STEP.encode()
     assert _within(0.5, lambda: died) >= 0.5 and died == []  # before: ended right after the handler returned
+
+
+def test_a_peers_stop_because_nothing_stops_at_a_step_is_left_to_a_script_that_handles_that_signal(monkeypatch):
+    """Kubernetes deletes every pod: the first agent's record of its SIGTERM reached the other ranks
+    before their own agents' SIGTERM, and stopped them before their handlers agreed on a step to save at."""
+    from ddprun.protocol import failure as fr
+    from ddprun.worker.monitor import left_to_handler
+
+    state = preempt.PreemptState(signals=(signal.SIGTERM,))
+    monkeypatch.setattr(preempt, "PREEMPT", state)
+    agent_stop = fr.FailureRecord(fr.SIGNAL, -1, "its agent got SIGTERM and stopped its workers", 1, "h1",
+                                  signal="SIGTERM", by="agent", stop_step=pp.NO_STEP)
+    assert not left_to_handler(agent_stop)  # the script has no handler of its own: stopped as ever
+    state._previous[signal.SIGTERM] = lambda signum, frame: None
+    assert left_to_handler(agent_stop)
+    import dataclasses
+
+    assert not left_to_handler(dataclasses.replace(agent_stop, stop_step="14"))  # a step: ddprun's stop
+    assert not left_to_handler(dataclasses.replace(agent_stop, stop_step=None))  # no request: a kill
+    assert not left_to_handler(dataclasses.replace(agent_stop, signal="SIGUSR1"))  # not the one it handles
+    assert not left_to_handler(dataclasses.replace(agent_stop, kind=fr.EXIT, by="worker"))

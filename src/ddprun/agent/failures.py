@@ -870,30 +870,32 @@ class AgentFailures:
             time.sleep(0.05)
         return None
 
-    def mark_stopping(self) -> None:
+    def mark_stopping(self, why: str = "1") -> None:
         """Torch's agent is about to signal this node's workers (a local worker failed, a restart, the
         end): they stop at once, not for a preemption; after a local failure, a worker that ends by that
-        signal without a record of its own was stopped because of the failure, not killed by SIGTERM."""
+        signal without a record of its own was stopped because of the failure, not killed by SIGTERM.
+        ``why``: the mark's value (protocol.preempt.STOPPING_FOR_NONE: the job answered that nothing
+        stops at a step, and a script's own handler for the signal decides when its rank ends)."""
         with self._lock:
             failed_here = bool(self._local)
         if self.stopping_for is None and failed_here:
             self.stopping_for = self.root_cause()
         if self._relay is not None:  # first, where the workers look first (worker/signals.py)
-            self._relay.mark_stopping(self._node)
-        self._mark(lambda keys: keys.stopping(self._node))
+            self._relay.mark_stopping(self._node, why)
+        self._mark(lambda keys: keys.stopping(self._node), why)
 
     def mark_said(self) -> None:
         """This node printed how its launch ended (a preemption stop); best effort."""
         self._mark(lambda keys: keys.said(self._node))
 
-    def _mark(self, key: Callable[[Keys], str]) -> None:
-        """Set this node's mark ``key(keys)``, best effort, on the way out. No store (its host is gone:
-        refused at once): nobody reads the mark, and a client's connect timeout is never waited for."""
+    def _mark(self, key: Callable[[Keys], str], value: str = "1") -> None:
+        """Set this node's mark ``key(keys)`` to ``value``, best effort, on the way out. No store (its host
+        is gone: refused at once): nobody reads the mark, and a client's connect timeout is never waited for."""
         keys = self._keys
         if keys is None or (self._store is None and not self._reachable()):
             return
         try:
-            self._client().set(key(keys), "1")
+            self._client().set(key(keys), value)
         except Exception:  # noqa: BLE001 - the store's host is gone
             self._store = None
 

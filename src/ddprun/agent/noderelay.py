@@ -160,15 +160,16 @@ class NodeRelay:
         parsed = fr.parse_many([self._store.get(keys.own_failure(rank))])
         return parsed[0] if parsed else None
 
-    def mark_stopping(self, node: int) -> None:
+    def mark_stopping(self, node: int, why: str = "1") -> None:
         """This agent signals its workers now (a failure, a restart, a lost job store): a signal that
         reaches them is not a preemption request. Their signal thread reads this first (worker/signals.py),
-        so a job store that stopped answering never delays their end. Any thread; best effort."""
+        so a job store that stopped answering never delays their end. ``why``: the mark's value
+        (FailureTracker.mark_stopping). Any thread; best effort."""
         keys, _ = self._current()
         if keys is None or self._store is None:
             return
         try:
-            self._store.set(keys.stopping(node), "1")
+            self._store.set(keys.stopping(node), why)
         except Exception:  # noqa: BLE001 - the workers then ask the job store, as without a node store
             pass
 

@@ -71,6 +71,11 @@ class Preemption:
         asked = self.sig is not None or self.notice is not None or self.request is not None
         return asked and self.failures.preempt_stop != pp.NO_STEP
 
+    def answered_none(self) -> bool:
+        """The job answered this request NO_STEP: nothing in it stops at a step (the workers are then
+        stopped as torch stops them, a script's own handler for the signal deciding: worker/signals.py)."""
+        return self.failures.preempt_stop == pp.NO_STEP
+
     def preempting_now(self) -> bool:
         """:meth:`preempting`, with the job's answer read from the store where no beat has read it yet
         (a beat reads it every 0.5 s): a request its ranks answered NO_STEP is no preemption."""

@@ -573,6 +573,7 @@ class _AgentRun:
                            on_preempt_signal=self.preemption.on_signal, preempt_check=self.preemption.check,
                            preempting=self.preemption.preempting,
                            restart_forbidden=self.preemption.restart_forbidden, on_stopping=self.failures.mark_stopping,
+                           answered_none=self.preemption.answered_none,
                            before_exit_barrier=self.preemption.before_exit, standby=self.run_.standby)
         spot = self._spot_watch(err)
         try:

@@ -55,6 +55,7 @@ from ddprun._util import within
 from ddprun.agent import rendezvous_poll
 from ddprun.agent.attempt import handler_round
 from ddprun.protocol import defaults
+from ddprun.protocol import preempt as pp
 
 
 @dataclass
@@ -91,8 +92,12 @@ class AgentHooks:
     a step, the job's answer read first)."""
     before_exit_barrier: Callable[[], None] = lambda: None
     """The workers ended: called before the agents' exit barrier, while every node's store still answers."""
-    on_stopping: Callable[[], None] = lambda: None
-    """torch's agent is about to signal its workers (a restart, a failure, the end): not a preemption."""
+    on_stopping: Callable[..., None] = lambda why="1": None
+    """torch's agent is about to signal its workers (a restart, a failure, the end): not a preemption.
+    ``why``: the mark's value, protocol.preempt.STOPPING_FOR_NONE when the job answered that nothing
+    stops at a step (a script's own handler for the signal then decides, as under torchrun)."""
+    answered_none: Callable[[], bool] = lambda: False
+    """The job answered the preemption request NO_STEP (agent/preemption.py)."""
     seen: set[int] = field(default_factory=set)
     """pids of this attempt's workers already reported to on_worker_exit."""
     standby: Any = None
@@ -115,6 +120,8 @@ class DdprunAgent(LocalElasticAgent):
         self._hooks = hooks
         self._hooks_said_signal: int | None = None
         self._preempt_said: int | None = None
+        self._stop_why = "1"
+        """The value of this agent's stopping mark at its shutdown (AgentHooks.on_stopping)."""
         self._dropped = False
         self._joined_round: int | None = None
         self._workers_run = False
@@ -149,7 +156,7 @@ class DdprunAgent(LocalElasticAgent):
             if not closed:  # again (torch's _shutdown after a failed rendezvous): its exits are torch's SIGTERM
                 closed.append(True)
                 self._report_exits(worker_group)
-                self._hooks.on_stopping()
+                self._hooks.on_stopping(self._stop_why)  # as _shutdown marked it, when it is the closer
             return close(*args, **kwargs)
 
         pcontext.close = close_after_saying
@@ -187,6 +194,8 @@ class DdprunAgent(LocalElasticAgent):
         self._report_exits(worker_group)  # first: a worker that died is named so, also when the grace ends now
         forced = self._hooks.preempt_check()
         if forced is not None:
+            if self._hooks.answered_none():  # stopped as torch stops them: a script's handler decides
+                self._stop_why = pp.STOPPING_FOR_NONE
             _signal_exception(forced, None)
         result = super()._monitor_workers(worker_group)
         if result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
@@ -294,7 +303,7 @@ class DdprunAgent(LocalElasticAgent):
 
     def _shutdown(self, death_sig: Any = None, timeout: int | None = None, **kwargs: Any) -> None:  # type: ignore[override]
         self._report_exits(self._worker_group)  # a worker that died before the signal is its own cause
-        self._hooks.on_stopping()
+        self._hooks.on_stopping(self._stop_why)
         # torch passes death_sig only when a signal ended the agent (else only the timeout, at every end)
         if death_sig is not None and self._hooks_said_signal is None:
             self._hooks_said_signal = int(death_sig)

@@ -122,6 +122,18 @@ class StallObserver:
         return ""
 
 
+def left_to_handler(cause: fr.FailureRecord) -> bool:
+    """Whether a peer's record is no reason to stop this rank now: an agent stopped its workers with a
+    signal because nothing in the job stops at a step, and this script handles that signal itself (as
+    under torchrun, its handlers decide: a flag the ranks agree on, a save, their exit). Every node's
+    agent gets it where the cluster deletes the job (Kubernetes: every pod); a peer that ends without
+    such agreement fails this rank's next collective, whose error ends it as a peer's death does."""
+    if cause.kind != fr.SIGNAL or cause.by != "agent" or cause.stop_step != pp.NO_STEP:
+        return False
+    signum = getattr(signal, str(cause.signal), None)
+    return isinstance(signum, int) and preempt.stops_itself(signum)
+
+
 class Monitor:
     """The thread (module docstring); :meth:`start` after the channel started, :meth:`stop` at exit."""
 
@@ -449,7 +461,7 @@ class Monitor:
         known, cause = self._relayed_cause() if relayed else (False, None)
         if not known:
             cause = self.ch.cause(store)
-        if cause is None or self._stop.is_set():
+        if cause is None or self._stop.is_set() or left_to_handler(cause):
             return
         if cause.is_echo:  # give the first-hand record (its agent's, say) a moment to arrive
             self._echo_seen = self._echo_seen or time.monotonic()
