@@ -286,6 +286,10 @@ def test_node_facts_count_gpus_without_initialising_cuda_before_the_script(monke
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 3))
     facts = node_facts({"LOCAL_WORLD_SIZE": "2"}, None)
     assert (facts["gpus"], facts["nccl"]) == (2, "2.27.3")
+    # NVML also counts GPUs torch's CUDA cannot use (a CPU build, an old driver), where the launch put
+    # the job on cpu: none counted, or preflight refused it ("has 2 GPUs but runs 1 processes")
+    facts = node_facts({"LOCAL_WORLD_SIZE": "1", "DDPRUN_DEVICE_KIND": "cpu"}, None)
+    assert (facts["gpus"], facts["nccl"]) == (0, "")
 
 
 def test_node_facts_carry_the_gpu_facts_of_this_machine():

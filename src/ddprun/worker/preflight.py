@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ddprun.protocol.env import WorkerEnv
+from ddprun.protocol.env import WorkerEnv, device_kind
 from ddprun.worker import gpufacts
 
 
@@ -71,8 +71,10 @@ def node_facts(environ: Mapping[str, str], script: str | None) -> dict:
     except OSError:
         free_gb = -1.0
     # device_count() asks NVML: no CUDA initialised before the script runs (is_available() would, and
-    # then a script's own CUDA_VISIBLE_DEVICES, or CUDA in children it forks, fails on this rank only)
-    gpus = torch.cuda.device_count()
+    # then a script's own CUDA_VISIBLE_DEVICES, or CUDA in children it forks, fails on this rank only).
+    # A job the launcher put on cpu counts none: NVML also counts GPUs that torch's CUDA cannot use
+    # (a CPU build, an old driver), where the launch trains on cpu (cluster/probe.py unused_gpus)
+    gpus = 0 if device_kind(environ) == "cpu" else torch.cuda.device_count()
     nccl = ""
     if gpus:
         try:
