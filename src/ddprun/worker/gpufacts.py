@@ -109,7 +109,7 @@ def _visible(nvml, environ: Mapping[str, str], q: _Query) -> list:
 def _ordinals(q: _Query, count: int, prefixes: list[str]) -> list[int]:
     """GPU indices of UUID prefixes (torch.cuda._transform_uuid_to_ordinals): up to the first prefix
     that matches no GPU or several; a GPU named twice names none."""
-    uuids = [str(q(f"gpu {i}", "nvmlDeviceGetUUID", q(f"gpu {i}", "nvmlDeviceGetHandleByIndex", i)))
+    uuids = [_text(q(f"gpu {i}", "nvmlDeviceGetUUID", q(f"gpu {i}", "nvmlDeviceGetHandleByIndex", i)))
              for i in range(count)]
     found: list[int] = []
     for prefix in prefixes:
