@@ -173,8 +173,8 @@ def trainer_kwargs(info: RankInfo | None = None, *, backend: str | None = None) 
         return {"accelerator": accelerator, "devices": 1, "num_nodes": 1, "strategy": "auto"}
     backend = backend or ("nccl" if accelerator == "gpu" else "gloo")
     env = DdprunEnvironment(info)
-    if info.device.type == "cuda" and info.device.index != info.local_rank:
-        # a GPU of its own (srun --gpus-per-task=1: cuda:0 at local rank 2): Lightning's root device is
+    if info.device.type == "cuda" and (info.bound or info.device.index != info.local_rank):
+        # a GPU of its own (srun --gpus-per-task=1: cuda:0 at every local rank): Lightning's root device is
         # parallel_devices[local_rank], so every entry is this rank's device; devices=1 is what it sees
         strategy = DDPStrategy(parallel_devices=[info.device] * info.local_world_size, cluster_environment=env,
                                process_group_backend=backend)

@@ -63,6 +63,10 @@ class RankInfo:
     distributed: bool = False
     """True when a process group exists (possibly of size 1)."""
     backend: str | None = None
+    bound: bool = False
+    """A per-process launcher gave this process one GPU of its own (``srun --gpus-per-task=1``, an mpirun
+    wrapper's CUDA_VISIBLE_DEVICES): ``device`` is cuda:0 whatever the local rank, and the node's other
+    GPUs are not visible here."""
 
 
 @dataclass
@@ -146,9 +150,10 @@ def _from_environ(environ: Mapping[str, str], per_node: bool = True, joining: bo
     named = environ.get("GROUP_RANK", environ.get("NODE_RANK", "")) if spec.environment == "torchrun" else ""
     node_rank = (spec.node_rank if spec.node_rank is not None else
                  int(named) if named.isdigit() else spec.rank // local_world)
+    bound = use_cuda and _bound(environ)
     info = RankInfo(rank=spec.rank, local_rank=local_rank, node_rank=node_rank, world_size=spec.world_size,
-                    local_world_size=local_world, device=_device(local_rank, use_cuda, _bound(environ)),
-                    is_main=spec.rank == 0)
+                    local_world_size=local_world, device=_device(local_rank, use_cuda, bound),
+                    is_main=spec.rank == 0, bound=bound)
     return spec, info
 
 
@@ -191,12 +196,14 @@ def _info_from_group(environ: Mapping[str, str]) -> RankInfo:
     spec, env_info = _from_environ(environ, per_node=False)  # e.g. mp.spawn'ed ranks under srun 1 task/node
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = spec.local_rank if spec.rank is not None else None
-    device = _device(local_rank, _use_cuda(environ), _bound(environ))
+    use_cuda = _use_cuda(environ)
+    bound = use_cuda and _bound(environ)
+    device = _device(local_rank, use_cuda, bound)
     local_world = env_info.local_world_size if spec.rank is not None else 1
     return RankInfo(rank=rank, local_rank=local_rank if local_rank is not None else 0,
                     node_rank=env_info.node_rank if spec.rank is not None else 0,
                     world_size=world, local_world_size=local_world, device=device, is_main=rank == 0,
-                    distributed=True, backend=str(dist.get_backend()))
+                    distributed=True, backend=str(dist.get_backend()), bound=bound)
 
 
 def init(backend: str | None = None, *, timeout: float = DEFAULT_INIT_TIMEOUT_S,

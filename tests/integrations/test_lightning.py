@@ -110,14 +110,17 @@ def test_a_rank_bound_to_a_gpu_of_its_own_trains_on_it(clean_runtime, monkeypatc
     monkeypatch.setattr(fabric_cuda, "num_cuda_devices", lambda: 1)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    info = RankInfo(rank=6, local_rank=2, node_rank=1, world_size=8, local_world_size=4,
-                    device=torch.device("cuda", 0), is_main=False)
-    trainer = pl.Trainer(**trainer_kwargs(info), logger=False, enable_checkpointing=False, **QUIET)
-    strategy = trainer.strategy
-    assert (strategy.root_device, strategy.local_rank, strategy.world_size) == (torch.device("cuda", 0), 2, 8)
-    assert (trainer.num_devices, trainer.num_nodes, strategy.distributed_sampler_kwargs) == \
-        (4, 2, {"num_replicas": 8, "rank": 6})
-    strategy.cluster_environment.validate_settings(num_devices=strategy.num_processes, num_nodes=strategy.num_nodes)
+    for rank, local_rank in ((6, 2), (4, 0)):  # local rank 0 too, whose cuda:0 is also its local rank's index
+        info = RankInfo(rank=rank, local_rank=local_rank, node_rank=1, world_size=8, local_world_size=4,
+                        device=torch.device("cuda", 0), is_main=False, bound=True)
+        trainer = pl.Trainer(**trainer_kwargs(info), logger=False, enable_checkpointing=False, **QUIET)
+        strategy = trainer.strategy
+        assert (strategy.root_device, strategy.local_rank, strategy.world_size) == \
+            (torch.device("cuda", 0), local_rank, 8)
+        assert (trainer.num_devices, trainer.num_nodes, strategy.distributed_sampler_kwargs) == \
+            (4, 2, {"num_replicas": 8, "rank": rank})
+        strategy.cluster_environment.validate_settings(num_devices=strategy.num_processes,
+                                                       num_nodes=strategy.num_nodes)
 
 
 def test_the_entry_point_checks_every_trainer_in_a_multi_rank_ddprun_worker(clean_runtime):

@@ -278,6 +278,8 @@ def test_an_mpirun_wrapper_that_exports_torchruns_variables_and_one_gpu_a_rank_b
     env = {**torchrun_env(rank=3, local_rank=3, world=4, local_world=4), "CUDA_VISIBLE_DEVICES": "3"}
     del env["TORCHELASTIC_RUN_ID"]
     assert runtime.rank_info(env).device == torch.device("cuda", 0)
+    env.update(RANK="0", LOCAL_RANK="0", CUDA_VISIBLE_DEVICES="0")  # local rank 0: bound too (Lightning asks)
+    assert runtime.rank_info(env).bound and not runtime.rank_info({**env, "TORCHELASTIC_RUN_ID": "t"}).bound
 
 
 def test_a_process_group_the_user_made_under_a_per_task_launcher_uses_the_tasks_one_gpu(gpus):
