@@ -77,7 +77,7 @@ def store_env(job, rank: int) -> dict[str, str]:
 
 @pytest.mark.timeout(90)
 def test_poisoned_store_values_are_skipped_and_the_job_goes_on(nodes, tmp_path):
-    job = nodes(2, 1, ["--step-s", "0.05", "--steps", "160"], extra=STALL)
+    job = nodes(2, 1, ["--step-s", "0.05", "--steps", "400"], extra=STALL)
     job.worker_pids(range(2))
     env = store_env(job, 0)
     store = store_client(int(env["MASTER_PORT"]), host=env["MASTER_ADDR"])
@@ -96,6 +96,9 @@ def test_poisoned_store_values_are_skipped_and_the_job_goes_on(nodes, tmp_path):
                        ("relayed-causes", '["{\\"kind\\": 1}"]')]:
         node.set(prefix + key, value)
     store.add(prefix + "alarm", 1)  # every agent and rank reads the records again (and the relayed ones)
+    # then a counter that is no number: add(key, 0) on it closes the reader's connection (every agent
+    # then took the job store for lost after 10 s and stopped its workers); it reads as moved instead
+    store.set(prefix + "alarm", "not a number")
     del store, node
     ended = job.finish(timeout=60)
     assert all(e.returncode == 0 for e in ended), describe(ended)

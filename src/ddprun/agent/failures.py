@@ -44,6 +44,7 @@ from ddprun.protocol.store import (
     publish_failure,
     raise_alarm,
     read_causes,
+    read_counter,
     read_records,
     text,
     value_or_empty,
@@ -492,9 +493,9 @@ class AgentFailures:
         """One read of the alarm; the records, the preemption request and the hang report only when it
         moved (every writer of them advances it after the write); the agreed stop step, which is not
         announced, every beat while a preemption waits for it."""
-        alarm = int(store.add(keys.alarm, 0))
+        alarm = read_counter(store, keys.alarm)  # not add(key, 0): a value that is no number closes the client
         request, stop, said = self.preempt_request, self.preempt_stop, None
-        if alarm != self._alarm:
+        if alarm is None or alarm != self._alarm:  # no number: it may never move again, so read on
             self._read_records(store, keys)
             said = self._read_announced(store, keys)
             request = request or pp.Request.parse(said.preempt or None)
@@ -507,7 +508,7 @@ class AgentFailures:
                 self.preempt_request = self.preempt_request or request
                 self.preempt_stop = self.preempt_stop or stop
                 self._announced = said or self._announced
-                self._alarm = alarm  # only once all of it was read: a failing read reads it again next beat
+                self._alarm = -1 if alarm is None else alarm  # once all of it was read: a failing read reads it again
 
     def _read_announced(self, store: Any, keys: Keys) -> Announced:
         """The job's preemption request (read until there is one: the first request stays) and its
@@ -570,7 +571,7 @@ class AgentFailures:
         with self._lock:
             known = set(self._cache)
         if every:
-            n = int(store.add(keys.failures, 0))
+            n = read_counter(store, keys.failures) or 0
             got = read_records(store, [k for k in map(keys.failure, range(1, n + 1)) if k not in known])
         else:
             got = read_causes(store, keys, known)
