@@ -141,6 +141,23 @@ class Batches(Dataset):
         return x.unsqueeze(1), x
 
 
+def test_a_users_loader_rebuilt_in_one_process_keeps_its_workers_start_method_and_settings():
+    """In one process fit rebuilds a DataLoader of torch's default sampler only to resume it exactly:
+    its workers still start as the user's did (fork here), so a collate_fn or dataset that does not
+    pickle still loads (forkserver, fit's own start method, failed it: "Can't pickle local object")."""
+    import multiprocessing
+
+    fork = multiprocessing.get_context("fork")
+    user = DataLoader(Squares(), batch_size=5, shuffle=True, num_workers=1, multiprocessing_context=fork,
+                      collate_fn=lambda items: torch.cat([y for _, y in items]), prefetch_factor=3, drop_last=True)
+    built = build_train_loader(user, batch_size=32, info=rank(), seed=0, num_workers=None)
+    assert built.sampler is not None and built.loader.sampler is built.sampler  # resumable
+    assert (built.loader.multiprocessing_context, built.loader.prefetch_factor, built.loader.drop_last) == \
+        (fork, 3, True)
+    batches = list(built.loader)
+    assert len(batches) == 10 and sorted(torch.cat(batches).tolist()) == sorted(float(i * i) for i in range(50))
+
+
 def test_a_loader_of_whole_batches_stays_unbatched_on_every_rank():
     # with 2+ ranks fit rebuilt it with batch_size=32 and its default_convert: lists of 32 whole batches
     user = DataLoader(Batches(), batch_size=None, shuffle=True)

@@ -380,6 +380,9 @@ def build_train_loader(data: Dataset | DataLoader, *, batch_size: int, info: Ran
         if info.world_size == 1 and not default_order(user_loader):
             return Loader(user_loader, None, batch_size)
         shuffle, kwargs = _user_settings(user_loader, seed, warn)
+        if info.world_size == 1:
+            sampler = ResumableSampler(dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed, drop_last=False)
+            return Loader(_with_sampler(user_loader, sampler, None if unbatched else batch_size), sampler, batch_size)
         if num_workers is None:
             num_workers = user_loader.num_workers
     sampler = ResumableSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=shuffle, seed=seed,
@@ -392,6 +395,22 @@ def build_train_loader(data: Dataset | DataLoader, *, batch_size: int, info: Ran
     loader = DataLoader(dataset, batch_size=None if unbatched else batch_size, sampler=sampler, generator=generator,
                         **loader_options(workers, info.device.type), **kwargs)
     return Loader(loader, sampler, batch_size)
+
+
+def _with_sampler(user: DataLoader, sampler: ResumableSampler, batch_size: int | None) -> DataLoader:
+    """``user``'s loader with fit's resumable ``sampler`` in place of torch's default one, every other
+    setting kept (its workers and their start method, so a dataset or collate_fn that does not pickle
+    still loads under fork; pin_memory, prefetch, generator), as the loader it replaces in one process."""
+    workers = user.num_workers
+    opts: dict[str, Any] = {
+        "num_workers": workers, "collate_fn": user.collate_fn, "pin_memory": user.pin_memory,
+        "drop_last": user.drop_last, "timeout": user.timeout, "generator": user.generator,
+        "worker_init_fn": worker_init(workers, user.worker_init_fn),
+        "multiprocessing_context": user.multiprocessing_context, "persistent_workers": user.persistent_workers,
+        "pin_memory_device": user.pin_memory_device}
+    if workers > 0:
+        opts["prefetch_factor"] = user.prefetch_factor
+    return DataLoader(user.dataset, batch_size=batch_size, sampler=sampler, **opts)
 
 
 def _user_settings(user_loader: DataLoader, seed: int, warn: bool) -> tuple[bool, dict[str, Any]]:
