@@ -382,7 +382,9 @@ def build_train_loader(data: Dataset | DataLoader, *, batch_size: int, info: Ran
         shuffle, kwargs = _user_settings(user_loader, seed, warn)
         if info.world_size == 1:
             sampler = ResumableSampler(dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed, drop_last=False)
-            return Loader(_with_sampler(user_loader, sampler, None if unbatched else batch_size), sampler, batch_size)
+            generator = user_loader.generator or torch.Generator().manual_seed(seed)  # not the global RNG: resumes bitwise
+            return Loader(_with_sampler(user_loader, sampler, None if unbatched else batch_size, generator), sampler,
+                          batch_size)
         if num_workers is None:
             num_workers = user_loader.num_workers
     sampler = ResumableSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=shuffle, seed=seed,
@@ -397,14 +399,17 @@ def build_train_loader(data: Dataset | DataLoader, *, batch_size: int, info: Ran
     return Loader(loader, sampler, batch_size)
 
 
-def _with_sampler(user: DataLoader, sampler: ResumableSampler, batch_size: int | None) -> DataLoader:
+def _with_sampler(user: DataLoader, sampler: ResumableSampler, batch_size: int | None,
+                  generator: torch.Generator) -> DataLoader:
     """``user``'s loader with fit's resumable ``sampler`` in place of torch's default one, every other
     setting kept (its workers and their start method, so a dataset or collate_fn that does not pickle
-    still loads under fork; pin_memory, prefetch, generator), as the loader it replaces in one process."""
+    still loads under fork; pin_memory, prefetch), as the loader it replaces in one process.
+    ``generator`` seeds its workers (a loader without one draws that seed from the global RNG at each
+    epoch, which a resume mid-epoch would draw at another point)."""
     workers = user.num_workers
     opts: dict[str, Any] = {
         "num_workers": workers, "collate_fn": user.collate_fn, "pin_memory": user.pin_memory,
-        "drop_last": user.drop_last, "timeout": user.timeout, "generator": user.generator,
+        "drop_last": user.drop_last, "timeout": user.timeout, "generator": generator,
         "worker_init_fn": worker_init(workers, user.worker_init_fn),
         "multiprocessing_context": user.multiprocessing_context, "persistent_workers": user.persistent_workers,
         "pin_memory_device": user.pin_memory_device}
