@@ -123,11 +123,12 @@ class StallObserver:
 
 
 def left_to_handler(cause: fr.FailureRecord) -> bool:
-    """Whether a peer's record is no reason to stop this rank now: an agent stopped its workers with a
+    """Whether a peer's record is no reason to stop this rank yet: an agent stopped its workers with a
     signal because nothing in the job stops at a step, and this script handles that signal itself (as
     under torchrun, its handlers decide: a flag the ranks agree on, a save, their exit). Every node's
-    agent gets it where the cluster deletes the job (Kubernetes: every pod); a peer that ends without
-    such agreement fails this rank's next collective, whose error ends it as a peer's death does."""
+    agent gets it where the cluster deletes the job (Kubernetes: every pod). The monitor leaves it for
+    as long as an agent gives such a handler (defaults.STOP_GRACE_S), then stops the rank as ever: a
+    peer that ended without such agreement, with this rank's own agent never signalled."""
     if cause.kind != fr.SIGNAL or cause.by != "agent" or cause.stop_step != pp.NO_STEP:
         return False
     signum = getattr(signal, str(cause.signal), None)
@@ -163,6 +164,8 @@ class Monitor:
         self._directs_read = 0
         """Readers (observers, rank 0): the ranks registered as talking to the job store, and how many."""
         self._echo_seen: float | None = None
+        self._left_since: float | None = None
+        """When a peer's record this rank leaves to its script's signal handler came (left_to_handler)."""
         self._claim: str | None = None
         """The stall request this observer wrote (its report's), until progress resumes and it clears it.
         Kept here: the other observer's read of a request already cleared would wait the client's 30 s."""
@@ -332,7 +335,7 @@ class Monitor:
         if alarm is None:
             alarm = read_counter(store, self.ch.keys.alarm)
         moved = alarm is None or alarm != self._alarm  # not a number: it may never move again, so read on
-        if self.ch.world_size > 1 and (moved or self._echo_seen is not None):
+        if self.ch.world_size > 1 and (moved or self._echo_seen is not None or self._left_since is not None):
             self._watch_failures(store, relayed)
         said = self._relayed_announced() if relayed and moved else None
         if moved or (PREEMPT.signum is not None and not PREEMPT.requested):
@@ -461,8 +464,12 @@ class Monitor:
         known, cause = self._relayed_cause() if relayed else (False, None)
         if not known:
             cause = self.ch.cause(store)
-        if cause is None or self._stop.is_set() or left_to_handler(cause):
+        if cause is None or self._stop.is_set():
             return
+        if left_to_handler(cause):  # for as long as an agent gives a script's handler, then as ever
+            self._left_since = self._left_since or time.monotonic()
+            if time.monotonic() - self._left_since < defaults.STOP_GRACE_S:
+                return
         if cause.is_echo:  # give the first-hand record (its agent's, say) a moment to arrive
             self._echo_seen = self._echo_seen or time.monotonic()
             if time.monotonic() - self._echo_seen < defaults.ECHO_WAIT_S:
