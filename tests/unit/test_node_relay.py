@@ -280,6 +280,20 @@ def test_a_job_suspended_and_resumed_is_no_hang_and_no_frozen_relay_to_its_ranks
     assert reported == [pytest.approx(bound)]
 
 
+def test_a_monitors_own_waits_while_the_job_store_is_gone_are_no_suspend(tmp_path, job, relay):
+    """Polls RETRY_S (5 s) apart while the job store is gone are this thread's own waits, not the job
+    suspended (HELD_GAP_S, 3 s): a hang that outlasts a store outage is still timed from its start."""
+    m, _, _ = worker(tmp_path, job, relay, rank=0)
+    m.observer = monitor_mod.StallObserver(5.0, 30.0)
+    now = monitor_mod.time.monotonic()
+    m.observer.since, m._alive_at = now - 60.0, now
+    m._interval = monitor_mod.RETRY_S
+    m._held(now + monitor_mod.RETRY_S + 0.5)
+    assert m.observer.since == now - 60.0  # before: reset to now, the hang's report put off
+    m._held(now + monitor_mod.RETRY_S + defaults.HELD_GAP_S + 1.0)  # a real hold on top of the wait
+    assert m.observer.since == now + monitor_mod.RETRY_S + defaults.HELD_GAP_S + 1.0
+
+
 def test_relay_values_and_a_malformed_node_store_variable():
     assert parse_relay(relay_value(3, 17).encode()) == (3, 17)
     rec = fr.FailureRecord(fr.ERROR, 3, "ValueError: bad batch", 1, "host-1")

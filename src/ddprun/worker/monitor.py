@@ -160,6 +160,8 @@ class Monitor:
         """The relay's latest beat and when it moved (at first: the thread's start)."""
         self._alive_at = time.monotonic()
         """When this thread's last poll ended (:meth:`_held`)."""
+        self._interval = defaults.MONITOR_POLL_S
+        """The last wait between polls (s): RETRY_S while the job store is gone."""
         self._directs: set[int] = set()
         self._directs_read = 0
         """Readers (observers, rank 0): the ranks registered as talking to the job store, and how many."""
@@ -252,6 +254,7 @@ class Monitor:
                 self._failed_polls = 0
             except Exception as e:  # noqa: BLE001 - say it, keep watching; the store may be briefly away
                 store = None
+                self._alive_at = time.monotonic()  # it ran: a failed poll (or connect) is no hold
                 if sigs:  # no store to agree through: the agent or the store's host is going away
                     preempt.die_by(sigs[0])
                 self._poll_failed(e)
@@ -264,6 +267,7 @@ class Monitor:
         """One poll interval (RETRY_S once the store is gone), or less when a signal is handed over:
         the signals handed; None at stop."""
         interval = RETRY_S if self._gone() else defaults.MONITOR_POLL_S
+        self._interval = interval  # a gap of it is this thread's own wait, no hold (_held)
         if self._wake is None:
             return None if self._stop.wait(interval) else []
         ready, _, _ = select.select([self._wake[0]], [], [], interval)
@@ -405,7 +409,7 @@ class Monitor:
         (the job suspended, this rank frozen; a slow store call inside a poll is no such gap): the
         relay's beat and the job's progress are judged from now (the others did not run either), so a
         resume is no hang report and no switch to the job store."""
-        if now - self._alive_at > defaults.HELD_GAP_S:
+        if now - self._alive_at > defaults.HELD_GAP_S + self._interval:
             self._relay_seen = (self._relay_seen[0], now)
             obs = self.observer
             if obs is not None:
