@@ -364,6 +364,31 @@ def _refused(path: str) -> list[str]:
             return []
 
 
+def _check_hparams(*owners: Any) -> None:
+    """Before training: the hyperparameters every checkpoint will hold (``save_hyperparameters()`` of
+    the module and the datamodule) load back with ``torch.load(weights_only=True)``, TRUSTED_TYPES
+    allowed; else a ConfigError naming the classes now, not at the first save, an epoch or hours in
+    (:class:`_Saves` checks the rest of a checkpoint there)."""
+    import io
+
+    import torch
+
+    values = {str(i): dict(getattr(o, "hparams", None) or {}) for i, o in enumerate(owners) if o is not None}
+    buf = io.BytesIO()
+    try:
+        torch.save(values, buf)
+        buf.seek(0)
+        with torch.serialization.safe_globals(list(TRUSTED_TYPES)):
+            refused = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(buf))
+    except Exception:  # noqa: BLE001 - not picklable at all, say: Lightning's own save names it
+        return
+    if refused:
+        raise ConfigError("The module's hyperparameters hold a class that a resume could not load.",
+                          seen=f"save_hyperparameters() holds {', '.join(refused)}, which "
+                               "torch.load(weights_only=True) refuses (every checkpoint holds them)",
+                          hint=_ALLOW_HINT)
+
+
 def _check_loadable(path: str, step: int) -> None:
     refused = _refused(path)
     if refused:
@@ -561,6 +586,7 @@ def fit_lightning(model: pl.LightningModule, train_data: Any = None, *, val_data
     if unknown:
         raise TypeError(f"fit_lightning() got unexpected keyword arguments {unknown}")
     user = dict(trainer_kwargs or {})
+    _check_hparams(model, datamodule)
     info = runtime.init()
     settings = _launch_args(info, user)
     run_dir = resolve_run_dir(run_dir, info)

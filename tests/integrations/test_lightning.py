@@ -276,21 +276,35 @@ def test_a_module_whose_hyperparameters_hold_a_path_and_a_namespace_resumes(clea
     assert again.model.hparams.data_dir == Path("/data/set") and again.model.hparams.args.lr == 0.1
 
 
+class KeepsKind(pl.Callback):
+    """A callback whose checkpointed state holds a class weights_only refuses."""
+
+    def state_dict(self):
+        return {"kind": Kind.SMALL}
+
+
 def test_a_class_the_resume_would_refuse_fails_the_first_save_and_a_resume_names_it(clean_runtime, tmp_path):
     """As ddprun.fit of an nn.Module: the class is named when the checkpoint is written, not at the
-    restart that needs it; a checkpoint from elsewhere that holds one is a ConfigError at the resume."""
+    restart that needs it; one in the hyperparameters, which every checkpoint holds, before training
+    (not at the first save, an epoch or hours in); a checkpoint from elsewhere that holds one is a
+    ConfigError at the resume."""
     import ddprun
 
     run, ckpts = str(tmp_path / "run"), tmp_path / "run" / "checkpoints"
+    with pytest.raises(ConfigError, match=r"(?s)save_hyperparameters\(\) holds .*test_lightning\.Kind, which "
+                                          r"torch.load\(weights_only=True\) refuses.*add_safe_globals"):
+        ddprun.fit(WithEnum(), tiny_data(), batch_size=8, max_steps=2, run_dir=run, trainer_kwargs=QUIET)
+    assert not ckpts.exists() or not list(ckpts.glob("*.ckpt"))
     with pytest.raises(CheckpointError, match=r"(?s)holds .*test_lightning\.Kind, which torch.load\(weights_only=True\) "
                                               r"refuses.*add_safe_globals"):
-        ddprun.fit(WithEnum(), tiny_data(), batch_size=8, max_steps=2, run_dir=run, trainer_kwargs=QUIET)
+        ddprun.fit(Tiny(), tiny_data(), batch_size=8, max_steps=2, run_dir=run,
+                   trainer_kwargs={**QUIET, "callbacks": [KeepsKind()]})
     assert not list(ckpts.glob("*.ckpt"))
     trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, **QUIET)
     trainer.fit(WithEnum(), torch.utils.data.DataLoader(tiny_data(), batch_size=8))
     trainer.save_checkpoint(tmp_path / "elsewhere.ckpt")
     with pytest.raises(ConfigError, match=r"(?s)elsewhere.ckpt holds .*Kind.*add_safe_globals"):
-        ddprun.fit(WithEnum(), tiny_data(), batch_size=8, max_steps=2, run_dir=str(tmp_path / "run2"),
+        ddprun.fit(Tiny(), tiny_data(), batch_size=8, max_steps=2, run_dir=str(tmp_path / "run2"),
                    resume=str(tmp_path / "elsewhere.ckpt"), trainer_kwargs=QUIET)
 
 
