@@ -926,19 +926,19 @@ def test_a_beat_held_behind_a_slow_store_call_does_not_overwrite_the_done_stop_s
     class Slow:
         def __getattr__(self, name):
             call = getattr(store, name)
-            if name not in ("set", "add"):
+            if name not in ("set", "compare_set"):
                 return call
 
-            def counted(key, value):
+            def counted(key, *values):
                 if name == "set" and key == beat:
                     adds[0] = 0
-                elif name == "add":
+                elif name == "compare_set" and key.endswith("/alarm"):  # the alarm's read (read_counter)
                     adds[0] += 1
                     if adds[0] == 2 and armed.is_set():
                         armed.clear()
                         held.set()
                         time.sleep(3.0)
-                return call(key, value)
+                return call(key, *values)
             return counted
 
     a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", io.StringIO(),

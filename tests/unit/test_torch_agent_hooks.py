@@ -14,7 +14,7 @@ def test_the_node_is_marked_stopping_before_the_first_close_of_its_workers_only(
     failed rendezvous) must not report the workers that the first close stopped as failures."""
     said, closes = [], []
     agent = DdprunAgent.__new__(DdprunAgent)
-    agent._hooks = AgentHooks(on_stopping=lambda: said.append("stopping"))
+    agent._hooks = AgentHooks(on_stopping=lambda why="1": said.append("stopping"))
     agent._report_exits = lambda group: said.append("exits")
     agent._pcontext = SimpleNamespace(close=lambda *a, **kw: closes.append(a))
     agent._say_before_close(SimpleNamespace())
@@ -136,7 +136,7 @@ def test_a_worker_that_died_before_the_agent_was_signalled_or_the_grace_ended_is
     said = []
     agent = DdprunAgent.__new__(DdprunAgent)
     agent._hooks = AgentHooks(on_worker_exit=lambda *a: said.append(("exit", a[0], a[3])),
-                              on_stopping=lambda: said.append("stopping"),
+                              on_stopping=lambda why="1": said.append("stopping"),
                               on_signal=lambda sig: said.append(("signal", sig)),
                               preempt_check=lambda: 15)
     agent._hooks_said_signal, agent._worker_group = None, SimpleNamespace(workers=[SimpleNamespace(global_rank=3)])
@@ -151,6 +151,29 @@ def test_a_worker_that_died_before_the_agent_was_signalled_or_the_grace_ended_is
     agent._hooks.seen.clear()
     agent._shutdown(15)
     assert said == [("exit", 3, -9), "stopping", ("signal", 15), "torch stops"]
+
+
+def test_a_stop_because_nothing_stops_at_a_step_is_marked_so_for_its_workers(monkeypatch):
+    """The job answered NO_STEP: the agent stops its workers as torch's does, its mark saying why
+    (a script's own handler for the signal then decides: worker/signals.py); other stops mark "1"."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from ddprun.protocol import preempt as pp
+
+    for none, mark in ((True, pp.STOPPING_FOR_NONE), (False, "1")):
+        marks: list[str] = []
+        agent = DdprunAgent.__new__(DdprunAgent)
+        agent._hooks = AgentHooks(on_stopping=lambda why="1", marks=marks: marks.append(why),
+                                  on_signal=lambda sig: None, preempt_check=lambda: 15,
+                                  answered_none=lambda none=none: none)
+        agent._hooks_said_signal, agent._worker_group = None, SimpleNamespace(workers=[])
+        agent._stop_grace_s = 30
+        agent._pcontext = SimpleNamespace(subprocess_handlers={}, close=lambda *a: None)
+        monkeypatch.setattr(LocalElasticAgent, "_shutdown", lambda self, *a, **kw: None)
+        with pytest.raises(Exception, match="got signal: 15"):
+            agent._monitor_workers(agent._worker_group)
+        agent._shutdown(15)
+        assert marks == [mark]
 
 
 def test_a_node_left_waiting_as_a_spare_when_the_job_closed_gets_a_rendezvous_error_not_a_crash(monkeypatch):

@@ -24,7 +24,8 @@ def raised(fn):
 def channel(waited: list, first_end=None):
     return SimpleNamespace(cause=lambda: None, await_cause=lambda s: waited.append(s),
                            me=lambda kind, text, hint="": (kind, text), first_clean_end=lambda: first_end,
-                           stopped=lambda cause, seen="": ("stopped", cause, seen), ack_failure=lambda: None)
+                           stopped=lambda cause, seen="": ("stopped", cause, seen), ack_failure=lambda: None,
+                           last_attempt=True)  # no restart follows: the cause's log keeps its name
 
 
 @pytest.fixture
@@ -136,7 +137,7 @@ def test_a_ranks_own_error_after_a_peers_record_keeps_its_traceback(monkeypatch,
     monkeypatch.setattr(bootstrap, "_known_failure", lambda e: None)
     first = fr.FailureRecord(fr.ERROR, 3, "RuntimeError: CUDA error", 0, "host-b")
     ch = SimpleNamespace(cause=lambda: first, stopped=lambda cause, seen="": ("stopped", cause.rank, seen),
-                         ack_failure=lambda: None)
+                         ack_failure=lambda: None, last_attempt=True)
 
     def train_step():
         raise ValueError("loss is NaN")

@@ -111,6 +111,10 @@ TORCH_TAKES_SHUTDOWN_TIMEOUT = "shutdown_timeout" in inspect.signature(LocalElas
 class DdprunAgent(LocalElasticAgent):
     """LocalElasticAgent with :class:`AgentHooks` (module docstring)."""
 
+    _stop_why = "1"
+    """The value of this agent's stopping mark at its shutdown (AgentHooks.on_stopping): "1", or
+    protocol.preempt.STOPPING_FOR_NONE for a stop because nothing in the job stops at a step."""
+
     def __init__(self, *, hooks: AgentHooks, shutdown_timeout: int = 30, **kwargs: Any):
         kwargs["exit_barrier_timeout"] = hooks.exit_barrier_s
         if TORCH_TAKES_SHUTDOWN_TIMEOUT:
@@ -120,8 +124,6 @@ class DdprunAgent(LocalElasticAgent):
         self._hooks = hooks
         self._hooks_said_signal: int | None = None
         self._preempt_said: int | None = None
-        self._stop_why = "1"
-        """The value of this agent's stopping mark at its shutdown (AgentHooks.on_stopping)."""
         self._dropped = False
         self._joined_round: int | None = None
         self._workers_run = False
