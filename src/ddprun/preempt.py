@@ -130,6 +130,17 @@ def stops_itself(signum: int) -> bool:
     return callable(chained) and chained is not signal.default_int_handler
 
 
+def left_to_own_handler(signum: int, timeout_s: float) -> bool:
+    """Whether the script's own handler for ``signum`` decides what it does: it has one, and that
+    handler returned within ``timeout_s`` (a flag its loop reads: Megatron's --exit-signal-handler).
+    One that does not return (Lightning 2.6's broadcasts from the signalled rank alone, a collective
+    no other rank joins) decides nothing: the rank then ends by the signal, as it did."""
+    if not stops_itself(signum):
+        return False
+    PREEMPT.handled.wait(timeout_s)
+    return PREEMPT.handled.is_set()
+
+
 def let_own_handler_run(signum: int, timeout_s: float) -> None:
     """Before this process ends by ``signum``: the script's own handler for it (chained) gets up to
     ``timeout_s`` to run and return. The main thread runs Python handlers only between bytecodes, so

@@ -144,10 +144,28 @@ def test_an_agents_stop_because_nothing_stops_at_a_step_leaves_the_scripts_own_h
     mon, w = make(silent)
     try:
         signals_mod.PREEMPT._previous[signal.SIGTERM] = lambda signum, frame: None  # the script's own handler
+        signals_mod.PREEMPT.handled.set()  # which ran and returned (preempt._handler, on the main thread)
         node.set(mon.ch.keys.stopping(1), pp.STOPPING_FOR_NONE)
         os.write(w, bytes([signal.SIGTERM]))  # left to the script's handler
         os.write(w, bytes([signal.SIGUSR1]))  # no handler of the script's: ended at once
         assert _within(5, lambda: died) < 5 and died == [signal.SIGUSR1]
+    finally:
+        silent.release.set()
+
+
+def test_a_scripts_handler_that_does_not_return_decides_nothing_and_the_rank_ends_by_the_signal(rank_1, monkeypatch):
+    """Lightning 2.6's SIGTERM handler broadcasts from the signalled rank alone, a collective no other
+    rank joins: left to it, the job hung (tests/integrations/test_lightning.py). A handler that has not
+    returned within OWN_HANDLER_WAIT_S decides nothing: the rank ends by the signal, as before."""
+    make, node, relay, died = rank_1
+    monkeypatch.setattr(defaults, "OWN_HANDLER_WAIT_S", 0.2)
+    silent = Silent()
+    mon, w = make(silent)
+    try:
+        signals_mod.PREEMPT._previous[signal.SIGTERM] = lambda signum, frame: None  # never returned: handled unset
+        node.set(mon.ch.keys.stopping(1), pp.STOPPING_FOR_NONE)
+        os.write(w, bytes([signal.SIGTERM]))
+        assert _within(5, lambda: died) < 5 and died == [signal.SIGTERM]
     finally:
         silent.release.set()
 
@@ -172,6 +190,7 @@ def test_a_request_nothing_stops_at_leaves_a_rank_whose_script_handles_the_signa
     monkeypatch.setattr(defaults, "OWN_HANDLER_WAIT_S", 0.1)  # before: the rank ended once its handler ran
     signals_mod.PREEMPT.fit_active = False
     signals_mod.PREEMPT._previous[signal.SIGTERM] = lambda signum, frame: None
+    signals_mod.PREEMPT.handled.set()  # the script's handler ran and returned
     job = store_server()
     mon, w = make(job)
     os.write(w, bytes([signal.SIGTERM]))

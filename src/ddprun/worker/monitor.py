@@ -587,12 +587,11 @@ class Monitor:
         # next poll; marked before, this rank would never learn the stop step the others stop at
         PREEMPT.requested, PREEMPT.signame = True, signame
         if agreed == pp.NO_STEP:
-            if PREEMPT.signum is not None and preempt.stops_itself(PREEMPT.signum):
+            if PREEMPT.signum is not None and preempt.left_to_own_handler(PREEMPT.signum, defaults.OWN_HANDLER_WAIT_S):
                 self._note(f"rank {self.ch.rank}: nothing stops at a step, and the script handles {signame} "
                            "itself: its handler decides when this rank ends, as under torchrun")
             elif PREEMPT.signum is not None:  # nothing stops at a step: this signal does what it always did
-                preempt.let_own_handler_run(PREEMPT.signum, defaults.OWN_HANDLER_WAIT_S)
-                preempt.die_by(PREEMPT.signum)
+                preempt.die_by(PREEMPT.signum)  # (after the script's handler, if any, returned: 5 s at most)
             return  # the signalled processes end now; this rank then ends as a peer of theirs
         stop = parse_int(agreed)
         if stop is None:

@@ -126,6 +126,6 @@ class SignalWatch:
 
 def left_to_script(why: str, signum: int) -> bool:
     """Whether the agent's stop (its mark, ``why``) by ``signum`` is the script's to end: the job
-    answered that nothing stops at a step, and the script handles that signal itself (as under torchrun,
-    whose agent gives it 30 s)."""
-    return why == pp.STOPPING_FOR_NONE and preempt.stops_itself(signum)
+    answered that nothing stops at a step, and the script's own handler for that signal returned (as
+    under torchrun, whose agent gives it 30 s; one blocked for OWN_HANDLER_WAIT_S decides nothing)."""
+    return why == pp.STOPPING_FOR_NONE and preempt.left_to_own_handler(signum, defaults.OWN_HANDLER_WAIT_S)
