@@ -58,29 +58,20 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
     only. The rest of this docstring is the nn.Module path.
 
     Data:
-      train_data, val_data: a torch ``Dataset`` (fit builds the DataLoader) or a ``DataLoader``.
-        A training DataLoader with torch's default sampler (``shuffle=True`` or False) is rebuilt
-        around fit's DistributedSampler (shuffling as it did, with ``seed``), in one process too,
-        keeping its batch size, collate_fn and workers. One with a sampler of its own is kept in
-        one process (its sampler, batch sampler or dataset told the epoch by ``set_epoch`` where
-        they have one; a resume loads the batches taken again and drops them, so only an order
-        that depends on the epoch alone resumes exactly) and replaced, with a warning, when
-        world_size > 1. A validation DataLoader is kept in one process.
-        Training batches: DistributedSampler(shuffle=True, seed=seed, drop_last=False) — DDP's
-        default, which repeats a few samples so every rank has as many batches; ``set_epoch`` every
-        epoch. Validation: each sample once, no padding. See :mod:`ddprun.train.data`.
+      train_data, val_data: a torch ``Dataset`` (fit builds the DataLoader) or a ``DataLoader``
+        (rebuilt around fit's resumable DistributedSampler where its order allows; one with a
+        sampler of its own is kept in one process, replaced with a warning in several: the rules
+        are :func:`ddprun.train.data.build_train_loader`'s). Training batches:
+        DistributedSampler(shuffle=True, seed=seed, drop_last=False), ``set_epoch`` every epoch.
+        Validation: each sample once, no padding.
       batch_size: samples per rank per micro-batch; the global batch is
         ``batch_size * world_size * grad_accum``. A DataLoader's own batch size wins; one with
         ``batch_size=None`` (automatic batching off: its dataset's items are whole batches) keeps
         it on every rank, each item a micro-batch.
       num_workers: DataLoader workers per rank, at most CPUs // processes on this node; None =
-        min(2, that), 0 for a TensorDataset or an IterableDataset. Every worker iterates an
-        IterableDataset from its start: give it workers only when its ``__iter__`` takes its own part
-        by ``torch.utils.data.get_worker_info()`` (fit warns once when it has workers, since it cannot
-        see whether it does). Workers start by forkserver (spawn where absent), so the
-        dataset must be picklable. Their RNG is seeded from ``seed + rank`` (augmentation differs
-        between ranks, reproducibly); with 0 workers, augmentation uses the global torch RNG, which
-        fit leaves alone.
+        min(2, that), 0 for a TensorDataset or an IterableDataset (each worker would read all of
+        it: :func:`ddprun.train.data.choose_num_workers`). Workers start by forkserver, so the
+        dataset must be picklable; their RNG is seeded from ``seed + rank``.
 
     The step:
       loss_fn: ``(outputs, targets) -> scalar`` for batches ``(inputs, targets)``; or
