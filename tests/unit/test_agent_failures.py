@@ -323,6 +323,34 @@ def test_a_lost_store_stops_a_worker_that_ignores_sigterm_after_the_stop_grace(t
     assert code == -signal.SIGKILL and 2.0 <= time.monotonic() - t0 < 6, (code, time.monotonic() - t0)
     assert "the job store at 127.0.0.1:1 stopped answering for 1 s; stopping this node's workers" in out.getvalue()
     assert kill_children([worker.pid, 1], signal.SIGKILL) == []  # reaped, and not our child: nothing sent
+    # 0 and -1 are no worker's pid but this process group and every process: neither is ever signalled
+    assert kill_children([0, -1], signal.SIGTERM) == []
+
+
+def test_an_error_of_the_watch_itself_is_said_once_and_never_names_the_store_lost(tmp_path, store, stand_in):
+    """A tick that raises what no unreachable store raises (here its relay raises a TypeError, as a
+    renamed method or an unreadable value would) is said once, with its traceback; the store, which
+    answers, is not named lost after lost_after, and the healthy worker is not stopped."""
+    from ddprun.agent.noderelay import NodeRelay
+
+    class BrokenRelay(NodeRelay):
+        def mirror(self, *args, **kwargs):
+            raise TypeError("mirror() takes 5 positional arguments but 6 were given")
+
+    worker = stand_in()
+    out = io.StringIO()
+    a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", out, lost_after_s=0.5,
+                      connect=preconnected(store.port), relay=BrokenRelay(store_server()), stop_grace_s=0.5)
+    a.on_workers_started("r1", 0, 2, {0: (0, worker.pid, "")}, world_size=2, store=("127.0.0.1", store.port))
+    try:
+        time.sleep(2.5)  # five ticks, each failing, past lost_after and the stop grace
+        assert worker.poll() is None, "a healthy worker was stopped for the watch's own error"
+        assert a.lost is None, a.lost.headline()
+    finally:
+        a.stop()
+    said = out.getvalue()
+    assert said.count("failure watch hit an error of its own (TypeError: mirror() takes 5") == 1, said
+    assert "Traceback" in said and "in mirror" in said and "stopped answering" not in said, said
 
 
 

@@ -53,6 +53,9 @@ from ddprun.protocol.store import (
 BEAT_S = 1.0
 STORE_CALL_S = defaults.STORE_CALL_S
 LOST_AFTER_S = 10.0
+STORE_ERRORS = (RuntimeError, OSError)
+"""What a store call raises when the store is unreachable or slow: torch's DistStoreError and
+DistNetworkError are RuntimeErrors; a refused, reset or timed-out connection an OSError."""
 RECONNECT_S = 1.0
 """A new client of a store that answered before is made within this, else tried again at the next
 tick: after a network outage shorter than LOST_AFTER_S, this node's beat goes through within about
@@ -74,6 +77,8 @@ def kill_children(pids: list[int], sig: int, proc_root: str = "/proc") -> list[i
     ended may have been reused by now); the pids signalled."""
     sent = []
     for pid in pids:
+        if pid <= 0:  # 0 is this process's group, -1 every process it may signal: never a worker
+            continue
         try:
             with open(os.path.join(proc_root, str(pid), "stat")) as fp:
                 state, ppid = fp.read().rsplit(")", 1)[1].split()[:2]
@@ -175,6 +180,8 @@ class AgentFailures:
         """When the failure thread's last tick ended, and when it last found it had not run for a while
         (:meth:`_held`)."""
         self._barrier_short = False
+        self._faults_said: set[str] = set()
+        """The kinds of error of its own this thread has said (:meth:`_own_fault`)."""
         """The agents' exit barrier was left before every agent arrived (:meth:`exit_barrier_left`)."""
         self._hang_said: bytes | None = None
         self._told: Keys | None = None
@@ -427,12 +434,30 @@ class AgentFailures:
                 beat += 1
                 seen_at = self._tick(beat, seen_at)
                 failing_since = None
-            except Exception:  # noqa: BLE001 - the store is unreachable; how long decides
+            except STORE_ERRORS:  # the store is unreachable; how long decides
                 self._store = None
                 failing_since = started if failing_since is None else failing_since
+            except Exception as e:  # noqa: BLE001 - a fault of this thread's own: the store is not to blame
+                self._own_fault(e)
                 self._lost_since(failing_since)  # a time before this attempt's start never counts (its store's)
             if self._stop.is_set():
                 return
+
+    def _own_fault(self, e: Exception) -> None:
+        """A tick raised what no unreachable store raises (a bug here, or a value in the store that
+        this code cannot read): said once per kind, with its traceback, and the watch goes on. Taken
+        for the store's silence it would name the store lost after ``lost_after`` and stop a healthy
+        job's workers."""
+        kind = f"{type(e).__name__}: {e}"
+        if kind in self._faults_said:
+            return
+        self._faults_said.add(kind)
+        import traceback
+
+        where = "".join(traceback.format_exception(e)).rstrip()
+        print(f"ddprun: node {self._node}'s failure watch hit an error of its own ({kind}); the job goes "
+              f"on, and this watch with it (please report this, with the traceback below)\n{where}",
+              file=self.out, flush=True)
 
     def on_reforming(self) -> None:
         """torch stopped this attempt's workers to re-form the group: the attempt's store may be gone
@@ -559,11 +584,7 @@ class AgentFailures:
                 return
             self.stopping_for = cause
             pids = [pid for _, pid, _ in self._workers.values()]
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        kill_children(pids, signal.SIGKILL)
 
     def _read_records(self, store: Any, keys: Keys, every: bool = False) -> None:
         """Copy the store's records not seen yet (batched reads); a malformed one is skipped. Every
@@ -657,11 +678,7 @@ class AgentFailures:
         print(f"ddprun: {lost.headline()}; stopping this node's workers", file=self.out, flush=True)
         if self._relay is not None:  # the workers must not ask the lost store whether this is a preemption
             self._relay.mark_stopping(self._node)
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except OSError:
-                pass
+        kill_children(pids, signal.SIGTERM)
 
     def on_signal(self, sig: int, why: str | None = None) -> None:
         """This agent got ``sig`` (or, ``why``, stops its workers with it for a reason of its own): say
