@@ -42,6 +42,7 @@ themselves, as before the node store (each agent still reads the alarm first).
 from __future__ import annotations
 
 import argparse
+import inspect
 import io
 import json
 import os
@@ -189,6 +190,82 @@ def wait_until(what, timeout: float):
 
 
 # -- one simulation process: whole nodes ------------------------------------------------------------
+def sim_agent_class() -> type:
+    """The real agent side (agent/failures.py), less its signals: its workers are threads."""
+    from ddprun.agent.failures import AgentFailures
+
+    class SimAgent(AgentFailures):
+        beats = 0
+        gave_up = False
+
+        def _tick(self, beat, seen_at):
+            self.beats += 1
+            return super()._tick(beat, seen_at)
+
+        def _enforce_end(self, keys):  # its workers are threads of this process: no signals
+            pass
+
+        def _stop_workers(self, lost, pids):  # the same; and a job store given up breaks the simulation
+            self.gave_up = True
+
+    return SimAgent
+
+
+def sim_monitor_class(go: threading.Event) -> type:
+    """The real worker monitor (worker/monitor.py), whose threads start at ``go``; seeing a failure ends
+    the thread (not the process)."""
+    from ddprun.worker import monitor as monitor_mod
+
+    class SimMonitor(monitor_mod.Monitor):
+        seen_at: float | None = None
+        reported_at: float | None = None
+        polls = 0
+
+        def _tick(self, store):
+            self.polls += 1
+            super()._tick(store)
+
+        def _loop(self):
+            go.wait()  # every thread started first: a start waits for the GIL behind every running poll
+            try:
+                super()._loop()
+            except Exited:
+                pass
+
+        def _stopped_by(self, cause, store):
+            self._record_stopped(self.ch.stopped(cause), store)  # the real path: its agent's batch, or itself
+            self.seen_at = time.time()
+            self._stop.set()
+            raise Exited  # where the real monitor's process ends (os._exit): no further store call
+
+        def _write_report(self, report):
+            self.reported_at = time.time()
+
+    return SimMonitor
+
+
+def override_faults(cls: type) -> list[str]:
+    """Where ``cls`` overrides a method its base does not have, or with other parameters: a rename in
+    ddprun would leave the override dead and the simulation doing what it must not (signalling its
+    process group, say)."""
+    base, faults = cls.__mro__[1], []
+    for name, fn in vars(cls).items():
+        if not callable(fn) or name.startswith("__"):
+            continue
+        real = getattr(base, name, None)
+        if not callable(real):
+            faults.append(f"{cls.__name__}.{name} overrides nothing of {base.__name__}")
+        elif list(inspect.signature(fn).parameters) != list(inspect.signature(real).parameters):
+            faults.append(f"{cls.__name__}.{name}{inspect.signature(fn)} does not match "
+                          f"{base.__name__}.{name}{inspect.signature(real)}")
+    return faults
+
+
+def check_overrides() -> list[str]:
+    """What :func:`override_faults` finds in the simulated agent and monitor."""
+    return override_faults(sim_agent_class()) + override_faults(sim_monitor_class(threading.Event()))
+
+
 class Sim:
     """The simulated nodes ``nodes`` of a job of ``n`` ranks, in this process (module docstring)."""
 
@@ -241,25 +318,11 @@ class Sim:
             "host": f"node{environ['GROUP_RANK']}", "run_id": environ["TORCHELASTIC_RUN_ID"]}
 
     def _agent(self, node: int, per_node: int, port: int, run_dir: str, client, local):
-        from ddprun.agent.failures import AgentFailures
         from ddprun.agent.noderelay import NodeRelay
         from ddprun.protocol.rundir import RunDir
 
-        class SimAgent(AgentFailures):
-            beats = 0
-
-            def _tick(self, beat, seen_at):
-                self.beats += 1
-                return super()._tick(beat, seen_at)
-
-            def _enforce_end(self):  # its workers are threads of this process: no signals
-                pass
-
-            def _store_lost(self):
-                pass
-
-        a = SimAgent(RunDir(run_dir), f"node{node}", "127.0.0.1", port, f"bench{self.n}", io.StringIO(),
-                     connect=lambda: client, relay=NodeRelay(local) if local is not None else None)
+        a = sim_agent_class()(RunDir(run_dir), f"node{node}", "127.0.0.1", port, f"bench{self.n}", io.StringIO(),
+                              connect=lambda: client, relay=NodeRelay(local) if local is not None else None)
         a.workers = {r: (r % per_node, 0, "") for r in range(node * per_node, (node + 1) * per_node)}
         a.node, a.nnodes = node, self.n // per_node
         return a
@@ -284,36 +347,9 @@ class Sim:
 
     def train(self) -> dict:
         from ddprun.telemetry import PROGRESS
-        from ddprun.worker import monitor as monitor_mod
-
-        class SimMonitor(monitor_mod.Monitor):
-            """The real monitor; seeing a failure ends the thread (not the process)."""
-
-            seen_at: float | None = None
-            reported_at: float | None = None
-            polls = 0
-
-            def _tick(self, store):
-                self.polls += 1
-                super()._tick(store)
-
-            def _loop(self):
-                go.wait()  # every thread started first: a start waits for the GIL behind every running poll
-                try:
-                    super()._loop()
-                except Exited:
-                    pass
-
-            def _stopped_by(self, cause, store):
-                self._record_stopped(self.ch.stopped(cause), store)  # the real path: its agent's batch, or itself
-                self.seen_at = time.time()
-                self._stop.set()
-                raise Exited  # where the real monitor's process ends (os._exit): no further store call
-
-            def _write_report(self, report):
-                self.reported_at = time.time()
 
         go = threading.Event()
+        SimMonitor = sim_monitor_class(go)
         for a in self.agents:
             a.on_workers_started("c0", a.node, a.nnodes, a.workers, world_size=self.n)
         self.monitors = [SimMonitor(ch) for ch in self.channels]
@@ -329,7 +365,7 @@ class Sim:
 
         def drive():
             while self.training.is_set():
-                PROGRESS.steps += 1
+                PROGRESS.stepped(time.monotonic())  # a step as the optimizer hook counts it (arms the stall watch)
                 time.sleep(0.05)
 
         self.driver = threading.Thread(target=drive, daemon=True)
@@ -338,8 +374,10 @@ class Sim:
         return {}
 
     def mark(self) -> dict:
+        broken = [f"node {a.node}: {what}" for a in self.agents for what in
+                  (["gave the job store up as lost"] if a.gave_up else []) + sorted(a._faults_said)]
         return {"ops": self.ops.n + self.agent_ops.n, "agent_ops": self.agent_ops.n, "local": self.local_ops.n,
-                "t": time.time(),
+                "t": time.time(), "broken": broken,
                 "polls": sum(m.polls for m in self.monitors), "beats": sum(a.beats for a in self.agents)}
 
     def stall(self) -> dict:
@@ -348,7 +386,7 @@ class Sim:
         t = time.time()
         reported = wait_until(lambda: next((m.reported_at for m in self.monitors if m.reported_at), None),
                               timeout=STALL_S * 2 + 30) if self.has0 else None  # rank 0 reports first
-        self._progress.steps += 1  # progress again: the observers re-arm
+        self._progress.stepped(time.monotonic())  # progress again: the observers re-arm
         ch = self.channels[0]
         return {"stalled": t, "reported": reported, "window_s": sum(self.window) / max(1, len(self.window) // 2),
                 "direct": int(ch.store.add(ch.keys.directs, 0))}
@@ -431,6 +469,9 @@ class Children:
             if not line:
                 raise RuntimeError(f"a simulation process ended during {cmd or 'its start'} (exit {p.wait()})")
             out.append(json.loads(line))
+        broken = [b for r in out for b in r.get("broken", [])]
+        if broken:  # its figures would be a broken simulation's, not the protocol's
+            raise RuntimeError("the simulation is broken (fix benchmarks/control_plane.py): " + "; ".join(broken))
         return out
 
     def close(self) -> None:
@@ -536,6 +577,10 @@ def main() -> int:
                                                                    + 4096)), hard))
     if args.child:
         return child_main(args)
+    faults = check_overrides()
+    if faults:
+        print("control_plane.py: the simulation no longer matches ddprun: " + "; ".join(faults), file=sys.stderr)
+        return 2
     mode = "ranks talk to the job store themselves" if args.no_node_store else "with the node store"
     print(f"# {mode}; {args.procs} simulation processes, {args.nproc_per_node} ranks a node", flush=True)
     print(f"{'ranks':>6} {'job ops/s':>9} {'/rank':>6} {'node ops/s/rank':>15} {'polls':>5} {'beats':>5} "
