@@ -184,7 +184,44 @@ def test_a_node_that_takes_over_a_rank_keeps_the_log_another_node_wrote_for_it_t
     later = time.time() + 1.0
     os.utime(logs / "rank-0.log", (later, later))
     spec.reify({0: {"RANK": "0", "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0"}})
-    assert not (logs / "rank-0.log").exists()
+    assert (logs / "rank-0.log").read_text() == ""  # this start's own, created for its worker
     assert (logs / "rank-0.attempt-0.log").read_text() == "the early node's restart\n"
     assert (logs / "rank-0.attempt-1.log").read_text() == "round 0 on the early node\n"
     assert not list(logs.glob("before-*"))  # not taken for an earlier launch's
+
+
+def test_a_node_leaves_alone_the_live_log_of_the_node_an_elastic_round_gave_its_rank(tmp_path):
+    """Shared run dir, elastic: node A ran rank 1, a round gives rank 1 to node B, whose worker already
+    writes rank-1.log when A's own start (now rank 0) comes to move A's last log aside. A moves only the
+    file it created: B's live log keeps its name (before, it was moved to rank-1.attempt-<A's>.log and
+    B's worker wrote on under that name)."""
+    def node():
+        return RankLogsSpecs(str(tmp_path), None, set(), WorkerEnv(run_dir=str(tmp_path)),
+                             attempt_id=lambda count: f"r{count}")
+
+    a, b = node(), node()
+    log = tmp_path / "logs" / "rank-1.log"
+    a.reify({0: {"RANK": "1", "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0"}})
+    log.write_text("rank 1 on node A, round 0\n")
+    b.reify({0: {"RANK": "1", "GROUP_RANK": "1", "TORCHELASTIC_RESTART_COUNT": "1"}})
+    with open(log, "a") as live:  # B's worker writes its log
+        live.write("rank 1 on node B, round 1\n")
+        a.reify({0: {"RANK": "0", "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": "1"}})
+    assert log.read_text() == "rank 1 on node B, round 1\n"
+    kept = [p.read_text() for p in (tmp_path / "logs").glob("rank-1.attempt-*.log")]
+    assert kept == ["rank 1 on node A, round 0\n"], kept
+
+
+def test_a_log_that_took_the_path_between_the_check_and_the_move_gets_its_name_back(tmp_path, monkeypatch):
+    from ddprun.agent import logs
+
+    path = tmp_path / "rank-1.log"
+    ours = logs.create_log(str(path))
+    os.rename(path, tmp_path / "elsewhere.log")  # kept: its inode is not reused for the next file
+    path.write_text("the other node's live log\n")  # another file now, after this node's check passed
+    checks = iter([ours])
+    real = logs.identity
+    monkeypatch.setattr(logs, "identity", lambda p: next(checks, None) or real(p))
+    logs.keep_as_attempt(str(path), "r0", ours)
+    assert path.read_text() == "the other node's live log\n"
+    assert not list(tmp_path.glob("rank-1.attempt-*.log"))

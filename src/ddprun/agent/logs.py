@@ -41,11 +41,15 @@ def remove_empty_early_logs(run_dir: str) -> None:
             pass
 
 
-def keep_as_attempt(path: str, attempt: str = "") -> None:
+def keep_as_attempt(path: str, attempt: str = "", ours: tuple[int, int] | None = None) -> None:
     """Move ``rank-N.log`` aside to ``rank-N.attempt-<attempt>.log``, the job-wide id of the attempt that
     wrote it (agent/attempt.py: the name a restart's line printed for it). A log of an attempt not
     known here (another node's, in a shared run dir), or whose name is taken, goes to the first free
-    ``rank-N.attempt-K.log`` (K from 0)."""
+    ``rank-N.attempt-K.log`` (K from 0). ``ours``: the file this node created there (:func:`identity`);
+    another file at ``path`` (the live log of the node an elastic round gave the rank, in a shared run
+    dir) stays where it is, also where it took the path between the check and the move."""
+    if ours is not None and identity(path) != ours:
+        return
     stem = path[:-len(".log")]
     target = f"{stem}.attempt-{attempt}.log" if attempt else ""
     k = 0
@@ -54,7 +58,37 @@ def keep_as_attempt(path: str, attempt: str = "") -> None:
     try:
         os.replace(path, target)
     except OSError:  # gone meanwhile
-        pass
+        return
+    if ours is not None and identity(target) != ours:
+        try:  # another node's: its name back (link fails where a third file took the path), then ours gone
+            os.link(target, path)
+            os.unlink(target)
+        except OSError:
+            pass
+
+
+def identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of the file at ``path`` now; None where there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def create_log(path: str) -> tuple[int, int] | None:
+    """Create the (empty) log at ``path`` before torch's agent opens it with "w" (which keeps the file):
+    its :func:`identity`, so that this node's next start moves only this file aside; None where it
+    cannot (torch's open then says why)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        return st.st_dev, st.st_ino
+    finally:
+        os.close(fd)
 
 
 def keep_earlier_launch(run_dir: str, rank: int | str, launch: str, started: float) -> None:
@@ -235,8 +269,9 @@ class RankLogsSpecs(LogsSpecs):
         self._extra_env = dict(extra_env or {})
         self.attempt = ""
         """The attempt id given to the latest workers."""
-        self._wrote: dict[str, str] = {}
-        """Global rank -> the attempt id of the log this node's latest start wrote for it."""
+        self._wrote: dict[str, tuple[str, tuple[int, int] | None]] = {}
+        """Global rank -> the attempt id of the log this node's latest start wrote for it, and that
+        file's identity (:func:`create_log`)."""
         self._launch_t = time.time()
         self._launch = time.strftime("%Y%m%d-%H%M%S-", time.localtime(self._launch_t)) + f"{os.getpid()}"
 
@@ -260,10 +295,10 @@ class RankLogsSpecs(LogsSpecs):
         exported = replace(self._worker_env, attempt=attempt, merge_stderr=True).to_environ()
         # every log of this node's last start, by the attempt that wrote it: also one of a rank that an
         # elastic round gives another node now (the restart line named it so)
-        for rank, wrote in self._wrote.items():
+        for rank, (wrote, ours) in self._wrote.items():
             if os.path.exists(rank_log_path(self._run_dir, rank)):
-                keep_as_attempt(rank_log_path(self._run_dir, rank), wrote)
-        self._wrote = {env["RANK"]: self.attempt for env in envs.values()}
+                keep_as_attempt(rank_log_path(self._run_dir, rank), wrote, ours)
+        self._wrote = {}
         for local_rank, env in envs.items():
             rank = env["RANK"]
             path = rank_log_path(self._run_dir, rank)
@@ -273,6 +308,7 @@ class RankLogsSpecs(LogsSpecs):
                 # keep every attempt's log: the failed one explains the restart. Also one of this launch
                 # that another node wrote in an earlier round (a shared run dir; torch's "w" would empty it)
                 keep_as_attempt(path)
+            self._wrote[rank] = (self.attempt, create_log(path))
             error_file = os.path.join(logs_dir, f"rank-{rank}.error.json")
             if os.path.exists(error_file):
                 os.unlink(error_file)
