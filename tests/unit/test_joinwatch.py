@@ -246,7 +246,7 @@ def test_a_watchers_store_calls_do_not_grow_with_the_nodes_waiting(hosted):
     assert calls[3] == calls[300], calls
     # beat, then: the host reads every entry in one batch (counter, one check, multi_get) and publishes;
     # another node reads that one key
-    assert calls[300] == (["set", "add", "check", "multi_get", "set"] if hosted else ["set", "check", "get"])
+    assert calls[300] == (["set", "compare_set", "check", "multi_get", "set"] if hosted else ["set", "check", "get"])
 
 
 def test_a_node_reads_the_hosts_summary_and_every_entry_itself_once_the_host_started():
@@ -292,6 +292,18 @@ def test_keys_counted_but_not_written_yet_are_read_once_written_and_started_node
     got = joining_entries(store, known)
     assert set(got) == set(known.present) and keys.joining_key(42) in got and len(got) == 31
     assert known.pending == [keys.joining_key(41), keys.joining_key(43)]
+
+
+def test_a_join_count_that_holds_no_number_keeps_what_was_read_and_the_client_working():
+    from ddprun.agent.joinwatch import Entries, joining_entries
+
+    store = store_server()
+    _nodes_waiting(store, 4)
+    known = Entries()
+    assert len(joining_entries(store, known)) == 4
+    store.set(keys.JOINING_COUNT_KEY, "not a count")  # another program's value under the key
+    assert len(joining_entries(store, known)) == 4 and known.counted == 4
+    assert store.check([keys.joining_key(1)])  # the client still answers
 
 
 def test_before_its_first_line_a_node_without_the_hosts_summary_reads_no_entry():

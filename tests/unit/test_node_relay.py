@@ -618,7 +618,7 @@ def test_the_agent_forwards_no_malformed_or_first_hand_left_record_and_none_acro
     relay._store = local
     keys = Keys("ddprun/job/r1/")
     relay.begin(keys, [2, 3])
-    assert relay.left(keys) == (0, []) and local.calls == ["add"]  # nothing left: one local read
+    assert relay.left(keys) == (0, []) and local.calls == ["compare_set"]  # nothing left: one local read
     local.store.set(keys.left(2), "{not a record")
     own = fr.FailureRecord(fr.ERROR, 3, "its own failure: it records that itself", 1, "host-1")
     local.store.set(keys.left(3), own.to_json())
@@ -626,12 +626,25 @@ def test_the_agent_forwards_no_malformed_or_first_hand_left_record_and_none_acro
     assert relay.left(keys) == (2, [])
     relay.forwarded(keys, 2, [])
     local.calls.clear()
-    assert relay.left(keys) == (2, []) and local.calls == ["add"]  # not read again
+    assert relay.left(keys) == (2, []) and local.calls == ["compare_set"]  # not read again
     stopped = fr.stopped_by(own, rank=2, node_rank=1, host="host-1", local_rank=0, t=2.0)
     local.store.set(keys.left(2), stopped.to_json())
     local.store.add(keys.lefts, 1)
     relay.begin(Keys("ddprun/job/r2/"), [2, 3])  # a new attempt: the last one's records are not its
     assert relay.left(keys) == (0, [])
+
+
+def test_a_left_count_that_holds_no_number_neither_closes_the_node_stores_client_nor_hides_a_record(relay):
+    """The count is read without add(key, 0), which on a value that is not a number closes the client
+    (every later call of the relay's would fail); the records are read whatever the count says."""
+    keys = Keys("ddprun/job/r1/")
+    relay.begin(keys, [2, 3])
+    cause = fr.FailureRecord(fr.ERROR, 5, "ValueError: bad batch", 2, "host-2")
+    relay._store.set(keys.left(2), fr.stopped_by(cause, rank=2, node_rank=1, host="h", local_rank=0, t=2.0).to_json())
+    relay._store.set(keys.lefts, "garbage")
+    n, recs = relay.left(keys)
+    assert [r.rank for r in recs] == [2]
+    assert relay._store.get(keys.left(2))  # the client still answers
 
 
 class FailOnce:

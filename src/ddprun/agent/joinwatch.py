@@ -86,7 +86,9 @@ def joining_entries(store: TCPStore, known: Entries | None = None) -> dict[str, 
     from ddprun.protocol import store as keys
 
     known = known if known is not None else Entries()
-    n = int(store.add(keys.JOINING_COUNT_KEY, 0))
+    # not add(.., 0): a value that is not a number would close the client (another program's key)
+    n = keys.read_counter(store, keys.JOINING_COUNT_KEY)
+    n = known.counted if n is None else n
     counted = known.pending + [keys.joining_key(k) for k in range(known.counted + 1, n + 1)]
     known.counted = max(n, known.counted)
     ready = set(keys.present(store, counted))

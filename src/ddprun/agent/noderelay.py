@@ -33,7 +33,7 @@ import threading
 from typing import Any
 
 from ddprun.protocol import failure as fr
-from ddprun.protocol.store import Announced, Keys, announced_value, present, relay_value, relayable, relayed_value
+from ddprun.protocol.store import Announced, Keys, announced_value, present, read_counter, relay_value, relayable, relayed_value
 
 NODE_HOST = "127.0.0.1"
 
@@ -137,7 +137,9 @@ class NodeRelay:
             if keys is not self._keys:
                 return 0, []
             read, todo = self._left_read, [r for r in self._ranks if r not in self._forwarded]
-        n = int(self._store.add(keys.lefts, 0))
+        n = read_counter(self._store, keys.lefts)  # not add(.., 0): a value not a number would close the client
+        if n is None:  # not a number: the count says nothing, the records are read
+            n, every = read, True
         if (n == read and not every) or not todo:
             return n, []
         found = present(self._store, [keys.left(r) for r in todo])
