@@ -334,8 +334,11 @@ def test_an_error_of_the_watch_itself_is_said_once_and_never_names_the_store_los
     from ddprun.agent.noderelay import NodeRelay
 
     class BrokenRelay(NodeRelay):
+        calls = 0
+
         def mirror(self, *args, **kwargs):
-            raise TypeError("mirror() takes 5 positional arguments but 6 were given")
+            self.calls += 1  # a message that differs at each tick is still one error, said once
+            raise TypeError(f"mirror() takes 5 positional arguments but 6 were given (call {self.calls})")
 
     worker = stand_in()
     out = io.StringIO()
@@ -350,6 +353,7 @@ def test_an_error_of_the_watch_itself_is_said_once_and_never_names_the_store_los
         a.stop()
     said = out.getvalue()
     assert said.count("failure watch hit an error of its own (TypeError: mirror() takes 5") == 1, said
+    assert "(call 1)" in said
     assert "Traceback" in said and "in mirror" in said and "stopped answering" not in said, said
 
 

@@ -445,18 +445,19 @@ class AgentFailures:
 
     def _own_fault(self, e: Exception) -> None:
         """A tick raised what no unreachable store raises (a bug here, or a value in the store that
-        this code cannot read): said once per kind, with its traceback, and the watch goes on. Taken
+        this code cannot read): said once per type and place, with its traceback, and the watch goes on. Taken
         for the store's silence it would name the store lost after ``lost_after`` and stop a healthy
         job's workers."""
-        kind = f"{type(e).__name__}: {e}"
-        if kind in self._faults_said:
-            return
-        self._faults_said.add(kind)
         import traceback
 
+        last = traceback.extract_tb(e.__traceback__)[-1:]
+        kind = f"{type(e).__name__} at {last[0].filename}:{last[0].lineno}" if last else type(e).__name__
+        if kind in self._faults_said:  # by type and place, not message: one whose text varies is said once too
+            return
+        self._faults_said.add(kind)
         where = "".join(traceback.format_exception(e)).rstrip()
-        print(f"ddprun: node {self._node}'s failure watch hit an error of its own ({kind}); the job goes "
-              f"on, and this watch with it (please report this, with the traceback below)\n{where}",
+        print(f"ddprun: node {self._node}'s failure watch hit an error of its own ({type(e).__name__}: {e}); "
+              f"the job goes on, and this watch with it (please report this, with the traceback below)\n{where}",
               file=self.out, flush=True)
 
     def on_reforming(self) -> None:
