@@ -154,6 +154,14 @@ def environ(rank: int, n: int, per_node: int, port: int) -> dict[str, str]:
             "TORCHELASTIC_RUN_ID": f"bench{n}", "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0"}
 
 
+def replace(module, name: str, value) -> None:
+    """Set ``module.name`` to ``value``; an error where ddprun has no such name any more (a rename
+    would leave the stand-in unused and the simulation doing the real, costly thing)."""
+    if not hasattr(module, name):
+        raise RuntimeError(f"the simulation no longer matches ddprun: {module.__name__} has no {name}")
+    setattr(module, name, value)
+
+
 def timed(obj, name: str, into: list[float]) -> None:
     """Wrap ``obj.name`` so that each call's seconds are appended to ``into``."""
     fn = getattr(obj, name)
@@ -304,18 +312,18 @@ class Sim:
         from ddprun.worker import monitor as monitor_mod
         from ddprun.worker import preflight, stacks
 
-        monitor_mod.summarize = lambda records: dict(WINDOW)  # every simulated rank has a window to publish
-        stacks.dump_stacks = lambda path: None
-        stacks.main_thread_place = lambda: {"where": "in all_reduce", "user_frame": "train.py:40 in step",
-                                            "frames": ["train.py:40 in step"]}
+        replace(monitor_mod, "summarize", lambda records: dict(WINDOW))  # every simulated rank has a window to publish
+        replace(stacks, "dump_stacks", lambda path: None)
+        replace(stacks, "main_thread_place", lambda: {"where": "in all_reduce", "user_frame": "train.py:40 in step",
+                                                      "frames": ["train.py:40 in step"]})
         # a node's facts (package hash, addresses, ...) are computed once per node, in parallel on real
         # nodes; serialized here they would be most of preflight's time: computed once, the same on every node
         # simulated CPU nodes: the GPUs of the machine running the simulation are not theirs (on a
         # one-GPU host every node of 8 ranks would fail preflight's "processes share GPUs")
         facts = {**preflight.node_facts({}, None), "gpus": 0}
-        preflight.node_facts = lambda environ, script: {
+        replace(preflight, "node_facts", lambda environ, script: {
             **facts, "node_rank": int(environ["GROUP_RANK"]), "nproc": int(environ["LOCAL_WORLD_SIZE"]),
-            "host": f"node{environ['GROUP_RANK']}", "run_id": environ["TORCHELASTIC_RUN_ID"]}
+            "host": f"node{environ['GROUP_RANK']}", "run_id": environ["TORCHELASTIC_RUN_ID"]})
 
     def _agent(self, node: int, per_node: int, port: int, run_dir: str, client, local):
         from ddprun.agent.noderelay import NodeRelay
