@@ -140,6 +140,19 @@ class LocalStore:
         for key, value in zip(keys, values):
             self.set(key, value)
 
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        """TCPStore's: ``desired`` where the value is ``expected`` (or absent and ``expected`` empty);
+        else the value as it is, or ``expected`` where there is none (nothing is created)."""
+        def raw(v) -> bytes:
+            return v.encode() if isinstance(v, str) else bytes(v)
+
+        with self._lock:
+            now = self._d.get(key)
+            if (now is None and raw(expected) == b"") or (now is not None and now == raw(expected)):
+                self._d[key] = raw(desired)
+                return raw(desired)
+            return raw(expected) if now is None else now
+
     def add(self, key: str, amount: int) -> int:
         with self._lock:
             value = int(self._d.get(key, b"0")) + amount

@@ -40,6 +40,20 @@ def test_the_simulations_overrides_match_ddpruns_methods_and_a_stale_one_is_name
                for f in faults), faults
 
 
+def test_the_simulated_node_store_answers_as_a_tcpstore_does():
+    """A node's store is a dict in the simulation (LocalStore): the calls ddprun makes on a node store
+    give what a TCPStore gives, a missing key's and a non-number's compare_set included."""
+    from tests.helpers import store_server
+
+    local, real = bench_module().LocalStore(), store_server()
+    calls = [lambda s: s.compare_set("n", "0", "0"), lambda s: s.check(["n"]), lambda s: s.add("n", 2),
+             lambda s: s.compare_set("n", "0", "0"), lambda s: s.compare_set("n", "2", "3"),
+             lambda s: s.compare_set("e", "", "x"), lambda s: s.get("e"), lambda s: s.multi_get(["n", "e"]),
+             lambda s: s.set("t", "text"), lambda s: s.compare_set("t", "0", "0"), lambda s: s.check(["n", "t"])]
+    for i, call in enumerate(calls):
+        assert call(local) == call(real), f"call {i}"
+
+
 def same_group(pgid: int) -> list[int]:
     """Processes still in the process group ``pgid`` (/proc; Linux)."""
     left = []
