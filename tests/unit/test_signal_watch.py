@@ -218,3 +218,35 @@ def test_a_peers_stop_because_nothing_stops_at_a_step_is_left_to_a_script_that_h
     assert not left_to_handler(dataclasses.replace(agent_stop, stop_step=None))  # no request: a kill
     assert not left_to_handler(dataclasses.replace(agent_stop, signal="SIGUSR1"))  # not the one it handles
     assert not left_to_handler(dataclasses.replace(agent_stop, kind=fr.EXIT, by="worker"))
+
+
+def test_a_peers_stop_left_to_the_scripts_handler_stops_this_rank_after_the_agents_stop_grace(monkeypatch):
+    """Left to the script's handler for as long as an agent gives one (STOP_GRACE_S), not for ever: a
+    peer's agent stopped its workers and this rank's own agent was never signalled (its handler never
+    runs), so this rank is stopped as ever once that time is past."""
+    import threading
+    import types
+
+    from ddprun.protocol import defaults
+    from ddprun.protocol import failure as fr
+    from ddprun.worker import monitor as monitor_mod
+
+    state = preempt.PreemptState(signals=(signal.SIGTERM,))
+    state._previous[signal.SIGTERM] = lambda signum, frame: None  # the script's own handler
+    monkeypatch.setattr(preempt, "PREEMPT", state)
+    agent_stop = fr.FailureRecord(fr.SIGNAL, -1, "its agent got SIGTERM and stopped its workers", 1, "h1",
+                                  signal="SIGTERM", by="agent", stop_step=pp.NO_STEP)
+    now = [1000.0]
+    monkeypatch.setattr(monitor_mod.time, "monotonic", lambda: now[0])
+    stopped = []
+    mon = types.SimpleNamespace(ch=types.SimpleNamespace(last_attempt=True, cause=lambda store: agent_stop),
+                                _stop=threading.Event(), _left_since=None, _echo_seen=None,
+                                _stopped_by=lambda cause, store: stopped.append(cause))
+    watch = monitor_mod.Monitor._watch_failures
+    watch(mon, None)
+    now[0] += defaults.STOP_GRACE_S - 0.1
+    watch(mon, None)
+    assert stopped == []  # left to the handler, within the grace
+    now[0] += 0.2
+    watch(mon, None)
+    assert stopped == [agent_stop]
