@@ -343,6 +343,9 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
+    if not 0 <= args.warmup < args.steps - 1 or args.blocks < 1:
+        p.error(f"each block needs steps measured after its warm-up: --steps {args.steps} --warmup {args.warmup} "
+                f"--blocks {args.blocks} (use --steps > --warmup + 1 and --blocks >= 1)")
     return in_process(args) if args.in_process else driver(args)
 
 
