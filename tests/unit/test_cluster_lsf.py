@@ -37,7 +37,7 @@ def test_hosts_come_from_mcpu_hosts_else_from_lsb_hosts():
 def test_this_host_by_its_short_name_is_node_rank_1_and_the_first_host_is_the_master():
     spec = resolve(LaunchConfig(), lsf(), NODE_B, launcher=True)
     assert (spec.environment, spec.max_nodes, spec.node_rank, spec.nproc_per_node) == ("lsf", 2, 1, 4)
-    assert (spec.master_addr, spec.master_port, spec.rdzv_backend) == ("gpu-a03", 20000 + 123456 % 20000, "static")
+    assert (spec.master_addr, spec.master_port, spec.rdzv_backend) == ("gpu-a03", 15000 + 123456 % 17000, "static")
     assert spec.run_id == "lsf-123456"
     assert spec.sources["nproc_per_node"] == "CUDA_VISIBLE_DEVICES=0,1,2,3 (4 GPUs)"
     assert spec.extra["slots"] == 4
@@ -47,7 +47,13 @@ def test_explain_names_lsf_and_where_each_number_came_from():
     lines = explain(resolve(LaunchConfig(), lsf(), NODE_B, launcher=True))
     assert lines[0] == "environment: lsf"
     assert "node_rank: 1  <- gpu-b07 is host 1 of LSB_MCPU_HOSTS=gpu-a03 4 gpu-b07 4" in lines
-    assert "master_port: 23456  <- 20000 + LSB_JOBID % 20000 (LSB_JOBID=123456)" in lines
+    assert "master_port: 19456  <- 15000 + LSB_JOBID % 17000 (LSB_JOBID=123456)" in lines
+
+
+@pytest.mark.parametrize("job_id", ["12768", "19999", "999999"])
+def test_the_derived_port_stays_below_the_ephemeral_range_as_under_slurm(job_id):
+    spec = resolve(LaunchConfig(), lsf(LSB_JOBID=job_id), NODE_B, launcher=True)
+    assert 15000 <= spec.master_port < 32768
 
 
 @pytest.mark.parametrize("hidden", ["-1", "NoDevFiles"])
@@ -88,4 +94,4 @@ def test_plan_names_lsf(monkeypatch, capsys):
     monkeypatch.setenv("DDPRUN_HOSTNAME", "gpu-b07")
     assert main(["plan", "--nproc-per-node", "2"]) == 0
     out = capsys.readouterr().out
-    assert "(lsf)" in out and "rendezvous: gpu-a03:23456 (static), run id lsf-123456" in out
+    assert "(lsf)" in out and "rendezvous: gpu-a03:19456 (static), run id lsf-123456" in out

@@ -68,11 +68,17 @@ def test_master_is_first_host_of_a_mixed_nodelist():
 
 def test_port_is_derived_from_the_job_id_and_master_addr_and_master_port_in_the_environment_win():
     r = read(job(SLURM_JOB_ID="123456"))
-    assert r["master_port"].value == 20000 + 123456 % 20000 == 23456
+    assert r["master_port"].value == 15000 + 123456 % 17000 == 19456
     assert "SLURM_JOB_ID=123456" in r["master_port"].source
     assert read(job(MASTER_PORT="31000"))["master_port"].value == 31000
     addr = read(job(MASTER_ADDR="10.1.0.1"))["master_addr"]  # e.g. the first host's InfiniBand address
     assert addr.value == "10.1.0.1" and addr.source == "MASTER_ADDR=10.1.0.1"
+
+
+@pytest.mark.parametrize("job_id", ["12768", "16999", "19999", "999999"])
+def test_the_derived_port_stays_below_the_ephemeral_range(job_id):
+    """Linux's default ip_local_port_range is 32768-60999: a port there may be an outgoing connection's."""
+    assert 15000 <= read(job(SLURM_JOB_ID=job_id))["master_port"].value < 32768
 
 
 @pytest.mark.parametrize("addr", ["localhost", "127.0.0.1"])

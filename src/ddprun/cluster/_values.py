@@ -15,6 +15,19 @@ from ddprun.errors import ClusterError
 DEFAULT_PORT = 29500
 """torchrun's default rendezvous port, used when an environment names no port."""
 
+DERIVED_PORT_BASE = 15000
+DERIVED_PORT_SPAN = 17000
+"""A scheduler's job gets port ``BASE + job id % SPAN`` (15000-31999; SLURM, LSF): every node derives
+the same one without talking. It stays below 32768, where Linux's default ephemeral range
+(ip_local_port_range 32768-60999) starts: there an outgoing connection's local port could already
+hold it, and the store's bind would fail, or admission would take another agent's for this job's."""
+
+
+def derived_port(job_id: int, key: str) -> Fact:
+    """The rendezvous port derived from the job id in variable ``key`` (:data:`DERIVED_PORT_BASE`)."""
+    return Fact(DERIVED_PORT_BASE + job_id % DERIVED_PORT_SPAN,
+                f"{DERIVED_PORT_BASE} + {key} % {DERIVED_PORT_SPAN} ({key}={job_id})")
+
 
 def env_int(environ: Mapping[str, str], key: str, minimum: int = 0) -> int:
     """``int(environ[key])``, at least ``minimum``; the key must be present."""

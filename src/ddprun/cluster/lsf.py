@@ -10,7 +10,7 @@ Detected when LSB_JOBID and LSB_MCPU_HOSTS (or LSB_HOSTS) are present; an MPI la
 job wins by priority (its rank variables describe the process). nodes = the hosts in LSF's order,
 node rank = the index of the host this node is (its hostname, short name or an address; as in
 hostfile.py; DDPRUN_HOSTNAME overrides the name), rendezvous static at the first host on port
-``20000 + LSB_JOBID % 20000`` (the same on every host, like SLURM's), MASTER_PORT wins; run id
+``15000 + LSB_JOBID % 17000`` (the same on every host, like SLURM's), MASTER_PORT wins; run id
 ``lsf-<job id>`` (``lsf-<job id>-<index>`` for an element of a job array). Processes per node = the
 entries of CUDA_VISIBLE_DEVICES (LSF sets it for ``bsub -gpu``), else ddprun's default: LSF's slots
 count CPUs as often as GPUs, so they are shown (``slots``) but not used. CSM/jsrun allocations (a
@@ -21,13 +21,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ddprun.cluster._values import count, env_int, env_port, visible_gpus
+from ddprun.cluster._values import count, derived_port, env_int, env_port, visible_gpus
 from ddprun.cluster.base import ClusterEnvironment, Fact, NodeFacts, Reading
 from ddprun.cluster.hostfile import node_names
 from ddprun.errors import ClusterError
-
-PORT_BASE = 20000
-PORT_SPAN = 20000
 
 
 def job_hosts(environ: Mapping[str, str]) -> tuple[list[tuple[str, int]], str]:
@@ -95,8 +92,7 @@ class LsfEnvironment(ClusterEnvironment):
         if "MASTER_PORT" in environ:
             reading["master_port"] = Fact(env_port(environ), f"MASTER_PORT={environ['MASTER_PORT']}")
         else:
-            port = PORT_BASE + job_id % PORT_SPAN
-            reading["master_port"] = Fact(port, f"{PORT_BASE} + LSB_JOBID % {PORT_SPAN} (LSB_JOBID={job_id})")
+            reading["master_port"] = derived_port(job_id, "LSB_JOBID")
         gpus = visible_gpus(environ)
         if gpus is not None:
             reading["nproc_per_node"] = gpus

@@ -22,9 +22,10 @@ SLURM_NTASKS_PER_NODE, else one):
   placed block-wise (rank = node × tasks per node + local rank).
 
 Rendezvous is static (SLURM_NODEID is the node rank) at the first host of the nodelist, on
-port ``20000 + SLURM_JOB_ID % 20000``: every node computes the same port without talking, and
-concurrent jobs on one master node rarely collide. MASTER_ADDR and MASTER_PORT in the environment win
-(as in Lightning's SLURMEnvironment: a recipe that exports the first host, or an InfiniBand address).
+port ``15000 + SLURM_JOB_ID % 17000`` (_values.derived_port: below the ephemeral range): every node
+computes the same port without talking, and concurrent jobs on one master node rarely collide.
+MASTER_ADDR and MASTER_PORT in the environment win (as in Lightning's SLURMEnvironment: a recipe that
+exports the first host, or an InfiniBand address).
 """
 
 from __future__ import annotations
@@ -34,13 +35,20 @@ from collections.abc import Mapping, Sequence
 
 import hostlist
 
-from ddprun.cluster._values import check_rank_rule, count, env_int, env_port, refuse_loopback_master, visible_gpus
+from ddprun.cluster._values import (
+    DERIVED_PORT_BASE,
+    DERIVED_PORT_SPAN,
+    check_rank_rule,
+    count,
+    derived_port,
+    env_int,
+    env_port,
+    refuse_loopback_master,
+    visible_gpus,
+)
 from ddprun.cluster.base import ClusterEnvironment, Fact, NodeFacts, Reading
 from ddprun.cluster.mpi import started_by_mpi_launcher
 from ddprun.errors import ClusterError, ConfigError
-
-PORT_BASE = 20000
-PORT_SPAN = 20000
 
 
 def _nodelist(environ: Mapping[str, str]) -> tuple[str, list[str]]:
@@ -163,8 +171,7 @@ class SlurmEnvironment(ClusterEnvironment):
         if "MASTER_PORT" in environ:
             reading["master_port"] = Fact(env_port(environ), f"MASTER_PORT={environ['MASTER_PORT']}")
         else:
-            port = PORT_BASE + job_id % PORT_SPAN
-            reading["master_port"] = Fact(port, f"{PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} (SLURM_JOB_ID={job_id})")
+            reading["master_port"] = derived_port(job_id, "SLURM_JOB_ID")
 
         if "SLURM_NODEID" in environ:
             node_id = env_int(environ, "SLURM_NODEID")
@@ -330,7 +337,8 @@ def sbatch_script(script: str = "train.py", args: Sequence[str] = (), *, nodes: 
         "#",
         "# srun starts one `ddprun run` per node. Each reads the job from SLURM: the nodes",
         "# (SLURM_JOB_NUM_NODES, SLURM_JOB_NODELIST), its node rank (SLURM_NODEID), the rendezvous host",
-        "# (the first host of the nodelist) and port (20000 + SLURM_JOB_ID % 20000), and the processes",
+        f"# (the first host of the nodelist) and port ({DERIVED_PORT_BASE} + SLURM_JOB_ID % {DERIVED_PORT_SPAN}), "
+        "and the processes",
         "# per node (SLURM_GPUS_ON_NODE: one per GPU). The run directory is runs/slurm-<job id>.",
         "# SLURM older than 19.05 has no --gpus-per-node: use --gres=gpu:N instead.",
         *(_preempt_comment(preempt_lead, requeue) if preempt_lead else []),
