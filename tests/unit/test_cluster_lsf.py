@@ -72,12 +72,26 @@ def test_a_host_listed_by_address_a_job_array_element_and_master_port():
     assert spec.run_id == "lsf-123456-3" and spec.nproc_per_node == 1  # no GPUs given: ddprun's default
 
 
+def test_elements_of_one_job_array_on_one_host_get_ports_and_run_ids_of_their_own():
+    """They share LSB_JOBID: one port for all made the second element's admission refuse it as another job's."""
+    first, second = (resolve(LaunchConfig(), lsf(LSB_JOBID="4711", LSB_JOBINDEX=i), NODE_B, launcher=True)
+                     for i in ("1", "2"))
+    assert first.master_port != second.master_port and first.run_id != second.run_id
+    assert (first.run_id, second.run_id) == ("lsf-4711-1", "lsf-4711-2")
+    assert all(15000 <= s.master_port < 32768 for s in (first, second))
+    assert first.sources["master_port"] == "15000 + (LSB_JOBID + 1009 x LSB_JOBINDEX) % 17000 " \
+                                           "(LSB_JOBID=4711, LSB_JOBINDEX=1)"
+    plain = resolve(LaunchConfig(), lsf(LSB_JOBID="4711"), NODE_B, launcher=True)  # LSB_JOBINDEX=0: no array
+    assert plain.master_port == 15000 + 4711 and plain.run_id == "lsf-4711"
+
+
 @pytest.mark.parametrize("bad, message", [
     ({"LSB_MCPU_HOSTS": "gpu-a03 4 gpu-b07"}, "pairs"),
     ({"LSB_MCPU_HOSTS": "gpu-a03 four"}, "pairs"),
     ({"LSB_MCPU_HOSTS": "gpu-b07 4 gpu-b07 4"}, "twice"),
     ({"LSB_MCPU_HOSTS": "gpu-a03 4 gpu-a04 4"}, "not one of the LSF job's hosts"),
     ({"LSB_JOBID": "abc"}, "not a whole number"),
+    ({"LSB_JOBINDEX": "x1"}, "not a whole number"),
 ])
 def test_bad_values_are_one_message_with_the_values_and_a_hint(bad, message):
     with pytest.raises(ClusterError) as e:

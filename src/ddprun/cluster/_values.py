@@ -23,10 +23,22 @@ the same one without talking. It stays below 32768, where Linux's default epheme
 hold it, and the store's bind would fail, or admission would take another agent's for this job's."""
 
 
-def derived_port(job_id: int, key: str) -> Fact:
-    """The rendezvous port derived from the job id in variable ``key`` (:data:`DERIVED_PORT_BASE`)."""
-    return Fact(DERIVED_PORT_BASE + job_id % DERIVED_PORT_SPAN,
-                f"{DERIVED_PORT_BASE} + {key} % {DERIVED_PORT_SPAN} ({key}={job_id})")
+ARRAY_STRIDE = 1009
+"""Ports between elements of one job array: a prime, so the first DERIVED_PORT_SPAN elements all differ,
+and an element's port is that of a job id about 1009 x index later, not of the next job submitted."""
+
+
+def derived_port(job_id: int, key: str, index: int = 0, index_key: str = "") -> Fact:
+    """The rendezvous port derived from the job id in variable ``key`` (:data:`DERIVED_PORT_BASE`).
+
+    ``index``: the element of a job array, from ``index_key`` (0: none). Elements share the job id
+    and may run on one host, where one port for all would refuse every element but the first."""
+    if not index:
+        return Fact(DERIVED_PORT_BASE + job_id % DERIVED_PORT_SPAN,
+                    f"{DERIVED_PORT_BASE} + {key} % {DERIVED_PORT_SPAN} ({key}={job_id})")
+    return Fact(DERIVED_PORT_BASE + (job_id + ARRAY_STRIDE * index) % DERIVED_PORT_SPAN,
+                f"{DERIVED_PORT_BASE} + ({key} + {ARRAY_STRIDE} x {index_key}) % {DERIVED_PORT_SPAN} "
+                f"({key}={job_id}, {index_key}={index})")
 
 
 def env_int(environ: Mapping[str, str], key: str, minimum: int = 0) -> int:
