@@ -79,6 +79,14 @@ def test_multi_node_without_master_addr_is_an_error_naming_mpirun_x():
     assert "nnodes=2" in msg and "HINT" in msg and "mpirun -x MASTER_ADDR" in msg
 
 
+def test_a_blank_master_addr_is_as_unset_and_a_world_of_several_nodes_says_to_export_it():
+    """`mpirun -x MASTER_ADDR=$UNSET`: the host '' failed later as "does not resolve", naming no variable."""
+    with pytest.raises(ConfigError) as e:
+        resolve(LaunchConfig(), ompi(6, 8, 2, 4, MASTER_ADDR=""), NODE)
+    assert "nnodes=2" in str(e.value) and "mpirun -x MASTER_ADDR" in str(e.value)
+    assert resolve(LaunchConfig(master_addr="n1"), ompi(6, 8, 2, 4, MASTER_ADDR=" "), NODE).master_addr == "n1"
+
+
 def test_master_addr_flag_fills_what_mpi_does_not_say():
     spec = resolve(LaunchConfig(master_addr="n1"), ompi(6, 8, 2, 4), NODE)
     assert (spec.environment, spec.master_addr, spec.rank, spec.node_rank) == ("mpi", "n1", 6, 1)

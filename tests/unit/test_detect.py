@@ -121,6 +121,38 @@ def test_explain_names_the_environment_and_a_source_for_every_number(env):
         assert "<- " in line and line.split("<- ")[1].strip()
 
 
+LSF = {"LSB_JOBID": "4711", "LSB_MCPU_HOSTS": "gpu01 4 gpu02 4"}
+SKYPILOT = {"SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2\n", "SKYPILOT_NODE_RANK": "0"}
+
+
+@pytest.mark.parametrize("blank", ["", " "])
+@pytest.mark.parametrize("env", [SLURM, merged(MPI, {"MASTER_ADDR": "n0"}), LSF, SKYPILOT, SAGEMAKER, KUBERNETES])
+def test_a_blank_master_port_is_read_as_unset_on_every_platform(env, blank):
+    """`mpirun -x MASTER_PORT=$UNSET` exports it empty: it was refused as "not a whole number"."""
+    unset = resolve(LaunchConfig(), {k: v for k, v in env.items() if k != "MASTER_PORT"}, NODE)
+    assert resolve(LaunchConfig(), {**env, "MASTER_PORT": blank}, NODE).master_port == unset.master_port
+
+
+@pytest.mark.parametrize("env, key, host", [
+    (SLURM, "MASTER_ADDR", "gpu01"),  # the first host of the nodelist
+    (MPI, "MASTER_ADDR", "127.0.0.1"),  # every rank on this node
+    (merged(KUBERNETES, {"PET_MASTER_ADDR": "m"}), "PET_MASTER_ADDR", "m"),  # falls through to MASTER_ADDR
+])
+def test_a_blank_master_addr_is_read_as_unset_not_as_the_host_blank(env, key, host):
+    """It became the rendezvous host '', refused later as "'' does not resolve" without naming the variable."""
+    for blank in ("", "  "):
+        spec = resolve(LaunchConfig(), {**env, key: blank}, NODE)
+        assert spec.master_addr == host and not spec.sources["master_addr"].startswith(f"{key}=")
+
+
+def test_a_torchrun_worker_with_a_blank_master_addr_is_refused_naming_it():
+    with pytest.raises(ClusterError) as e:
+        resolve(LaunchConfig(), merged(TORCHRUN, {"MASTER_ADDR": ""}), NODE)
+    msg = str(e.value)
+    assert "part of its environment is missing" in msg and "MASTER_ADDR=''" in msg and "RANK=1" in msg
+    assert "HINT" in msg
+
+
 def test_errors_name_the_values_and_a_hint():
     bad = merged(SLURM, {"SLURM_JOB_NODELIST": "gpu[01-"})
     with pytest.raises(ClusterError) as e:

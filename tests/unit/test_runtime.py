@@ -226,6 +226,9 @@ def test_init_exports_what_env_init_needs_for_per_process_clusters():
                       "LOCAL_RANK": "1"}
     with pytest.raises(ClusterError, match="RANK=2 \\(set\\) vs 3 \\(slurm\\)"):
         runtime._export(spec, {"RANK": "2"})
+    blank = {"MASTER_ADDR": "", "MASTER_PORT": " "}  # mpirun -x MASTER_ADDR=$UNSET: detection read it as unset
+    runtime._export(spec, blank)
+    assert (blank["MASTER_ADDR"], blank["MASTER_PORT"]) == ("node1", "29500")
 
 
 def test_bad_timeouts_are_config_errors():

@@ -41,6 +41,14 @@ def derived_port(job_id: int, key: str, index: int = 0, index_key: str = "") -> 
                 f"({key}={job_id}, {index_key}={index})")
 
 
+def env_value(environ: Mapping[str, str], key: str) -> str | None:
+    """``environ[key]`` stripped; None when unset or blank. A launcher that forwards an unset shell
+    variable exports it empty (``mpirun -x MASTER_ADDR=$UNSET``): read as a value, '' became the
+    rendezvous host, refused later as "'' does not resolve" without naming the variable."""
+    value = environ.get(key, "").strip()
+    return value or None
+
+
 def env_int(environ: Mapping[str, str], key: str, minimum: int = 0) -> int:
     """``int(environ[key])``, at least ``minimum``; the key must be present."""
     raw = environ[key]

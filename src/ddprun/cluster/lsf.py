@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ddprun.cluster._values import count, derived_port, env_int, env_port, visible_gpus
+from ddprun.cluster._values import count, derived_port, env_int, env_port, env_value, visible_gpus
 from ddprun.cluster.base import ClusterEnvironment, Fact, NodeFacts, Reading
 from ddprun.cluster.hostfile import node_names
 from ddprun.errors import ClusterError
@@ -90,7 +90,7 @@ class LsfEnvironment(ClusterEnvironment):
             "run_id": Fact(run_id, f"LSB_JOBID={job_id}" + (f", LSB_JOBINDEX={index}" if in_array else "")),
             "slots": Fact(hosts[rank][1], f"{hosts_src} (slots of {hosts[rank][0]}; not used as processes)"),
         }
-        if "MASTER_PORT" in environ:
+        if env_value(environ, "MASTER_PORT") is not None:
             reading["master_port"] = Fact(env_port(environ), f"MASTER_PORT={environ['MASTER_PORT']}")
         else:
             reading["master_port"] = derived_port(job_id, "LSB_JOBID", index, "LSB_JOBINDEX")

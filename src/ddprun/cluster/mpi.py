@@ -16,14 +16,22 @@ its name it is the process's rank on its node across all jobs, not the index of 
 MPI does not say where the rendezvous host is: MASTER_ADDR must be exported to every rank
 (``mpirun -x MASTER_ADDR=$(hostname)``) unless the whole world is on one node (then 127.0.0.1); a
 loopback MASTER_ADDR in a world of several nodes is refused, as under SLURM.
-The port is MASTER_PORT, else 29500. Rendezvous is static: node ranks are known.
+The port is MASTER_PORT, else 29500; a blank MASTER_ADDR or MASTER_PORT (``-x MASTER_ADDR=$UNSET``)
+counts as unset. Rendezvous is static: node ranks are known.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ddprun.cluster._values import DEFAULT_PORT, check_rank_rule, env_int, env_port, refuse_loopback_master
+from ddprun.cluster._values import (
+    DEFAULT_PORT,
+    check_rank_rule,
+    env_int,
+    env_port,
+    env_value,
+    refuse_loopback_master,
+)
 from ddprun.cluster.base import ClusterEnvironment, Fact, NodeFacts, Reading
 from ddprun.errors import ClusterError
 
@@ -105,8 +113,8 @@ class MpiEnvironment(ClusterEnvironment):
             "world_size": Fact(size, f"{k_size}={size}"),
             "rdzv_backend": Fact("static", f"node ranks known from {flavour} ranks"),
         }
-        if "MASTER_ADDR" in environ:
-            addr = environ["MASTER_ADDR"]
+        addr = env_value(environ, "MASTER_ADDR")  # blank: as unset
+        if addr is not None:
             refuse_loopback_master(addr, nnodes.value, f"{nnodes.value} nodes ({nnodes.source})", f"{flavour} job",
                                    hint="Export the address of rank 0's host to every rank: mpirun -x "
                                         "MASTER_ADDR=$(hostname) (Open MPI), -genv MASTER_ADDR $(hostname) "
@@ -115,7 +123,7 @@ class MpiEnvironment(ClusterEnvironment):
         elif local_size == size:
             reading["master_addr"] = Fact("127.0.0.1", f"every rank on this node ({k_lsize}={k_size}={size})")
         # else: left out, so that --master-addr can still give it; resolve() raises with master_hint.
-        if "MASTER_PORT" in environ:
+        if env_value(environ, "MASTER_PORT") is not None:
             reading["master_port"] = Fact(env_port(environ), f"MASTER_PORT={environ['MASTER_PORT']}")
         else:
             reading["master_port"] = Fact(DEFAULT_PORT, f"default ({DEFAULT_PORT}, as torchrun); MASTER_PORT unset")

@@ -30,7 +30,7 @@ host of the nodelist, on
 port ``15000 + SLURM_JOB_ID % 17000`` (_values.derived_port: below the ephemeral range): every node
 computes the same port without talking, and concurrent jobs on one master node rarely collide.
 MASTER_ADDR and MASTER_PORT in the environment win (as in Lightning's SLURMEnvironment: a recipe that
-exports the first host, or an InfiniBand address).
+exports the first host, or an InfiniBand address); blank ones count as unset.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from ddprun.cluster._values import (
     derived_port,
     env_int,
     env_port,
+    env_value,
     refuse_loopback_master,
     visible_gpus,
 )
@@ -144,8 +145,8 @@ def _master_addr(environ: Mapping[str, str], nnodes: Fact, nodelist_key: str, ho
     """MASTER_ADDR when set, else the nodelist's first host. A loopback MASTER_ADDR in a job of several
     nodes (left over from a one-node recipe; sbatch passes the submit shell's environment on) is an
     error: every other node would wait out its join timeout dialling itself."""
-    addr = environ.get("MASTER_ADDR", "")
-    if not addr:
+    addr = env_value(environ, "MASTER_ADDR")  # blank: as unset
+    if addr is None:
         return Fact(hosts[0], f"first host of {nodelist_key}={environ[nodelist_key]}")
     refuse_loopback_master(addr, nnodes.value, nnodes.source, "SLURM job",
                            hint=f"Unset MASTER_ADDR (ddprun then uses the first host, {hosts[0]}), or set it to "
@@ -201,7 +202,7 @@ class SlurmEnvironment(ClusterEnvironment):
             "rdzv_backend": Fact("static", "node ranks known from SLURM_NODEID"),
             "run_id": Fact(f"slurm-{job_id}", f"SLURM_JOB_ID={job_id}"),
         }
-        if "MASTER_PORT" in environ:
+        if env_value(environ, "MASTER_PORT") is not None:
             reading["master_port"] = Fact(env_port(environ), f"MASTER_PORT={environ['MASTER_PORT']}")
         else:
             reading["master_port"] = derived_port(job_id, "SLURM_JOB_ID")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ddprun.cluster._values import env_value
 from ddprun.cluster.base import ClusterEnvironment, Fact, NodeFacts, Reading
 from ddprun.errors import ClusterError
 
@@ -46,11 +47,12 @@ class TorchrunEnvironment(ClusterEnvironment):
         return "TORCHELASTIC_RUN_ID" in environ or all(k in environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
 
     def read(self, environ: Mapping[str, str], node: NodeFacts, *, launcher: bool = False) -> Reading:
-        missing = [k for k in REQUIRED if k not in environ]
+        missing = [k for k in REQUIRED if env_value(environ, k) is None]  # blank: as unset, said with quotes
         if missing:
             raise ClusterError(
                 "This looks like a torchrun worker, but part of its environment is missing.",
-                seen=", ".join(f"{k}={environ.get(k, '<unset>')}" for k in REQUIRED),
+                seen=", ".join(f"{k}={environ[k]!r}" if k in missing and k in environ else f"{k}={environ.get(k, '<unset>')}"
+                               for k in REQUIRED),
                 hint="Start the script with `ddprun run` or torchrun, or unset RANK/LOCAL_RANK/WORLD_SIZE.",
             )
         rank, local_rank, world = _int(environ, "RANK"), _int(environ, "LOCAL_RANK"), _int(environ, "WORLD_SIZE")
@@ -66,7 +68,7 @@ class TorchrunEnvironment(ClusterEnvironment):
             "rank": Fact(rank, f"RANK={rank}"),
             "local_rank": Fact(local_rank, f"LOCAL_RANK={local_rank}"),
             "world_size": Fact(world, f"WORLD_SIZE={world}"),
-            "master_addr": Fact(environ["MASTER_ADDR"], f"MASTER_ADDR={environ['MASTER_ADDR']}"),
+            "master_addr": Fact(environ["MASTER_ADDR"].strip(), f"MASTER_ADDR={environ['MASTER_ADDR']}"),
             "master_port": Fact(_int(environ, "MASTER_PORT"), f"MASTER_PORT={environ['MASTER_PORT']}"),
         }
         if local_world is not None:
