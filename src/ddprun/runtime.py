@@ -130,10 +130,14 @@ def _from_environ(environ: Mapping[str, str], per_node: bool = True, joining: bo
     """(ClusterSpec, RankInfo-without-process-group) from the environment; pure apart from probing.
     ``per_node``: a process a multi-node job started once per node is that node's rank
     (detect.one_rank_per_node, which refuses what cannot join only when ``joining``); False when a
-    process group exists already, whose ranks are the truth."""
+    process group exists already, whose ranks are the truth; else RANK/LOCAL_RANK an srun task
+    inherited instead of its own are refused first (cluster.torchrun.check_slurm_task)."""
     from ddprun.cluster.detect import one_rank_per_node, resolve
+    from ddprun.cluster.torchrun import check_slurm_task
     from ddprun.config import LaunchConfig
 
+    if per_node:  # an existing group's ranks are the truth (Ray Train's, mp.spawn's under srun): not checked
+        check_slurm_task(environ)
     spec = resolve(LaunchConfig(), environ, _node_facts())
     if per_node:
         spec = one_rank_per_node(spec, joining=joining)
