@@ -130,10 +130,14 @@ def _from_environ(environ: Mapping[str, str], per_node: bool = True, joining: bo
     """(ClusterSpec, RankInfo-without-process-group) from the environment; pure apart from probing.
     ``per_node``: a process a multi-node job started once per node is that node's rank
     (detect.one_rank_per_node, which refuses what cannot join only when ``joining``); False when a
-    process group exists already, whose ranks are the truth."""
+    process group exists already, whose ranks are the truth; else RANK/LOCAL_RANK an srun task
+    inherited instead of its own are refused first (cluster.torchrun.check_slurm_task)."""
     from ddprun.cluster.detect import one_rank_per_node, resolve
+    from ddprun.cluster.torchrun import check_slurm_task
     from ddprun.config import LaunchConfig
 
+    if per_node:  # an existing group's ranks are the truth (Ray Train's, mp.spawn's under srun): not checked
+        check_slurm_task(environ)
     spec = resolve(LaunchConfig(), environ, _node_facts())
     if per_node:
         spec = one_rank_per_node(spec, joining=joining)
@@ -173,20 +177,20 @@ def _export(spec, target: MutableMapping[str, str]) -> None:
     script a multi-node job starts once per node).
 
     The one place ddprun writes the environment of a running process. A value already present and
-    different is an error rather than overwritten: two launchers disagree about this process.
+    different is an error rather than overwritten: two launchers disagree about this process. A blank
+    one (``mpirun -x MASTER_ADDR=$UNSET``) counts as unset, as detection read it, and is replaced.
     """
     wanted = {"MASTER_ADDR": str(spec.master_addr), "MASTER_PORT": str(spec.master_port),
               "RANK": str(spec.rank), "WORLD_SIZE": str(spec.world_size),
               "LOCAL_RANK": str(spec.local_rank if spec.local_rank is not None else 0)}
-    clash = {k: (target[k], v) for k, v in wanted.items() if k in target and target[k] != v}
+    clash = {k: (target[k], v) for k, v in wanted.items() if target.get(k, "").strip() not in ("", v)}
     if clash:
         raise ClusterError(
             f"The {spec.environment} environment and variables already set disagree about this process.",
             seen=", ".join(f"{k}={old} (set) vs {new} ({spec.environment})" for k, (old, new) in clash.items()),
             hint="Unset the stale variables, or start the script under one launcher only.",
         )
-    for k, v in wanted.items():
-        target.setdefault(k, v)
+    target.update(wanted)  # what was there is equal, blank or unset
 
 
 def _info_from_group(environ: Mapping[str, str]) -> RankInfo:

@@ -55,7 +55,7 @@ def batch_script(tmp_path: Path, body: str) -> Path:
 
 def slurm_port(job_id: int) -> int:
     """The port ddprun derives from the job id on SLURM (cluster/slurm.py): every node derives the same."""
-    return 20000 + job_id % 20000
+    return 15000 + job_id % 17000
 
 
 def check_per_node_run(job, out: Path, nproc: int, master: str, nodes=("node1", "node2")) -> list[dict]:

@@ -47,6 +47,18 @@ def test_mpich_hydra_variables():
     assert r["local_rank"].source == "MPI_LOCALRANKID=1" and r["master_port"].value == 29611
 
 
+def test_cray_pals_mpiexec_variables():
+    """PBS's mpiexec on HPE Cray systems (ALCF Polaris): PMI_LOCAL_RANK/PMI_LOCAL_SIZE, no MPI_LOCALRANKID."""
+    env = {"PMI_RANK": "5", "PMI_SIZE": "8", "PMI_LOCAL_RANK": "1", "PMI_LOCAL_SIZE": "4", "MASTER_ADDR": "x3000c0s1b0n0"}
+    spec = resolve(LaunchConfig(), env, NODE)
+    assert (spec.environment, spec.rank, spec.local_rank, spec.world_size) == ("mpi", 5, 1, 8)
+    assert (spec.max_nodes, spec.nproc_per_node, spec.node_rank) == (2, 4, 1)
+    assert spec.sources["local_rank"] == "PMI_LOCAL_RANK=1" and spec.sources["nproc_per_node"] == "PMI_LOCAL_SIZE=4"
+    # Hydra's pair, where both are set, is read as before
+    hydra = MpiEnvironment().read({**env, "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "4"}, NODE)
+    assert hydra["local_rank"].source == "MPI_LOCALRANKID=1"
+
+
 def test_mvapich_variables():
     env = {"MV2_COMM_WORLD_RANK": "1", "MV2_COMM_WORLD_SIZE": "2", "MV2_COMM_WORLD_LOCAL_RANK": "1",
            "MV2_COMM_WORLD_LOCAL_SIZE": "2"}
@@ -65,6 +77,14 @@ def test_multi_node_without_master_addr_is_an_error_naming_mpirun_x():
         resolve(LaunchConfig(), ompi(6, 8, 2, 4), NODE)
     msg = str(e.value)
     assert "nnodes=2" in msg and "HINT" in msg and "mpirun -x MASTER_ADDR" in msg
+
+
+def test_a_blank_master_addr_is_as_unset_and_a_world_of_several_nodes_says_to_export_it():
+    """`mpirun -x MASTER_ADDR=$UNSET`: the host '' failed later as "does not resolve", naming no variable."""
+    with pytest.raises(ConfigError) as e:
+        resolve(LaunchConfig(), ompi(6, 8, 2, 4, MASTER_ADDR=""), NODE)
+    assert "nnodes=2" in str(e.value) and "mpirun -x MASTER_ADDR" in str(e.value)
+    assert resolve(LaunchConfig(master_addr="n1"), ompi(6, 8, 2, 4, MASTER_ADDR=" "), NODE).master_addr == "n1"
 
 
 def test_master_addr_flag_fills_what_mpi_does_not_say():
@@ -101,6 +121,7 @@ def test_missing_local_size_is_an_error_naming_it():
     with pytest.raises(ClusterError) as e:
         MpiEnvironment().read({"PMI_RANK": "0", "PMI_SIZE": "2", "MPI_LOCALRANKID": "0"}, NODE)
     assert "MPI_LOCALNRANKS=<unset>" in str(e.value) and "HINT" in str(e.value)
+    assert "PMI_LOCAL_SIZE=<unset>" in str(e.value)  # PALS' pair is not there either
 
 
 def test_garbage_rank_is_an_error():

@@ -68,11 +68,17 @@ def test_master_is_first_host_of_a_mixed_nodelist():
 
 def test_port_is_derived_from_the_job_id_and_master_addr_and_master_port_in_the_environment_win():
     r = read(job(SLURM_JOB_ID="123456"))
-    assert r["master_port"].value == 20000 + 123456 % 20000 == 23456
+    assert r["master_port"].value == 15000 + 123456 % 17000 == 19456
     assert "SLURM_JOB_ID=123456" in r["master_port"].source
     assert read(job(MASTER_PORT="31000"))["master_port"].value == 31000
     addr = read(job(MASTER_ADDR="10.1.0.1"))["master_addr"]  # e.g. the first host's InfiniBand address
     assert addr.value == "10.1.0.1" and addr.source == "MASTER_ADDR=10.1.0.1"
+
+
+@pytest.mark.parametrize("job_id", ["12768", "16999", "19999", "999999"])
+def test_the_derived_port_stays_below_the_ephemeral_range(job_id):
+    """Linux's default ip_local_port_range is 32768-60999: a port there may be an outgoing connection's."""
+    assert 15000 <= read(job(SLURM_JOB_ID=job_id))["master_port"].value < 32768
 
 
 @pytest.mark.parametrize("addr", ["localhost", "127.0.0.1"])
@@ -321,3 +327,48 @@ def test_a_flag_that_changes_the_node_count_slurm_states_is_noted_at_once():
     assert resolve(LaunchConfig(nnodes="3"), three, NODE, launcher=True).notes == ()
     moved = resolve(LaunchConfig(node_rank=2), three, NODE, launcher=True)
     assert len(moved.notes) == 1 and moved.notes[0].startswith("--node-rank 2 replaces this node's rank")
+
+
+def sweep_step(**extra):
+    """`srun -N1 -n1 ddprun run cfg.yaml &` in a 2-node job (gpu[01-02]): the step's task on gpu02."""
+    base = dict(SLURM_JOB_NODELIST="gpu[01-02]", SLURM_JOB_NUM_NODES="2", SLURM_NNODES="1", SLURM_NODELIST="gpu02",
+                SLURM_NODEID="0", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NTASKS="1", SLURM_NTASKS_PER_NODE=None,
+                SLURM_TASKS_PER_NODE="1", SLURM_STEP_ID="3", SLURM_STEP_NODELIST="gpu02",
+                SLURM_STEP_NUM_NODES="1", SLURM_STEP_NUM_TASKS="1", SLURM_STEP_TASKS_PER_NODE="1")
+    return job(**{**base, **extra})
+
+
+def test_a_step_over_part_of_the_allocation_plans_the_steps_nodes_not_the_jobs():
+    """The job's variables said 2 nodes with 1 task between them: refused over a count not the step's."""
+    spec = resolve(LaunchConfig(), sweep_step(), NODE, launcher=True)
+    assert (spec.max_nodes, spec.node_rank, spec.nproc_per_node, spec.master_addr) == (1, 0, 4, "gpu02")
+    assert spec.sources["max_nodes"] == "SLURM_STEP_NUM_NODES=1"
+    assert spec.sources["master_addr"] == "first host of SLURM_STEP_NODELIST=gpu02"
+    # srun -E passes the job's SLURM_NNODES and SLURM_NTASKS on; the step's variables still win
+    spec = resolve(LaunchConfig(), sweep_step(SLURM_NNODES="2", SLURM_NTASKS="2", SLURM_NODELIST="gpu[01-02]",
+                                              SLURM_TASKS_PER_NODE="1(x2)"), NODE, launcher=True)
+    assert (spec.max_nodes, spec.node_rank, spec.master_addr) == (1, 0, "gpu02")
+
+
+def test_a_per_process_step_over_part_of_the_allocation_is_a_world_of_its_own_tasks():
+    """`srun -E -N1 -n4 python train.py` in a 2-node job of 8 tasks: world 4 on gpu01, not 8 (a hang)."""
+    env = sweep_step(SLURM_NNODES="2", SLURM_NODELIST="gpu[01-02]", SLURM_NTASKS="8", SLURM_TASKS_PER_NODE="4(x2)",
+                     SLURM_PROCID="2", SLURM_LOCALID="2", SLURM_STEP_NODELIST="gpu01", SLURM_STEP_NUM_TASKS="4",
+                     SLURM_STEP_TASKS_PER_NODE="4")
+    spec = resolve(LaunchConfig(), env, NODE)
+    assert (spec.rank, spec.local_rank, spec.world_size, spec.max_nodes, spec.master_addr) == (2, 2, 4, 1, "gpu01")
+    assert spec.sources["world_size"] == "SLURM_STEP_NUM_TASKS=4"
+    assert spec.sources["nproc_per_node"].startswith("SLURM_STEP_TASKS_PER_NODE=4")
+
+
+def test_a_step_over_the_whole_allocation_reads_as_before_and_the_batch_script_keeps_the_jobs():
+    whole = per_process(SLURM_STEP_NODELIST="gpu[01-02]", SLURM_STEP_NUM_NODES="2", SLURM_STEP_NUM_TASKS="8",
+                        SLURM_STEP_TASKS_PER_NODE="4(x2)")
+    r, before = read(whole), read(per_process())
+    assert {k: f.value for k, f in r.items()} == {k: f.value for k, f in before.items()}
+    with pytest.raises(ClusterError, match="SLURM_STEP_NUM_NODES and SLURM_STEP_NODELIST disagree"):
+        read(sweep_step(SLURM_STEP_NUM_NODES="2"))
+    # no SLURM_STEP_ID (the batch script): the job's variables, whatever else is set
+    batch = sweep_step(SLURM_STEP_ID=None, SLURM_NNODES="2", SLURM_TASKS_PER_NODE="1(x2)", SLURM_NTASKS="2")
+    with pytest.raises(ClusterError, match="not running in an srun step"):
+        read(batch)

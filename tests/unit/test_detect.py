@@ -9,6 +9,7 @@ from ddprun.cli import build_parser, config_from_args
 from ddprun.cluster.base import NodeFacts
 from ddprun.cluster.detect import PRIORITY, detect, explain, resolve
 from ddprun.cluster.probe import probe_node
+from ddprun.cluster.torchrun import check_slurm_task
 from ddprun.config import LaunchConfig
 from ddprun.errors import ClusterError, ConfigError
 
@@ -119,6 +120,79 @@ def test_explain_names_the_environment_and_a_source_for_every_number(env):
                 "rdzv_backend", "run_id"):
         line = next(x for x in lines if x.startswith(f"{key}:"))
         assert "<- " in line and line.split("<- ")[1].strip()
+
+
+LSF = {"LSB_JOBID": "4711", "LSB_MCPU_HOSTS": "gpu01 4 gpu02 4"}
+SKYPILOT = {"SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2\n", "SKYPILOT_NODE_RANK": "0"}
+
+
+@pytest.mark.parametrize("blank", ["", " "])
+@pytest.mark.parametrize("env", [SLURM, merged(MPI, {"MASTER_ADDR": "n0"}), LSF, SKYPILOT, SAGEMAKER, KUBERNETES])
+def test_a_blank_master_port_is_read_as_unset_on_every_platform(env, blank):
+    """`mpirun -x MASTER_PORT=$UNSET` exports it empty: it was refused as "not a whole number"."""
+    unset = resolve(LaunchConfig(), {k: v for k, v in env.items() if k != "MASTER_PORT"}, NODE)
+    assert resolve(LaunchConfig(), {**env, "MASTER_PORT": blank}, NODE).master_port == unset.master_port
+
+
+@pytest.mark.parametrize("env, key, host", [
+    (SLURM, "MASTER_ADDR", "gpu01"),  # the first host of the nodelist
+    (MPI, "MASTER_ADDR", "127.0.0.1"),  # every rank on this node
+    (merged(KUBERNETES, {"PET_MASTER_ADDR": "m"}), "PET_MASTER_ADDR", "m"),  # falls through to MASTER_ADDR
+])
+def test_a_blank_master_addr_is_read_as_unset_not_as_the_host_blank(env, key, host):
+    """It became the rendezvous host '', refused later as "'' does not resolve" without naming the variable."""
+    for blank in ("", "  "):
+        spec = resolve(LaunchConfig(), {**env, key: blank}, NODE)
+        assert spec.master_addr == host and not spec.sources["master_addr"].startswith(f"{key}=")
+
+
+def test_a_torchrun_worker_with_a_blank_master_addr_is_refused_naming_it():
+    with pytest.raises(ClusterError) as e:
+        resolve(LaunchConfig(), merged(TORCHRUN, {"MASTER_ADDR": ""}), NODE)
+    msg = str(e.value)
+    assert "part of its environment is missing" in msg and "MASTER_ADDR=''" in msg and "RANK=1" in msg
+    assert "HINT" in msg
+
+
+def srun_task(procid, localid, **extra):
+    """A task of `srun python train.py` in a 2 x 4-task job, with torchrun's variables set as well."""
+    env = {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_JOB_NUM_NODES": "2",
+           "SLURM_NODEID": str(procid // 4), "SLURM_PROCID": str(procid), "SLURM_LOCALID": str(localid),
+           "SLURM_NTASKS": "8", "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_STEP_ID": "0",
+           "RANK": str(procid), "LOCAL_RANK": str(localid), "WORLD_SIZE": "8", "MASTER_ADDR": "gpu01",
+           "MASTER_PORT": "29500"}
+    env.update(extra)
+    return {k: v for k, v in env.items() if v is not None}
+
+
+def test_rank_variables_a_task_inherited_from_the_batch_script_are_refused_naming_both():
+    """`export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID ...; srun python train.py`: RANK=0 in every task."""
+    with pytest.raises(ClusterError) as e:
+        check_slurm_task(srun_task(5, 1, RANK="0", LOCAL_RANK="0"))
+    msg = str(e.value)
+    assert "RANK=0 but SLURM_PROCID=5" in msg and "LOCAL_RANK=0 but SLURM_LOCALID=1" in msg
+    assert "batch script" in msg and "HINT" in msg and "srun bash -c 'RANK=$SLURM_PROCID" in msg
+    with pytest.raises(ClusterError, match="LOCAL_RANK=0 but SLURM_LOCALID=1"):  # a rank that agrees is not enough
+        check_slurm_task(srun_task(5, 1, LOCAL_RANK="0"))
+    with pytest.raises(ClusterError, match="SLURM_STEP_NUM_TASKS=8"):  # srun -E: the step's count
+        check_slurm_task(srun_task(5, 1, RANK="0", SLURM_NTASKS="16", SLURM_STEP_NUM_TASKS="8"))
+    check_slurm_task(srun_task(5, 1))  # values that agree read as they did: torchrun's, first
+    spec = resolve(LaunchConfig(), srun_task(5, 1), NODE)
+    assert (spec.environment, spec.rank, spec.local_rank, spec.world_size) == ("torchrun", 5, 1, 8)
+
+
+@pytest.mark.parametrize("env", [
+    srun_task(5, 1),  # set per task (srun bash -c 'RANK=$SLURM_PROCID ...'): agrees
+    srun_task(0, 0, RANK="0", LOCAL_RANK="0"),  # the task the batch step's values happen to fit
+    srun_task(0, 0, RANK="1", LOCAL_RANK="0", WORLD_SIZE="2", SLURM_NTASKS="2", TORCHELASTIC_RUN_ID="slurm-77"),
+    srun_task(5, 1, RANK="0", SLURM_STEP_ID=None),  # the batch script itself: not an srun task
+    srun_task(5, 1, RANK="0", OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="8"),  # mpirun's ranks
+    srun_task(1, 0, RANK="12", LOCAL_RANK="4", WORLD_SIZE="16", SLURM_NTASKS="2"),  # mp.spawn under 1 task/node
+    srun_task(5, 1, RANK="x"),  # not a number: the reader says so
+])
+def test_rank_variables_that_are_the_tasks_or_another_launchers_pass(env):
+    """Under `srun ddprun run` (TORCHELASTIC_RUN_ID) torch's worker of rank 1 may run in task 0 (c10d)."""
+    check_slurm_task(env)
 
 
 def test_errors_name_the_values_and_a_hint():

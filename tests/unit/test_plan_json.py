@@ -71,11 +71,11 @@ def test_plan_json_under_slurm_carries_every_value_with_its_source(clean_env, ca
     doc = run_json(capsys)
     assert (doc["environment"], doc["nnodes"], doc["nproc_per_node"], doc["world_size"]) == ("slurm", 5, 4, 20)
     assert (doc["node_rank"], doc["run_id"]) == (0, "slurm-4242")
-    assert doc["rendezvous"]["endpoint"] == "gpu01:24242" and doc["rendezvous"]["backend"] == "static"
+    assert doc["rendezvous"]["endpoint"] == "gpu01:19242" and doc["rendezvous"]["backend"] == "static"
     assert doc["rendezvous"]["node_ranks"] == "fixed"
     values = doc["values"]
     assert values["master_addr"] == {"value": "gpu01", "source": "first host of SLURM_JOB_NODELIST=gpu[01-05]"}
-    assert values["master_port"]["value"] == 24242 and "SLURM_JOB_ID=4242" in values["master_port"]["source"]
+    assert values["master_port"]["value"] == 19242 and "SLURM_JOB_ID=4242" in values["master_port"]["source"]
     assert values["nproc_per_node"] == {"value": 4, "source": "SLURM_GPUS_ON_NODE=4"}
     assert values["allocated_gpus"] == {"value": 4, "source": "SLURM_GPUS_ON_NODE=4"}
     assert doc["sources"] == {k: v["source"] for k, v in values.items()}

@@ -226,6 +226,9 @@ def test_init_exports_what_env_init_needs_for_per_process_clusters():
                       "LOCAL_RANK": "1"}
     with pytest.raises(ClusterError, match="RANK=2 \\(set\\) vs 3 \\(slurm\\)"):
         runtime._export(spec, {"RANK": "2"})
+    blank = {"MASTER_ADDR": "", "MASTER_PORT": " "}  # mpirun -x MASTER_ADDR=$UNSET: detection read it as unset
+    runtime._export(spec, blank)
+    assert (blank["MASTER_ADDR"], blank["MASTER_PORT"]) == ("node1", "29500")
 
 
 def test_bad_timeouts_are_config_errors():
@@ -280,6 +283,22 @@ def test_an_mpirun_wrapper_that_exports_torchruns_variables_and_one_gpu_a_rank_b
     assert runtime.rank_info(env).device == torch.device("cuda", 0)
     env.update(RANK="0", LOCAL_RANK="0", CUDA_VISIBLE_DEVICES="0")  # local rank 0: bound too (Lightning asks)
     assert runtime.rank_info(env).bound and not runtime.rank_info({**env, "TORCHELASTIC_RUN_ID": "t"}).bound
+
+
+def test_a_task_with_the_batch_scripts_rank_is_refused_before_joining_but_a_group_made_already_is_used():
+    """`export RANK=$SLURM_PROCID ...` in the batch script: every task had RANK=0, hosted the store and
+    waited out the init timeout. A group that exists (Ray Train's, mp.spawn's) has its own ranks."""
+    stale = slurm_task(RANK="0", LOCAL_RANK="0", WORLD_SIZE="8", MASTER_ADDR="gpu01", MASTER_PORT="29500",
+                       CUDA_VISIBLE_DEVICES="0,1,2,3")
+    with pytest.raises(ClusterError, match="RANK=0 but SLURM_PROCID=6"):
+        runtime.rank_info(stale)
+    with pytest.raises(ClusterError, match="not this srun task's own"):
+        runtime.init(environ=stale)
+    assert not dist.is_initialized()
+    own = runtime.rank_info({**stale, "RANK": "6", "LOCAL_RANK": "2"})  # set in each task: as before
+    assert (own.rank, own.local_rank, own.world_size) == (6, 2, 8)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    assert runtime.rank_info(stale).rank == 0
 
 
 def test_a_process_group_the_user_made_under_a_per_task_launcher_uses_the_tasks_one_gpu(gpus):

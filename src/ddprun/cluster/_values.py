@@ -15,6 +15,39 @@ from ddprun.errors import ClusterError
 DEFAULT_PORT = 29500
 """torchrun's default rendezvous port, used when an environment names no port."""
 
+DERIVED_PORT_BASE = 15000
+DERIVED_PORT_SPAN = 17000
+"""A scheduler's job gets port ``BASE + job id % SPAN`` (15000-31999; SLURM, LSF): every node derives
+the same one without talking. It stays below 32768, where Linux's default ephemeral range
+(ip_local_port_range 32768-60999) starts: there an outgoing connection's local port could already
+hold it, and the store's bind would fail, or admission would take another agent's for this job's."""
+
+
+ARRAY_STRIDE = 1009
+"""Ports between elements of one job array: a prime, so the first DERIVED_PORT_SPAN elements all differ,
+and an element's port is that of a job id about 1009 x index later, not of the next job submitted."""
+
+
+def derived_port(job_id: int, key: str, index: int = 0, index_key: str = "") -> Fact:
+    """The rendezvous port derived from the job id in variable ``key`` (:data:`DERIVED_PORT_BASE`).
+
+    ``index``: the element of a job array, from ``index_key`` (0: none). Elements share the job id
+    and may run on one host, where one port for all would refuse every element but the first."""
+    if not index:
+        return Fact(DERIVED_PORT_BASE + job_id % DERIVED_PORT_SPAN,
+                    f"{DERIVED_PORT_BASE} + {key} % {DERIVED_PORT_SPAN} ({key}={job_id})")
+    return Fact(DERIVED_PORT_BASE + (job_id + ARRAY_STRIDE * index) % DERIVED_PORT_SPAN,
+                f"{DERIVED_PORT_BASE} + ({key} + {ARRAY_STRIDE} x {index_key}) % {DERIVED_PORT_SPAN} "
+                f"({key}={job_id}, {index_key}={index})")
+
+
+def env_value(environ: Mapping[str, str], key: str) -> str | None:
+    """``environ[key]`` stripped; None when unset or blank. A launcher that forwards an unset shell
+    variable exports it empty (``mpirun -x MASTER_ADDR=$UNSET``): read as a value, '' became the
+    rendezvous host, refused later as "'' does not resolve" without naming the variable."""
+    value = environ.get(key, "").strip()
+    return value or None
+
 
 def env_int(environ: Mapping[str, str], key: str, minimum: int = 0) -> int:
     """``int(environ[key])``, at least ``minimum``; the key must be present."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from ddprun.cluster._values import env_int, env_port, split_endpoint
+from ddprun.cluster._values import env_int, env_port, env_value, split_endpoint
 from ddprun.cluster.base import ClusterEnvironment, Fact, NodeFacts, Reading
 from ddprun.errors import ClusterError
 
@@ -143,9 +143,10 @@ class KubernetesEnvironment(ClusterEnvironment):
             if port is not None:
                 reading["master_port"] = Fact(port, f"PET_RDZV_ENDPOINT={environ['PET_RDZV_ENDPOINT']}")
         for addr_key, port_key in (("PET_MASTER_ADDR", "PET_MASTER_PORT"), ("MASTER_ADDR", "MASTER_PORT")):
-            if addr_key in environ and "master_addr" not in reading:
-                reading["master_addr"] = _master(environ[addr_key], addr_key, hi, node)
-            if port_key in environ and "master_port" not in reading:
+            addr = env_value(environ, addr_key)  # blank: as unset
+            if addr is not None and "master_addr" not in reading:
+                reading["master_addr"] = _master(addr, addr_key, hi, node)
+            if env_value(environ, port_key) is not None and "master_port" not in reading:
                 reading["master_port"] = Fact(env_port(environ, port_key), f"{port_key}={environ[port_key]}")
 
         if "PET_RDZV_BACKEND" in environ:

@@ -10,24 +10,22 @@ Detected when LSB_JOBID and LSB_MCPU_HOSTS (or LSB_HOSTS) are present; an MPI la
 job wins by priority (its rank variables describe the process). nodes = the hosts in LSF's order,
 node rank = the index of the host this node is (its hostname, short name or an address; as in
 hostfile.py; DDPRUN_HOSTNAME overrides the name), rendezvous static at the first host on port
-``20000 + LSB_JOBID % 20000`` (the same on every host, like SLURM's), MASTER_PORT wins; run id
-``lsf-<job id>`` (``lsf-<job id>-<index>`` for an element of a job array). Processes per node = the
-entries of CUDA_VISIBLE_DEVICES (LSF sets it for ``bsub -gpu``), else ddprun's default: LSF's slots
-count CPUs as often as GPUs, so they are shown (``slots``) but not used. CSM/jsrun allocations (a
-launch node listed first) are not covered.
+``15000 + LSB_JOBID % 17000`` (the same on every host, like SLURM's; an element of a job array adds
+``1009 x LSB_JOBINDEX`` inside the modulo, since the elements share LSB_JOBID and may share a host),
+MASTER_PORT wins; run id ``lsf-<job id>`` (``lsf-<job id>-<index>`` for an element of a job array).
+Processes per node = the entries of CUDA_VISIBLE_DEVICES (LSF sets it for ``bsub -gpu``), else
+ddprun's default: LSF's slots count CPUs as often as GPUs, so they are shown (``slots``) but not used.
+CSM/jsrun allocations (a launch node listed first) are not covered.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ddprun.cluster._values import count, env_int, env_port, visible_gpus
+from ddprun.cluster._values import count, derived_port, env_int, env_port, env_value, visible_gpus
 from ddprun.cluster.base import ClusterEnvironment, Fact, NodeFacts, Reading
 from ddprun.cluster.hostfile import node_names
 from ddprun.errors import ClusterError
-
-PORT_BASE = 20000
-PORT_SPAN = 20000
 
 
 def job_hosts(environ: Mapping[str, str]) -> tuple[list[tuple[str, int]], str]:
@@ -80,8 +78,8 @@ class LsfEnvironment(ClusterEnvironment):
         hosts, hosts_src = job_hosts(environ)
         rank = _index_of_this_node(hosts, node, hosts_src)
         nnodes = Fact(len(hosts), f"{hosts_src} ({count(len(hosts), 'host')})")
-        index = environ.get("LSB_JOBINDEX", "0").strip()
-        in_array = index not in ("", "0")  # LSF sets 0 outside job arrays
+        index = env_int(environ, "LSB_JOBINDEX") if environ.get("LSB_JOBINDEX", "").strip() else 0
+        in_array = index != 0  # LSF sets 0 outside job arrays
         run_id = f"lsf-{job_id}-{index}" if in_array else f"lsf-{job_id}"
         reading: Reading = {
             "min_nodes": nnodes,
@@ -92,11 +90,10 @@ class LsfEnvironment(ClusterEnvironment):
             "run_id": Fact(run_id, f"LSB_JOBID={job_id}" + (f", LSB_JOBINDEX={index}" if in_array else "")),
             "slots": Fact(hosts[rank][1], f"{hosts_src} (slots of {hosts[rank][0]}; not used as processes)"),
         }
-        if "MASTER_PORT" in environ:
+        if env_value(environ, "MASTER_PORT") is not None:
             reading["master_port"] = Fact(env_port(environ), f"MASTER_PORT={environ['MASTER_PORT']}")
         else:
-            port = PORT_BASE + job_id % PORT_SPAN
-            reading["master_port"] = Fact(port, f"{PORT_BASE} + LSB_JOBID % {PORT_SPAN} (LSB_JOBID={job_id})")
+            reading["master_port"] = derived_port(job_id, "LSB_JOBID", index, "LSB_JOBINDEX")
         gpus = visible_gpus(environ)
         if gpus is not None:
             reading["nproc_per_node"] = gpus

@@ -5,6 +5,8 @@ Flavours, tried in this order (the first whose rank and size are present is read
 * Open MPI: OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK / _LOCAL_SIZE
 * MVAPICH: MV2_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK / _LOCAL_SIZE
 * MPICH and Intel MPI (Hydra): PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS
+* Cray PALS mpiexec (PBS on HPE Cray EX/Shasta systems, e.g. ALCF Polaris): PMI_RANK, PMI_SIZE,
+  PMI_LOCAL_RANK, PMI_LOCAL_SIZE. Same rank and size as Hydra's: the local pair that is present decides.
 
 nproc_per_node = local size, nodes = size / local size (uneven layouts are refused), and the node rank
 is rank // local size, which holds only when ranks are placed node by node (``--map-by slot``, the
@@ -14,14 +16,22 @@ its name it is the process's rank on its node across all jobs, not the index of 
 MPI does not say where the rendezvous host is: MASTER_ADDR must be exported to every rank
 (``mpirun -x MASTER_ADDR=$(hostname)``) unless the whole world is on one node (then 127.0.0.1); a
 loopback MASTER_ADDR in a world of several nodes is refused, as under SLURM.
-The port is MASTER_PORT, else 29500. Rendezvous is static: node ranks are known.
+The port is MASTER_PORT, else 29500; a blank MASTER_ADDR or MASTER_PORT (``-x MASTER_ADDR=$UNSET``)
+counts as unset. Rendezvous is static: node ranks are known.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ddprun.cluster._values import DEFAULT_PORT, check_rank_rule, env_int, env_port, refuse_loopback_master
+from ddprun.cluster._values import (
+    DEFAULT_PORT,
+    check_rank_rule,
+    env_int,
+    env_port,
+    env_value,
+    refuse_loopback_master,
+)
 from ddprun.cluster.base import ClusterEnvironment, Fact, NodeFacts, Reading
 from ddprun.errors import ClusterError
 
@@ -31,6 +41,7 @@ FLAVOURS: tuple[tuple[str, tuple[str, str, str, str]], ...] = (
     ("MVAPICH", ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE",
                  "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE")),
     ("MPICH/Intel MPI", ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")),
+    ("Cray PALS", ("PMI_RANK", "PMI_SIZE", "PMI_LOCAL_RANK", "PMI_LOCAL_SIZE")),
 )
 """(flavour, (rank, size, local rank, local size) variables)."""
 
@@ -44,17 +55,18 @@ def started_by_mpi_launcher(environ: Mapping[str, str]) -> bool:
 
 
 def _flavour(environ: Mapping[str, str]) -> tuple[str, tuple[str, str, str, str]] | None:
-    for flavour, keys in FLAVOURS:
-        if keys[0] in environ and keys[1] in environ:
-            return flavour, keys
-    return None
+    """The first flavour whose rank and size are present, preferring one whose local rank and size are
+    too (Hydra and PALS share PMI_RANK/PMI_SIZE); None when no flavour's rank and size are."""
+    found = [(flavour, keys) for flavour, keys in FLAVOURS if keys[0] in environ and keys[1] in environ]
+    complete = [f for f in found if f[1][2] in environ and f[1][3] in environ]
+    return next(iter(complete or found), None)
 
 
 class MpiEnvironment(ClusterEnvironment):
     name = "mpi"
     master_hint = ("MPI does not name a rendezvous host: export it to every rank, "
-                   "mpirun -x MASTER_ADDR=$(hostname) ... (Open MPI) or -genv MASTER_ADDR $(hostname) "
-                   "(MPICH/Intel MPI), or pass --master-addr HOST.")
+                   "mpirun -x MASTER_ADDR=$(hostname) ... (Open MPI), -genv MASTER_ADDR $(hostname) "
+                   "(MPICH/Intel MPI) or --env MASTER_ADDR=$(hostname) (Cray PALS), or pass --master-addr HOST.")
 
     @staticmethod
     def detect(environ: Mapping[str, str]) -> bool:
@@ -68,7 +80,8 @@ class MpiEnvironment(ClusterEnvironment):
                                hint="Start ddprun with mpirun, or leave MPI out.")
         flavour, (k_rank, k_size, k_local, k_lsize) = found
         missing = [k for k in (k_local, k_lsize) if k not in environ]
-        if missing:
+        if missing:  # name every local pair this rank variable may come with (Hydra's, PALS')
+            missing = [k for _, ks in FLAVOURS if ks[0] == k_rank for k in ks[2:] if k not in environ]
             raise ClusterError(
                 f"{flavour} gave the rank but not the local rank and size.",
                 seen=f"{k_rank}={environ[k_rank]}, {k_size}={environ[k_size]}, "
@@ -100,17 +113,17 @@ class MpiEnvironment(ClusterEnvironment):
             "world_size": Fact(size, f"{k_size}={size}"),
             "rdzv_backend": Fact("static", f"node ranks known from {flavour} ranks"),
         }
-        if "MASTER_ADDR" in environ:
-            addr = environ["MASTER_ADDR"]
+        addr = env_value(environ, "MASTER_ADDR")  # blank: as unset
+        if addr is not None:
             refuse_loopback_master(addr, nnodes.value, f"{nnodes.value} nodes ({nnodes.source})", f"{flavour} job",
                                    hint="Export the address of rank 0's host to every rank: mpirun -x "
-                                        "MASTER_ADDR=$(hostname) (Open MPI) or -genv MASTER_ADDR $(hostname) "
-                                        "(MPICH/Intel MPI).")
+                                        "MASTER_ADDR=$(hostname) (Open MPI), -genv MASTER_ADDR $(hostname) "
+                                        "(MPICH/Intel MPI) or --env MASTER_ADDR=$(hostname) (Cray PALS).")
             reading["master_addr"] = Fact(addr, f"MASTER_ADDR={addr}")
         elif local_size == size:
             reading["master_addr"] = Fact("127.0.0.1", f"every rank on this node ({k_lsize}={k_size}={size})")
         # else: left out, so that --master-addr can still give it; resolve() raises with master_hint.
-        if "MASTER_PORT" in environ:
+        if env_value(environ, "MASTER_PORT") is not None:
             reading["master_port"] = Fact(env_port(environ), f"MASTER_PORT={environ['MASTER_PORT']}")
         else:
             reading["master_port"] = Fact(DEFAULT_PORT, f"default ({DEFAULT_PORT}, as torchrun); MASTER_PORT unset")

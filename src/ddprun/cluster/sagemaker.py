@@ -29,7 +29,7 @@ from typing import Any
 
 import hostlist
 
-from ddprun.cluster._values import DEFAULT_PORT, count, env_int, env_port
+from ddprun.cluster._values import DEFAULT_PORT, count, env_int, env_port, env_value
 from ddprun.cluster.base import ClusterEnvironment, Fact, NodeFacts, Reading
 from ddprun.errors import ClusterError
 
@@ -170,7 +170,7 @@ class SageMakerEnvironment(ClusterEnvironment):
             "master_addr": Fact(ordered[0], f"first of sorted {hosts_src}"),
             "rdzv_backend": Fact("static", "node ranks known from the sorted SageMaker hosts"),
         }
-        if "MASTER_PORT" in environ:
+        if env_value(environ, "MASTER_PORT") is not None:
             reading["master_port"] = Fact(env_port(environ), f"MASTER_PORT={environ['MASTER_PORT']}")
         else:
             reading["master_port"] = Fact(DEFAULT_PORT, f"default ({DEFAULT_PORT}, as torchrun); MASTER_PORT unset")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ddprun.cluster._values import DEFAULT_PORT, count, env_int, env_port
+from ddprun.cluster._values import DEFAULT_PORT, count, env_int, env_port, env_value
 from ddprun.cluster.base import ClusterEnvironment, Fact, NodeFacts, Reading
 from ddprun.errors import ClusterError
 
@@ -66,7 +66,7 @@ class SkyPilotEnvironment(ClusterEnvironment):
             "master_addr": Fact(ips[0], "first of SKYPILOT_NODE_IPS (the head node)"),
             "rdzv_backend": Fact("static", "node ranks known from SKYPILOT_NODE_RANK"),
         }
-        if "MASTER_PORT" in environ:
+        if env_value(environ, "MASTER_PORT") is not None:
             reading["master_port"] = Fact(env_port(environ), f"MASTER_PORT={environ['MASTER_PORT']}")
         else:
             reading["master_port"] = Fact(DEFAULT_PORT, f"default ({DEFAULT_PORT}, as torchrun); MASTER_PORT unset")

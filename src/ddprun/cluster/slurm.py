@@ -5,11 +5,14 @@ launcher started this process (see :func:`ddprun.cluster.mpi.started_by_mpi_laun
 ``mpirun`` inside an allocation, the SLURM task variables describe mpirun's daemon, not this process.
 An interactive ``salloc`` shell or the batch script itself also detects as SLURM; there, a job of
 more than one task is a ClusterError (no SLURM_STEP_ID: not started by ``srun``), since one process
-would wait for the others until a timeout. Job-level variables are read (SLURM_JOB_NUM_NODES,
-SLURM_JOB_NODELIST): one step is expected to cover the whole allocation.
+would wait for the others until a timeout. Inside an srun step the step's own variables are read
+(SLURM_STEP_NODELIST, SLURM_STEP_NUM_NODES, SLURM_STEP_TASKS_PER_NODE, SLURM_STEP_NUM_TASKS): a step
+may cover part of the allocation (``srun -N1 ddprun run cfg1 &`` in a sweep), and ``srun -E`` passes
+the job's SLURM_NNODES and SLURM_NTASKS on. Outside a step (the batch script, an salloc shell), or
+where SLURM sets no SLURM_STEP_NODELIST, the job's are read (SLURM_JOB_NUM_NODES, SLURM_JOB_NODELIST).
 
-Two launch styles, told apart by the tasks per node (SLURM_TASKS_PER_NODE, else
-SLURM_NTASKS_PER_NODE, else one):
+Two launch styles, told apart by the tasks per node (SLURM_STEP_TASKS_PER_NODE in a step, else
+SLURM_TASKS_PER_NODE, else SLURM_NTASKS_PER_NODE, else one):
 
 * one task per node: ddprun starts the node's processes itself. node_rank = SLURM_NODEID,
   nproc_per_node = SLURM_GPUS_ON_NODE, else the entries of CUDA_VISIBLE_DEVICES, else ddprun's default.
@@ -17,34 +20,71 @@ SLURM_NTASKS_PER_NODE, else one):
   driver does not show, or a test bed's fake gres): the processes then run on cpu, and the reading's
   ``allocated_gpus`` lets resolve() say so in a note.
 * several tasks per node: SLURM started one process per rank. rank = SLURM_PROCID,
-  local_rank = SLURM_LOCALID, world_size = SLURM_NTASKS, nproc_per_node = tasks on this node. The
+  local_rank = SLURM_LOCALID, world_size = SLURM_STEP_NUM_TASKS in a step, else SLURM_NTASKS,
+  nproc_per_node = tasks on this node. The
   tasks must be even across nodes, match the GPUs per node when SLURM_GPUS_ON_NODE is set, and be
   placed block-wise (rank = node × tasks per node + local rank).
 
-Rendezvous is static (SLURM_NODEID is the node rank) at the first host of the nodelist, on
-port ``20000 + SLURM_JOB_ID % 20000``: every node computes the same port without talking, and
-concurrent jobs on one master node rarely collide. MASTER_ADDR and MASTER_PORT in the environment win
-(as in Lightning's SLURMEnvironment: a recipe that exports the first host, or an InfiniBand address).
+Rendezvous is static (SLURM_NODEID, the node's index in the step, is the node rank) at the first
+host of the nodelist, on
+port ``15000 + SLURM_JOB_ID % 17000`` (_values.derived_port: below the ephemeral range): every node
+computes the same port without talking, and concurrent jobs on one master node rarely collide.
+MASTER_ADDR and MASTER_PORT in the environment win (as in Lightning's SLURMEnvironment: a recipe that
+exports the first host, or an InfiniBand address); blank ones count as unset.
 """
 
 from __future__ import annotations
 
 import shlex
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import hostlist
 
-from ddprun.cluster._values import check_rank_rule, count, env_int, env_port, refuse_loopback_master, visible_gpus
+from ddprun.cluster._values import (
+    DERIVED_PORT_BASE,
+    DERIVED_PORT_SPAN,
+    check_rank_rule,
+    count,
+    derived_port,
+    env_int,
+    env_port,
+    env_value,
+    refuse_loopback_master,
+    visible_gpus,
+)
 from ddprun.cluster.base import ClusterEnvironment, Fact, NodeFacts, Reading
 from ddprun.cluster.mpi import started_by_mpi_launcher
 from ddprun.errors import ClusterError, ConfigError
 
-PORT_BASE = 20000
-PORT_SPAN = 20000
+
+@dataclass(frozen=True)
+class _Keys:
+    """Which variables state the nodes and tasks: the job's, or inside an srun step the step's."""
+
+    nodelist: str
+    nnodes: tuple[str, ...]
+    tasks_per_node: str
+    ntasks: str
+    whole: str
+    """What to do when they disagree."""
 
 
-def _nodelist(environ: Mapping[str, str]) -> tuple[str, list[str]]:
-    key = "SLURM_JOB_NODELIST" if "SLURM_JOB_NODELIST" in environ else "SLURM_NODELIST"
+JOB_KEYS = _Keys("SLURM_JOB_NODELIST", ("SLURM_JOB_NUM_NODES", "SLURM_NNODES"), "SLURM_TASKS_PER_NODE",
+                 "SLURM_NTASKS", "Start ddprun with srun over the whole allocation (srun -N <all nodes>).")
+STEP_KEYS = _Keys("SLURM_STEP_NODELIST", ("SLURM_STEP_NUM_NODES",), "SLURM_STEP_TASKS_PER_NODE",
+                  "SLURM_STEP_NUM_TASKS", "These are srun's own; do not set SLURM_STEP_* by hand.")
+
+
+def _keys(environ: Mapping[str, str]) -> _Keys:
+    """The step's variables inside an srun step that states them, else the job's. The job's would
+    describe the whole allocation to a step that runs on part of it (srun -N1 in a 2-node job),
+    which then waits for nodes that never come, or is refused over a count that is not its own."""
+    return STEP_KEYS if _in_step(environ) and STEP_KEYS.nodelist in environ else JOB_KEYS
+
+
+def _nodelist(environ: Mapping[str, str], keys: _Keys) -> tuple[str, list[str]]:
+    key = keys.nodelist if keys.nodelist in environ else "SLURM_NODELIST"
     raw = environ[key]
     try:
         hosts = hostlist.expand_hostlist(raw)
@@ -57,35 +97,36 @@ def _nodelist(environ: Mapping[str, str]) -> tuple[str, list[str]]:
     return key, hosts
 
 
-def _nnodes(environ: Mapping[str, str], nodelist_key: str, hosts: list[str]) -> Fact:
-    for key in ("SLURM_JOB_NUM_NODES", "SLURM_NNODES"):
+def _nnodes(environ: Mapping[str, str], keys: _Keys, nodelist_key: str, hosts: list[str]) -> Fact:
+    for key in keys.nnodes:
         if key in environ:
             n = env_int(environ, key, minimum=1)
             if n != len(hosts):
                 raise ClusterError(
                     f"{key} and {nodelist_key} disagree on the number of nodes.",
                     seen=f"{key}={n}, {nodelist_key}={environ[nodelist_key]} ({count(len(hosts), 'host')})",
-                    hint="Start ddprun with srun over the whole allocation (srun -N <all nodes>).",
+                    hint=keys.whole,
                 )
             return Fact(n, f"{key}={n}")
     return Fact(len(hosts), f"{nodelist_key}={environ[nodelist_key]} ({count(len(hosts), 'host')})")
 
 
-def _tasks_per_node(environ: Mapping[str, str], nnodes: int) -> tuple[list[int], str]:
+def _tasks_per_node(environ: Mapping[str, str], keys: _Keys, nnodes: int) -> tuple[list[int], str]:
     """Tasks on each node, and the variable they came from."""
-    if "SLURM_TASKS_PER_NODE" in environ:
-        raw = environ["SLURM_TASKS_PER_NODE"]
+    key = next((k for k in (keys.tasks_per_node, "SLURM_TASKS_PER_NODE") if k in environ), None)
+    if key is not None:
+        raw = environ[key]
         try:
             counts = hostlist.parse_slurm_tasks_per_node(raw)
         except hostlist.BadHostlist:
             counts = []
         if len(counts) != nnodes or min(counts) < 1:
             raise ClusterError(
-                "SLURM_TASKS_PER_NODE does not give a task count for every node.",
-                seen=f"SLURM_TASKS_PER_NODE={raw!r}, {nnodes} nodes",
+                f"{key} does not give a task count for every node.",
+                seen=f"{key}={raw!r}, {nnodes} nodes",
                 hint="Expected e.g. 2(x2) or 4(x3),2; start ddprun with srun inside the allocation.",
             )
-        return counts, f"SLURM_TASKS_PER_NODE={raw}"
+        return counts, f"{key}={raw}"
     if "SLURM_NTASKS_PER_NODE" in environ:  # set only when --ntasks-per-node was given
         n = env_int(environ, "SLURM_NTASKS_PER_NODE", minimum=1)
         return [n] * nnodes, f"SLURM_NTASKS_PER_NODE={n}"
@@ -104,8 +145,8 @@ def _master_addr(environ: Mapping[str, str], nnodes: Fact, nodelist_key: str, ho
     """MASTER_ADDR when set, else the nodelist's first host. A loopback MASTER_ADDR in a job of several
     nodes (left over from a one-node recipe; sbatch passes the submit shell's environment on) is an
     error: every other node would wait out its join timeout dialling itself."""
-    addr = environ.get("MASTER_ADDR", "")
-    if not addr:
+    addr = env_value(environ, "MASTER_ADDR")  # blank: as unset
+    if addr is None:
         return Fact(hosts[0], f"first host of {nodelist_key}={environ[nodelist_key]}")
     refuse_loopback_master(addr, nnodes.value, nnodes.source, "SLURM job",
                            hint=f"Unset MASTER_ADDR (ddprun then uses the first host, {hosts[0]}), or set it to "
@@ -143,9 +184,10 @@ class SlurmEnvironment(ClusterEnvironment):
 
     def read(self, environ: Mapping[str, str], node: NodeFacts, *, launcher: bool = False) -> Reading:
         job_id = env_int(environ, "SLURM_JOB_ID")
-        nodelist_key, hosts = _nodelist(environ)
-        nnodes = _nnodes(environ, nodelist_key, hosts)
-        counts, counts_src = _tasks_per_node(environ, nnodes.value)
+        keys = _keys(environ)
+        nodelist_key, hosts = _nodelist(environ, keys)
+        nnodes = _nnodes(environ, keys, nodelist_key, hosts)
+        counts, counts_src = _tasks_per_node(environ, keys, nnodes.value)
         if launcher and nnodes.value == 1 and not _in_step(environ) and environ.get("SLURMD_NODENAME") == hosts[0]:
             # `ddprun run` in the batch script of a one-node job (torchrun's usual place; slurmd runs it
             # on the job's node, where an salloc shell may be on a login host): it starts the node's
@@ -160,11 +202,10 @@ class SlurmEnvironment(ClusterEnvironment):
             "rdzv_backend": Fact("static", "node ranks known from SLURM_NODEID"),
             "run_id": Fact(f"slurm-{job_id}", f"SLURM_JOB_ID={job_id}"),
         }
-        if "MASTER_PORT" in environ:
+        if env_value(environ, "MASTER_PORT") is not None:
             reading["master_port"] = Fact(env_port(environ), f"MASTER_PORT={environ['MASTER_PORT']}")
         else:
-            port = PORT_BASE + job_id % PORT_SPAN
-            reading["master_port"] = Fact(port, f"{PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} (SLURM_JOB_ID={job_id})")
+            reading["master_port"] = derived_port(job_id, "SLURM_JOB_ID")
 
         if "SLURM_NODEID" in environ:
             node_id = env_int(environ, "SLURM_NODEID")
@@ -190,11 +231,12 @@ class SlurmEnvironment(ClusterEnvironment):
             if gpus is not None:
                 reading["nproc_per_node"] = gpus
             return reading
-        reading.update(self._per_process(environ, counts, counts_src, node_id))
+        reading.update(self._per_process(environ, keys, counts, counts_src, node_id))
         return reading
 
     @staticmethod
-    def _per_process(environ: Mapping[str, str], counts: list[int], counts_src: str, node_id: int) -> Reading:
+    def _per_process(environ: Mapping[str, str], keys: _Keys, counts: list[int], counts_src: str,
+                     node_id: int) -> Reading:
         """srun started one process per rank (several tasks per node)."""
         if len(set(counts)) > 1:
             raise ClusterError(
@@ -221,11 +263,12 @@ class SlurmEnvironment(ClusterEnvironment):
                 hint="Start ddprun with srun, or use --ntasks-per-node=1.",
             )
         rank, local_rank = env_int(environ, "SLURM_PROCID"), env_int(environ, "SLURM_LOCALID")
-        if "SLURM_NTASKS" in environ:
-            world = Fact(env_int(environ, "SLURM_NTASKS", minimum=1), f"SLURM_NTASKS={environ['SLURM_NTASKS']}")
+        ntasks = next((k for k in (keys.ntasks, "SLURM_NTASKS") if k in environ), None)
+        if ntasks is not None:
+            world = Fact(env_int(environ, ntasks, minimum=1), f"{ntasks}={environ[ntasks]}")
             if world.value != sum(counts):
                 raise ClusterError(
-                    "SLURM_NTASKS differs from the sum of the tasks per node.",
+                    f"{ntasks} differs from the sum of the tasks per node.",
                     seen=f"{world.source}, {counts_src} (sum {sum(counts)})",
                     hint="Start ddprun with srun over the whole allocation, with --ntasks-per-node.",
                 )
@@ -330,7 +373,8 @@ def sbatch_script(script: str = "train.py", args: Sequence[str] = (), *, nodes: 
         "#",
         "# srun starts one `ddprun run` per node. Each reads the job from SLURM: the nodes",
         "# (SLURM_JOB_NUM_NODES, SLURM_JOB_NODELIST), its node rank (SLURM_NODEID), the rendezvous host",
-        "# (the first host of the nodelist) and port (20000 + SLURM_JOB_ID % 20000), and the processes",
+        f"# (the first host of the nodelist) and port ({DERIVED_PORT_BASE} + SLURM_JOB_ID % {DERIVED_PORT_SPAN}), "
+        "and the processes",
         "# per node (SLURM_GPUS_ON_NODE: one per GPU). The run directory is runs/slurm-<job id>.",
         "# SLURM older than 19.05 has no --gpus-per-node: use --gres=gpu:N instead.",
         *(_preempt_comment(preempt_lead, requeue) if preempt_lead else []),
