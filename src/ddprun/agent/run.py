@@ -28,7 +28,7 @@ from ddprun.agent.failures import AgentFailures
 from ddprun.agent.spot import settings as spot_settings
 from ddprun.agent.standby import WORKER_MODULE
 from ddprun.cluster.base import ClusterSpec
-from ddprun.cluster.detect import parse_endpoint, parse_nnodes
+from ddprun.cluster.detect import master_host, parse_endpoint, parse_nnodes
 from ddprun.cluster.netaddr import is_loopback
 from ddprun.cluster.slurm import requeue_command
 from ddprun.config import LaunchConfig
@@ -376,7 +376,7 @@ def _flag_topology(cfg: LaunchConfig) -> tuple[int, str | None]:
         nodes = parse_nnodes(cfg.nnodes)[1] if cfg.nnodes else 1
         if cfg.rdzv_endpoint:
             return nodes, parse_endpoint(cfg.rdzv_endpoint, None)[0]
-        return nodes, cfg.master_addr
+        return nodes, master_host(cfg.master_addr) if cfg.master_addr is not None else None
     except ConfigError:
         return 2, None
 
