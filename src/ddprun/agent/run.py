@@ -556,7 +556,7 @@ class _AgentRun:
             rdzv["rank"] = spec.node_rank
         return TorchLaunchConfig(
             min_nodes=spec.min_nodes, max_nodes=spec.max_nodes, nproc_per_node=spec.nproc_per_node,
-            logs_specs=self.logs_specs, run_id=run.rdzv_id, role="trainer", rdzv_endpoint=f"{run.dial}:{run.port}",
+            logs_specs=self.logs_specs, run_id=run.rdzv_id, role=cfg.role, rdzv_endpoint=f"{run.dial}:{run.port}",
             rdzv_backend=spec.rdzv_backend, rdzv_configs=rdzv, max_restarts=cfg.max_restarts or 0,
             monitor_interval=cfg.monitor_interval, start_method=cfg.start_method, local_addr=cfg.local_addr)
 
