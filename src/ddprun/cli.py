@@ -216,11 +216,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_flags(doctor)
 
     plan = _command(sub, "plan", "Print the rank table `ddprun run` with these flags would produce here, and why; "
-                                 "starts nothing. Exits 0 also when the rendezvous endpoint is still unknown.")
+                                 "starts nothing. Exits 0 also when the rendezvous endpoint is still unknown. Takes "
+                                 "a whole `ddprun run` line: --json and --explain go before the script.")
     add_topology_flags(plan)
     plan.add_argument("--json", action="store_true",
                       help="print everything --explain says as one JSON object (schema: docs/plan-json.md)")
     plan.add_argument("--explain", action="store_true", help="print where every number came from")
+    add_worker_flags(plan)  # a `run` line with `run` replaced by `plan` is checked as `run` checks it
+    plan.add_argument("-m", "--module", action="store_true", help="as for run (the script is not run)")
+    plan.add_argument("script", nargs="?", metavar="SCRIPT", help="as for run (the script is not run)")
+    plan.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS")
 
     report = _command(sub, "report", "(Re)write RUN_DIR/report.html; --compare OTHER_RUN_DIR overlays another run.")
     report.add_argument("run_dir", metavar="RUN_DIR")

@@ -222,3 +222,16 @@ def test_a_bad_local_ranks_filter_or_run_path_with_a_module_is_one_usage_error(c
     assert main(["run", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("ddprun: error:") == 1 and f"Seen: {seen}" in err and "HINT: " in err
+
+
+def test_plan_takes_a_whole_run_line_and_checks_its_run_flags_as_run_does(capsys):
+    """`ddprun plan` with `run`'s flags and script copied from a run line (it was 'unrecognized arguments')."""
+    import json
+
+    line = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", "h:29500", "--max-restarts", "3",
+            "--tee", "3", "train.py", "--lr", "0.1"]
+    assert main(["plan", "--json", *line]) == 0
+    assert json.loads(capsys.readouterr().out)["world_size"] == 2
+    assert main(["plan", "--tee", "x", "train.py"]) == 2  # a bad run flag: what `run` says
+    err = capsys.readouterr().err
+    assert err.count("ddprun: error:") == 1 and "Seen: --tee 'x'" in err
