@@ -334,6 +334,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     if doctor:
         entry = Entry(target="ddprun.worker.doctor_job", is_module=True)
     check_torchrun_flags(args)
+    check_not_empty(args)
     check_numbers(args)
     check_standalone(args)
     check_rdzv_id(args)
@@ -398,6 +399,22 @@ def check_numbers(args: argparse.Namespace) -> None:
     if getattr(args, "master_port", None) is not None and not 0 <= args.master_port <= 65535:
         raise ConfigError("--master-port takes a TCP port 1-65535 (0: a free one, single node only).",
                           seen=f"--master-port {args.master_port}", hint="e.g. --master-port 29500.")
+
+
+NOT_EMPTY = {"--run-dir": "<log dir>/<run id>", "--log-dir": "runs/",
+             "--hostfile": "the environment's own topology"}
+"""Flags whose empty value (an unset shell variable) would silently mean the default, what that is."""
+
+
+def check_not_empty(args: argparse.Namespace) -> None:
+    """An empty --run-dir, --log-dir or --hostfile is refused: taken as not given, a requeued launch
+    would get a new run directory (and train from step 0) or another topology."""
+    for flag, default in NOT_EMPTY.items():
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None and not value.strip():
+            raise ConfigError(f"{flag} is empty.", seen=f"{flag} {value!r}",
+                              hint=f"Is the shell variable it came from unset? Give {flag} a path, or leave the flag "
+                                   f"out for {default}.")
 
 
 STANDALONE_CONFLICTS = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint",

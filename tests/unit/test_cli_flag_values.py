@@ -22,6 +22,9 @@ BAD = [
     (["--rdzv-endpoint", "fe80::1:1234"], "--rdzv-endpoint", "fe80::1:1234"),
     (["--rdzv-endpoint", "[::1]29501"], "--rdzv-endpoint", "[::1]29501"),
     (["--nnodes", "2", "--master-addr", "node1:29500"], "--master-addr", "node1:29500"),
+    (["--run-dir", ""], "--run-dir", ""),  # an unset variable: a requeue got a new run directory
+    (["--log-dir", ""], "--log-dir", ""),
+    (["--hostfile", ""], "--hostfile", ""),
     (["--nproc-per-node", "x"], "--nproc-per-node", "x"),
     (["--nproc-per-node", "0"], "--nproc-per-node", "0"),
     (["--rdzv-backend", "static", "--nnodes", "1:2", "--node-rank", "0", "--master-addr", "127.0.0.1"],
