@@ -229,3 +229,18 @@ def test_an_ipv6_master_addr_in_brackets_as_torchrun_asks_is_the_address():
     with pytest.raises(ConfigError, match="--master-addr takes the rendezvous host only") as e:
         resolve(LaunchConfig(nnodes="2", master_addr="node1:29500"), {}, NODE, launcher=True)
     assert "--master-port" in e.value.hint
+
+
+@pytest.mark.parametrize("environ, variable", [
+    (merged(KUBERNETES, {"PET_RDZV_ID": "../../tmp/evil"}), "PET_RDZV_ID=../../tmp/evil"),
+    (merged(KUBERNETES, {"PET_RDZV_ID": ".."}), "PET_RDZV_ID=.."),
+    (merged(SAGEMAKER, {"TRAINING_JOB_NAME": "a/../../b"}), "TRAINING_JOB_NAME=a/../../b"),
+])
+def test_a_run_id_from_the_environment_that_is_a_path_is_refused_as_rdzv_id_is(environ, variable):
+    """runs/<run id>: a run id from a variable must not put the run directory outside runs/ either."""
+    with pytest.raises(ConfigError) as e:
+        resolve(LaunchConfig(), environ, NODE, launcher=True)
+    assert "names the run directory" in e.value.what and variable in e.value.seen and "--rdzv-id" in e.value.hint
+    spec = resolve(LaunchConfig(rdzv_id="job1"), environ, NODE, launcher=True)  # the hint's way out
+    assert spec.run_id == "job1"
+    resolve(LaunchConfig(), environ, NODE)  # a rank reading its environment (ddprun.init) is left alone

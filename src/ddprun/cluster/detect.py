@@ -26,7 +26,7 @@ from ddprun.cluster.sagemaker import SageMakerEnvironment
 from ddprun.cluster.skypilot import SkyPilotEnvironment
 from ddprun.cluster.slurm import SlurmEnvironment
 from ddprun.cluster.torchrun import TorchrunEnvironment
-from ddprun.config import LaunchConfig
+from ddprun.config import LaunchConfig, run_id_problem
 from ddprun.errors import ClusterError, ConfigError
 
 DEFAULT_MASTER_PORT = 29500
@@ -237,12 +237,27 @@ def resolve(cfg: LaunchConfig, environ: Mapping[str, str], node: NodeFacts,
     facts = _with_master(facts, env, dry_run)
     facts, rdzv_notes = _with_rendezvous(facts)
     _check_per_process(facts, env.name)
+    if launcher:
+        _check_run_id(facts)
     if "run_id" not in facts:
         facts["run_id"] = (
             Fact("", "a new one each launch, agreed by the nodes (--rdzv-id JOB names it)")
             if _multi_node(facts) else Fact("", "generated at launch")
         )
     return _spec(env.name, facts, (*notes, *node_notes, *rdzv_notes))
+
+
+def _check_run_id(facts: Reading) -> None:
+    """A run id a launcher names its run directory with (runs/<run id>) must be one directory name,
+    wherever it came from: --rdzv-id (also checked by the CLI) or a variable of the environment
+    (PET_RDZV_ID, SLURM_JOB_ID, TRAINING_JOB_NAME, SKYPILOT_TASK_ID, LSB_JOBID...). Empty: generated."""
+    fact = facts.get("run_id")
+    problem = run_id_problem(fact.value) if fact is not None and fact.value else None
+    if fact is not None and problem:
+        raise ConfigError(f"The run id names the run directory (runs/<run id>), but {problem}: the run's files would "
+                          "go elsewhere.", seen=f"run id {fact.value!r} ({fact.source})",
+                          hint="Give every node --rdzv-id NAME (a plain name; it replaces the environment's run id), "
+                               "or set the variable to a plain name.")
 
 
 def override_notes(reading: Reading, facts: Reading, env_name: str) -> list[str]:
