@@ -21,7 +21,7 @@ from ddprun.cluster.probe import check_endpoint, probe_node
 from ddprun.config import DEFAULT_JOIN_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, Entry, LaunchConfig, run_id_problem
 from ddprun.errors import ConfigError, DdprunError
 from ddprun.protocol import defaults
-from ddprun.protocol.defaults import EXIT_TIMEOUT_S, STOP_GRACE_S, TELEMETRY_WINDOW_S
+from ddprun.protocol.defaults import EXIT_TIMEOUT_S, MAX_SECONDS, STOP_GRACE_S, TELEMETRY_WINDOW_S
 from ddprun.protocol.preempt import EXIT_CODE, parse_signals
 
 
@@ -277,8 +277,9 @@ def parse_rdzv_conf(raw: str) -> dict[str, str]:
         if not sep or not key:
             raise ConfigError("--rdzv-conf items must be KEY=VALUE.", seen=f"--rdzv-conf {raw!r}",
                               hint="e.g. --rdzv-conf join_timeout=300,read_timeout=60")
-        if key in RDZV_CONF_INTS and not (value.isdecimal() and value.isascii() and int(value) > 0):
-            raise ConfigError(f"--rdzv-conf {key} takes a whole number > 0 (torch reads it as whole seconds, or a count).",
+        if key in RDZV_CONF_INTS and not (value.isdecimal() and value.isascii() and 0 < int(value) <= MAX_SECONDS):
+            raise ConfigError(f"--rdzv-conf {key} takes a whole number from 1 to {MAX_SECONDS:.0f} (torch reads it as "
+                              "whole seconds, or a count).",
                               seen=f"--rdzv-conf {raw!r}", hint=f"e.g. --rdzv-conf {key}=300")
         if key in RDZV_CONF_BOOLS and value.lower() not in BOOL_WORDS:
             raise ConfigError(f"--rdzv-conf {key} takes a boolean.", seen=f"--rdzv-conf {raw!r}",
@@ -364,8 +365,10 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
 def _seconds(flag: str, value: float | None, *, zero_ok: bool, example: str) -> None:
     if value is None:
         return
-    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
-        raise ConfigError(f"{flag} takes a finite number of seconds {'>= 0' if zero_ok else '> 0'}.",
+    # MAX_SECONDS: past it timedelta (the store's timeout) or a timer (the exit guard's) overflows
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok) or value > MAX_SECONDS:
+        raise ConfigError(f"{flag} takes a finite number of seconds {'>= 0' if zero_ok else '> 0'}, at most "
+                          f"{MAX_SECONDS:.0f} (about {MAX_SECONDS / 86400:.0f} days).",
                           seen=f"{flag} {value}", hint=f"e.g. {flag} {example}" + (" (0 = off)" if zero_ok else ""))
 
 

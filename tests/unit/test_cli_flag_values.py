@@ -12,6 +12,11 @@ BAD = [
     (["--straggler-windows", "0"], "--straggler-windows", "0"),
     (["--telemetry-window", "0"], "--telemetry-window", "0"),
     (["--exit-timeout", "0"], "--exit-timeout", "0"),
+    # past MAX_SECONDS: timedelta overflowed when the store opened, the exit guard's timer raised
+    (["--join-timeout", "1e14"], "--join-timeout", "100000000000000"),
+    (["--exit-timeout", "1e20"], "--exit-timeout", "1e+20"),
+    (["--stall-timeout", "2e7"], "--stall-timeout", "20000000"),
+    (["--rdzv-conf", "join_timeout=100000000000000"], "--rdzv-conf", "join_timeout=100000000000000"),
     (["--monitor-interval", "0"], "--monitor-interval", "0"),
     (["--stop-grace", "-1"], "--stop-grace", "-1"),
     (["--preempt-grace", "0"], "--preempt-grace", "0"),

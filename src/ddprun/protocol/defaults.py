@@ -106,7 +106,7 @@ AGENT_MONITOR_INTERVAL_S = 0.1
 START_METHOD = "spawn"
 
 MAX_SECONDS = 1e7
-"""The longest wait a seconds flag or variable may ask for (about 115 days): far past any job's, and far
+"""The longest wait a seconds flag or variable may ask for (about 116 days): far past any job's, and far
 below what timedelta (about 8.6e13 s) and threading's timers (about 9.2e9 s) can hold."""
 """How torch's agent starts workers (a fresh interpreter: safe with CUDA and threads)."""
 
