@@ -17,7 +17,7 @@ import textwrap
 from collections.abc import Mapping, Sequence
 
 from ddprun.cli_help import DESCRIPTION, EPILOGS, HELP, TOP_EPILOG
-from ddprun.cluster.probe import check_endpoint, probe_node
+from ddprun.cluster.probe import check_endpoint, check_shared_port, probe_node
 from ddprun.config import DEFAULT_JOIN_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, Entry, LaunchConfig, run_id_problem
 from ddprun.errors import ConfigError, DdprunError
 from ddprun.protocol import defaults
@@ -471,6 +471,7 @@ def cmd_plan(cfg: LaunchConfig, args: argparse.Namespace, environ: Mapping[str, 
     from ddprun.ranktable import render_plan
 
     spec = resolve(cfg, environ, probe_node(environ), launcher=True, dry_run=True)
+    check_shared_port(spec)  # what `run` refuses (the host's name lookup is left to --explain: a login node)
     plan = make_plan(spec.max_nodes, spec.nproc_per_node, spec.device)
     net, net_error = _plan_network(spec, cfg, environ) if (args.explain or args.json) else (None, None)
     if args.json:

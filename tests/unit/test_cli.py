@@ -168,6 +168,8 @@ def test_the_keep_alive_defaults_ddprun_checks_and_prints_are_the_ones_torch_use
     (["--nnodes", "0"], {}, "--nnodes='0'"),
     ([], {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "gpu[01-05", "SLURM_JOB_NUM_NODES": "5"},
      "SLURM_JOB_NODELIST='gpu[01-05'"),
+    # `run` refuses it; plan said "rendezvous: h, a free port" and exited 0
+    (["--nnodes", "2", "--master-addr", "h", "--master-port", "0"], {}, "port 0 for 2 nodes (<- --master-port 0)"),
 ])
 def test_plan_refuses_contradictory_input_with_exit_2_and_one_message(monkeypatch, capsys, argv, env, seen):
     """docs/plan-json.md: an unknown endpoint is exit 0, contradictory input exit 2, as under ``run``."""
