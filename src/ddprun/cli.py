@@ -1,7 +1,8 @@
 """``ddprun`` command line: parse -> pure config -> one library call per subcommand.
 
 ``ddprun run`` takes torchrun's launch flags with the same meaning (dash and underscore spellings),
-so a torchrun launch line works by replacing the word ``torchrun``.
+so a torchrun launch line works by replacing the word ``torchrun``; the few torchrun flags ddprun
+cannot honour (TORCHRUN_REFUSED) are refused by name, with what to use instead.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import textwrap
 from collections.abc import Mapping, Sequence
 
 from ddprun.cli_help import DESCRIPTION, EPILOGS, HELP, TOP_EPILOG
-from ddprun.cluster.probe import check_endpoint, probe_node
+from ddprun.cluster.probe import check_endpoint, check_shared_port, probe_node
 from ddprun.config import DEFAULT_JOIN_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, Entry, LaunchConfig, run_id_problem
 from ddprun.errors import ConfigError, DdprunError
 from ddprun.protocol import defaults
-from ddprun.protocol.defaults import EXIT_TIMEOUT_S, STOP_GRACE_S, TELEMETRY_WINDOW_S
+from ddprun.protocol.defaults import EXIT_TIMEOUT_S, MAX_SECONDS, STOP_GRACE_S, TELEMETRY_WINDOW_S
 from ddprun.protocol.preempt import EXIT_CODE, parse_signals
 
 
@@ -70,9 +71,10 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     _flag(g, "--stall-end-after", type=float, default=None,
           help="seconds a reported stall may go on before the job ends (default: as long as --stall-timeout; "
                "0 = end right after the report)")
-    _flag(g, "--stop-grace", type=float, default=STOP_GRACE_S,
-          help=f"seconds a stopped agent (SIGTERM, Ctrl-C) gives its workers between SIGTERM and SIGKILL "
-               f"(default {STOP_GRACE_S:.0f})")
+    g.add_argument("--stop-grace", "--stop_grace", "--shutdown-timeout", "--shutdown_timeout", type=float,
+                   default=STOP_GRACE_S, dest="stop_grace",
+                   help=f"seconds a stopped agent (SIGTERM, Ctrl-C) gives its workers between SIGTERM and SIGKILL "
+                        f"(default {STOP_GRACE_S:.0f}; torchrun's --shutdown-timeout is the same)")
     _flag(g, "--preempt-signals", default=defaults.PREEMPT_SIGNALS,
           help=f"signals that stop every rank at one agreed step, after ddprun.fit's checkpoint there; the node "
                f"exits {EXIT_CODE} (default {defaults.PREEMPT_SIGNALS}; a second signal stops at once; none = off)")
@@ -105,6 +107,75 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("-t", "--tee", default="0",
                    help="local ranks also shown on the console, prefixed [rankN] (3 = all, 0:3,1:0 per rank); "
                         "rank 0 is always shown")
+    add_torchrun_flags(p)
+
+
+TORCHRUN_REFUSED = {
+    "--no-python": ("runs the script as a program of its own, but a ddprun worker is a Python process that runs "
+                    "the script inside it (its failure records, stall watch and preemption live there)",
+                    "give ddprun a Python script that starts the program (subprocess.run([...], check=True)), "
+                    "or launch a program that is not Python with torchrun"),
+    "--logs-specs": ("replaces torch's LogsSpecs, and ddprun's own (RUN_DIR/logs/rank-N.log) is what its failure "
+                     "reports, report and console read", "drop it; --log-dir or --run-dir say where the logs go"),
+    "--numa-binding": ("is not honoured: ddprun does not bind workers to CPUs near their GPU",
+                       "drop it, or bind each rank to its CPUs in the script (os.sched_setaffinity)"),
+    "--event-log-handler": ("is not honoured: ddprun does not send torch's elastic events to a handler",
+                            "drop it; RUN_DIR/logs/agent-HOST.log has the agent's events"),
+    "--duplicate-stdout-filters": ("is not honoured: ddprun copies no console lines to another file",
+                                   "drop it; every rank's output is in RUN_DIR/logs/rank-N.log (grep it there)"),
+    "--duplicate-stderr-filters": ("is not honoured: ddprun copies no console lines to another file",
+                                   "drop it; every rank's output, stderr included, is in RUN_DIR/logs/rank-N.log "
+                                   "(grep it there)"),
+    "--signals-to-handle": ("is not honoured: ddprun's agent handles signals its own way",
+                            "drop it; --preempt-signals names the signals that stop every rank at one step "
+                            f"(default {defaults.PREEMPT_SIGNALS})"),
+    "--virtual-local-rank": ("is not honoured: ddprun gives each worker LOCAL_RANK and device cuda:LOCAL_RANK",
+                             "drop it; ddprun.init() and ddprun.fit() put each rank on its own GPU"),
+}
+"""torchrun's flags ddprun cannot honour: flag -> (why, what to do instead). The flags without a value
+are FLAGS_WITHOUT_VALUE."""
+FLAGS_WITHOUT_VALUE = ("--no-python", "--virtual-local-rank")
+
+
+def add_torchrun_flags(p: argparse.ArgumentParser) -> None:
+    """torchrun's launch flags beyond the common ones: --run-path, --local-ranks-filter and --role
+    are honoured; the others are accepted by the parser only to be refused by name (check_torchrun_flags)."""
+    g = p.add_argument_group("torchrun's other flags")
+    _flag(g, "--run-path", action="store_true",
+          help="accepted: ddprun's workers always run the script with runpy.run_path, as torchrun's --run-path")
+    _flag(g, "--local-ranks-filter", metavar="RANKS",
+          help="local ranks shown on the console, e.g. 0,1 (as torchrun's; replaces --tee's; rank 0 is always shown)")
+    g.add_argument("--role", default="trainer", help="the workers' ROLE_NAME (default trainer)")
+    for flag in TORCHRUN_REFUSED:
+        kw: dict = {"action": "store_true"} if flag in FLAGS_WITHOUT_VALUE else {}
+        _flag(g, flag, help=argparse.SUPPRESS, **kw)
+
+
+def check_torchrun_flags(args: argparse.Namespace) -> None:
+    """A torchrun flag ddprun cannot honour, or a combination torchrun itself would not run, is one
+    error naming it and what to use instead."""
+    for flag, (why, instead) in TORCHRUN_REFUSED.items():
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value not in (None, False):
+            raise ConfigError(f"torchrun's {flag} {why}.", seen=flag if value is True else f"{flag} {value}",
+                              hint=instead[0].upper() + instead[1:] + ".")
+    if getattr(args, "run_path", False) and getattr(args, "module", False):
+        raise ConfigError("--run-path runs a script file, -m a module: torchrun would take the module's name for a "
+                          "path.", seen=f"--run-path -m {args.script}", hint="Give one: drop --run-path for a module.")
+
+
+def tee_of_filter(args: argparse.Namespace) -> str:
+    """--tee, or the --tee that shows the local ranks of --local-ranks-filter (torchrun's console filter:
+    it shows exactly those ranks, teed or not, since ddprun keeps every rank's output in its log)."""
+    raw = getattr(args, "local_ranks_filter", None)
+    if raw is None:
+        return getattr(args, "tee", "0")
+    ranks = [r.strip() for r in raw.split(",")]
+    if not all(r.isascii() and r.isdecimal() for r in ranks):
+        raise ConfigError("--local-ranks-filter takes local ranks separated by commas.",
+                          seen=f"--local-ranks-filter {raw!r}", hint="e.g. --local-ranks-filter 0,1 (rank 0 is "
+                                                                      "always on the console).")
+    return ",".join(f"{int(r)}:3" for r in ranks)
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -145,11 +216,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_flags(doctor)
 
     plan = _command(sub, "plan", "Print the rank table `ddprun run` with these flags would produce here, and why; "
-                                 "starts nothing. Exits 0 also when the rendezvous endpoint is still unknown.")
+                                 "starts nothing. Exits 0 also when the rendezvous endpoint is still unknown. Takes "
+                                 "a whole `ddprun run` line: --json and --explain go before the script.")
     add_topology_flags(plan)
     plan.add_argument("--json", action="store_true",
                       help="print everything --explain says as one JSON object (schema: docs/plan-json.md)")
     plan.add_argument("--explain", action="store_true", help="print where every number came from")
+    add_worker_flags(plan)  # a `run` line with `run` replaced by `plan` is checked as `run` checks it
+    plan.add_argument("-m", "--module", action="store_true", help="as for run (the script is not run)")
+    plan.add_argument("script", nargs="?", metavar="SCRIPT", help="as for run (the script is not run)")
+    plan.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS")
 
     report = _command(sub, "report", "(Re)write RUN_DIR/report.html; --compare OTHER_RUN_DIR overlays another run.")
     report.add_argument("run_dir", metavar="RUN_DIR")
@@ -201,8 +277,9 @@ def parse_rdzv_conf(raw: str) -> dict[str, str]:
         if not sep or not key:
             raise ConfigError("--rdzv-conf items must be KEY=VALUE.", seen=f"--rdzv-conf {raw!r}",
                               hint="e.g. --rdzv-conf join_timeout=300,read_timeout=60")
-        if key in RDZV_CONF_INTS and not (value.isdecimal() and value.isascii() and int(value) > 0):
-            raise ConfigError(f"--rdzv-conf {key} takes a whole number > 0 (torch reads it as whole seconds, or a count).",
+        if key in RDZV_CONF_INTS and not (value.isdecimal() and value.isascii() and 0 < int(value) <= MAX_SECONDS):
+            raise ConfigError(f"--rdzv-conf {key} takes a whole number from 1 to {MAX_SECONDS:.0f} (torch reads it as "
+                              "whole seconds, or a count).",
                               seen=f"--rdzv-conf {raw!r}", hint=f"e.g. --rdzv-conf {key}=300")
         if key in RDZV_CONF_BOOLS and value.lower() not in BOOL_WORDS:
             raise ConfigError(f"--rdzv-conf {key} takes a boolean.", seen=f"--rdzv-conf {raw!r}",
@@ -257,6 +334,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     doctor = args.command == "doctor"
     if doctor:
         entry = Entry(target="ddprun.worker.doctor_job", is_module=True)
+    check_torchrun_flags(args)
+    check_not_empty(args)
     check_numbers(args)
     check_standalone(args)
     check_rdzv_id(args)
@@ -271,7 +350,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         max_restarts=getattr(args, "max_restarts", None), monitor_interval=getattr(args, "monitor_interval", 0.1),
         start_method=getattr(args, "start_method", "spawn"), log_dir=getattr(args, "log_dir", None),
         run_dir=getattr(args, "run_dir", None), redirects=getattr(args, "redirects", "0"),
-        tee=getattr(args, "tee", "0"), hostfile=args.hostfile, stall_timeout=stall, doctor=doctor,
+        tee=tee_of_filter(args), hostfile=args.hostfile, stall_timeout=stall, doctor=doctor,
         straggler_margin=margin, straggler_windows=windows, stall_end=getattr(args, "stall_end_after", None),
         exit_timeout=getattr(args, "exit_timeout", EXIT_TIMEOUT_S), allow_uneven_nodes=args.allow_uneven_nodes,
         telemetry_window=getattr(args, "telemetry_window", TELEMETRY_WINDOW_S),
@@ -279,14 +358,17 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         preempt_signals=getattr(args, "preempt_signals", defaults.PREEMPT_SIGNALS),
         preempt_grace=getattr(args, "preempt_grace", None), requeue=getattr(args, "requeue", False),
         spot_notice=getattr(args, "spot_notice", "off"), warm_start=getattr(args, "warm_start", "auto"),
+        role=getattr(args, "role", "trainer"),
     )
 
 
 def _seconds(flag: str, value: float | None, *, zero_ok: bool, example: str) -> None:
     if value is None:
         return
-    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
-        raise ConfigError(f"{flag} takes a finite number of seconds {'>= 0' if zero_ok else '> 0'}.",
+    # MAX_SECONDS: past it timedelta (the store's timeout) or a timer (the exit guard's) overflows
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok) or value > MAX_SECONDS:
+        raise ConfigError(f"{flag} takes a finite number of seconds {'>= 0' if zero_ok else '> 0'}, at most "
+                          f"{MAX_SECONDS:.0f} (about {MAX_SECONDS / 86400:.0f} days).",
                           seen=f"{flag} {value}", hint=f"e.g. {flag} {example}" + (" (0 = off)" if zero_ok else ""))
 
 
@@ -320,6 +402,22 @@ def check_numbers(args: argparse.Namespace) -> None:
     if getattr(args, "master_port", None) is not None and not 0 <= args.master_port <= 65535:
         raise ConfigError("--master-port takes a TCP port 1-65535 (0: a free one, single node only).",
                           seen=f"--master-port {args.master_port}", hint="e.g. --master-port 29500.")
+
+
+NOT_EMPTY = {"--run-dir": "<log dir>/<run id>", "--log-dir": "runs/",
+             "--hostfile": "the environment's own topology"}
+"""Flags whose empty value (an unset shell variable) would silently mean the default, what that is."""
+
+
+def check_not_empty(args: argparse.Namespace) -> None:
+    """An empty --run-dir, --log-dir or --hostfile is refused: taken as not given, a requeued launch
+    would get a new run directory (and train from step 0) or another topology."""
+    for flag, default in NOT_EMPTY.items():
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None and not value.strip():
+            raise ConfigError(f"{flag} is empty.", seen=f"{flag} {value!r}",
+                              hint=f"Is the shell variable it came from unset? Give {flag} a path, or leave the flag "
+                                   f"out for {default}.")
 
 
 STANDALONE_CONFLICTS = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint",
@@ -373,6 +471,7 @@ def cmd_plan(cfg: LaunchConfig, args: argparse.Namespace, environ: Mapping[str, 
     from ddprun.ranktable import render_plan
 
     spec = resolve(cfg, environ, probe_node(environ), launcher=True, dry_run=True)
+    check_shared_port(spec)  # what `run` refuses (the host's name lookup is left to --explain: a login node)
     plan = make_plan(spec.max_nodes, spec.nproc_per_node, spec.device)
     net, net_error = _plan_network(spec, cfg, environ) if (args.explain or args.json) else (None, None)
     if args.json:

@@ -95,6 +95,8 @@ class LaunchConfig:
     """Rank 0 prints the preflight facts table even when every check passes."""
     start_method: str = defaults.START_METHOD
     hostfile: str | None = None
+    role: str = "trainer"
+    """The workers' role (torchrun's --role): torch sets ROLE_NAME to it."""
     allow_uneven_nodes: bool = False
     """Let nodes run different process counts (e.g. 8 + 4 GPUs); ranks then follow torch's agent: a
     node's ranks follow those of every node with a lower node rank. Off: preflight refuses it."""

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+from ddprun.errors import ConfigError
 from ddprun.protocol.rundir import new_run_id
 
 DEMO_TIMEOUT_S = 120
@@ -22,13 +23,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_counts(nnodes: int, nproc_per_node: int, steps: int | None) -> None:
+    """Each count at least 1 (``steps`` None: the demo's own), said before anything starts: 0 nodes
+    would start no agent and report success, 0 steps would train the default number."""
+    given = {"--nnodes": nnodes, "--nproc-per-node": nproc_per_node, "--steps": steps}
+    bad = [f"{flag} {n}" for flag, n in given.items() if n is not None and n < 1]
+    if bad:
+        raise ConfigError(f"ddprun demo needs at least 1 for {', '.join(b.split()[0] for b in bad)}.",
+                          seen=", ".join(bad),
+                          hint="e.g. ddprun demo --nnodes 2 --nproc-per-node 2 --steps 50 (leave --steps out for "
+                               "the demo's own).")
+
+
 def run_demo(nnodes: int = 2, nproc_per_node: int = 2, steps: int | None = None, log_dir: str = "runs") -> int:
     """Start ``nnodes`` agents, show node 0's console, keep the others' in the run directory."""
+    check_counts(nnodes, nproc_per_node, steps)
     run_id = "demo-" + new_run_id()
     port = _free_port()
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # every rank shares this machine's cores
-    script = ["-m", "ddprun.demo_train"] + (["--steps", str(steps)] if steps else [])
+    script = ["-m", "ddprun.demo_train"] + (["--steps", str(steps)] if steps is not None else [])
     cmd = [sys.executable, "-m", "ddprun", "run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node),
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "--log-dir", log_dir,
            # the demo trains for about 2 s: half-second timing windows give its report a step-time curve

@@ -13,6 +13,7 @@ Two phases, so that a slow rank is not mistaken for a broken network:
 
 from __future__ import annotations
 
+import math
 import socket
 import threading
 import time
@@ -20,6 +21,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 
 from ddprun.errors import ClusterError, ConfigError
+from ddprun.protocol.defaults import MAX_SECONDS
 
 DEFAULT_TIMEOUT_S = 30.0
 """Seconds the first all_reduce may take once every rank has arrived (NCCL connects here)."""
@@ -32,14 +34,16 @@ LEAVE_S = 5.0
 
 
 def probe_timeout(environ: Mapping[str, str]) -> float:
-    """Seconds for the first collective from DDPRUN_FIRST_COLLECTIVE_TIMEOUT (default 30; 0 = no probe)."""
+    """Seconds for the first collective from DDPRUN_FIRST_COLLECTIVE_TIMEOUT (default 30; 0 = no probe).
+    nan, inf or a number past MAX_SECONDS is refused here: timedelta would raise on every rank."""
     raw = environ.get(TIMEOUT_ENV, "")
     try:
         value = float(raw) if raw else DEFAULT_TIMEOUT_S
     except ValueError:
         value = -1.0
-    if value < 0:
-        raise ConfigError(f"{TIMEOUT_ENV} must be a number of seconds >= 0.", seen=f"{TIMEOUT_ENV}={raw!r}",
+    if not (math.isfinite(value) and 0 <= value <= MAX_SECONDS):
+        raise ConfigError(f"{TIMEOUT_ENV} must be a finite number of seconds from 0 to {MAX_SECONDS:g}.",
+                          seen=f"{TIMEOUT_ENV}={raw!r}",
                           hint=f"e.g. {TIMEOUT_ENV}=30, or 0 to skip the first-collective check.")
     return value
 

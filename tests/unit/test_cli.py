@@ -168,6 +168,8 @@ def test_the_keep_alive_defaults_ddprun_checks_and_prints_are_the_ones_torch_use
     (["--nnodes", "0"], {}, "--nnodes='0'"),
     ([], {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "gpu[01-05", "SLURM_JOB_NUM_NODES": "5"},
      "SLURM_JOB_NODELIST='gpu[01-05'"),
+    # `run` refuses it; plan said "rendezvous: h, a free port" and exited 0
+    (["--nnodes", "2", "--master-addr", "h", "--master-port", "0"], {}, "port 0 for 2 nodes (<- --master-port 0)"),
 ])
 def test_plan_refuses_contradictory_input_with_exit_2_and_one_message(monkeypatch, capsys, argv, env, seen):
     """docs/plan-json.md: an unknown endpoint is exit 0, contradictory input exit 2, as under ``run``."""
@@ -184,3 +186,54 @@ def test_an_rdzv_id_that_is_a_path_is_a_usage_error(capsys, run_id):
     assert main(["run", "--rdzv-id", run_id, "train.py"]) == 2
     err = capsys.readouterr().err
     assert f"Seen: --rdzv-id {run_id!r}" in err and "HINT: Give a plain name" in err and "Traceback" not in err
+
+
+def test_torchruns_run_path_local_ranks_filter_role_and_shutdown_timeout_are_honoured():
+    """torchtitan's launch line: --local-ranks-filter 0 --role rank --tee 3 (it was 'unrecognized arguments')."""
+    c = cfg("--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "--run-path", "--shutdown-timeout", "12",
+            "train.py", "--lr", "0.1")
+    assert (c.tee, c.role, c.stop_grace) == ("0:3", "rank", 12.0)
+    assert c.entry.argv() == ["train.py", "--lr", "0.1"]
+    assert cfg("--local_ranks_filter=1,2", "train.py").tee == "1:3,2:3"  # the console shows exactly those ranks
+    assert cfg("train.py").role == "trainer"
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--no-python", "prog"], "--no-python"),
+    (["--no_python", "prog"], "--no-python"),
+    (["--logs-specs", "mine", "t.py"], "--logs-specs"),
+    (["--numa-binding", "node", "t.py"], "--numa-binding"),
+    (["--event-log-handler", "console", "t.py"], "--event-log-handler"),
+    (["--duplicate-stdout-filters", "loss", "t.py"], "--duplicate-stdout-filters"),
+    (["--duplicate-stderr-filters", "err", "t.py"], "--duplicate-stderr-filters"),
+    (["--signals-to-handle", "SIGUSR1", "t.py"], "--signals-to-handle"),
+    (["--virtual-local-rank", "t.py"], "--virtual-local-rank"),
+])
+def test_a_torchrun_flag_ddprun_cannot_honour_is_one_error_naming_it_and_what_to_do(capsys, argv, flag):
+    assert main(["run", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("ddprun: error:") == 1 and f"torchrun's {flag} " in err and "HINT: " in err
+    assert "unrecognized arguments" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, seen", [
+    (["--local-ranks-filter", "0,x", "t.py"], "--local-ranks-filter '0,x'"),
+    (["--run-path", "-m", "pkg.train"], "--run-path -m pkg.train"),
+])
+def test_a_bad_local_ranks_filter_or_run_path_with_a_module_is_one_usage_error(capsys, argv, seen):
+    assert main(["run", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("ddprun: error:") == 1 and f"Seen: {seen}" in err and "HINT: " in err
+
+
+def test_plan_takes_a_whole_run_line_and_checks_its_run_flags_as_run_does(capsys):
+    """`ddprun plan` with `run`'s flags and script copied from a run line (it was 'unrecognized arguments')."""
+    import json
+
+    line = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", "h:29500", "--max-restarts", "3",
+            "--tee", "3", "train.py", "--lr", "0.1"]
+    assert main(["plan", "--json", *line]) == 0
+    assert json.loads(capsys.readouterr().out)["world_size"] == 2
+    assert main(["plan", "--tee", "x", "train.py"]) == 2  # a bad run flag: what `run` says
+    err = capsys.readouterr().err
+    assert err.count("ddprun: error:") == 1 and "Seen: --tee 'x'" in err

@@ -280,3 +280,41 @@ def test_the_etcd_refusal_says_the_endpoint_must_change_too():
     with pytest.raises(ConfigError) as e:  # no endpoint given: nothing to change there
         resolve(LaunchConfig(rdzv_backend="etcd"), {}, NODE, launcher=True)
     assert "HINT: Use --rdzv-backend c10d" in str(e.value) and "The endpoint (" not in str(e.value)
+
+
+@pytest.mark.parametrize("endpoint, why", [
+    ("fe80::1:1234", "ambiguous"),  # torch reads ('fe80::1', 1234); it was [fe80::1:1234]:29500 here
+    ("host:", "empty port"),  # torch refuses it; it was host:29500 here
+    ("[::1]:", "empty port"),
+    ("[::1]29501", "'29501' after its IPv6 address"),  # it was port 29500 here
+    ("[::1", "no ']'"),
+])
+def test_an_endpoint_torch_would_read_otherwise_or_refuse_is_one_error_with_the_bracket_hint(endpoint, why):
+    with pytest.raises(ConfigError) as e:
+        resolve(LaunchConfig(nnodes="2", rdzv_endpoint=endpoint), {}, NODE, launcher=True)
+    assert why in e.value.what and repr(endpoint) in e.value.seen and "[ADDR]:PORT" in e.value.hint
+
+
+def test_an_ipv6_master_addr_in_brackets_as_torchrun_asks_is_the_address():
+    spec = resolve(LaunchConfig(nnodes="2", master_addr="[::1]", master_port=29501), {}, NODE, launcher=True)
+    assert (spec.master_addr, spec.master_port, spec.rdzv_endpoint) == ("::1", 29501, "[::1]:29501")
+    spec = resolve(LaunchConfig(nnodes="2", rdzv_endpoint="[::1]:29501"), {}, NODE, launcher=True)
+    assert (spec.master_addr, spec.master_port) == ("::1", 29501)
+    with pytest.raises(ConfigError, match="--master-addr takes the rendezvous host only") as e:
+        resolve(LaunchConfig(nnodes="2", master_addr="node1:29500"), {}, NODE, launcher=True)
+    assert "--master-port" in e.value.hint
+
+
+@pytest.mark.parametrize("environ, variable", [
+    (merged(KUBERNETES, {"PET_RDZV_ID": "../../tmp/evil"}), "PET_RDZV_ID=../../tmp/evil"),
+    (merged(KUBERNETES, {"PET_RDZV_ID": ".."}), "PET_RDZV_ID=.."),
+    (merged(SAGEMAKER, {"TRAINING_JOB_NAME": "a/../../b"}), "TRAINING_JOB_NAME=a/../../b"),
+])
+def test_a_run_id_from_the_environment_that_is_a_path_is_refused_as_rdzv_id_is(environ, variable):
+    """runs/<run id>: a run id from a variable must not put the run directory outside runs/ either."""
+    with pytest.raises(ConfigError) as e:
+        resolve(LaunchConfig(), environ, NODE, launcher=True)
+    assert "names the run directory" in e.value.what and variable in e.value.seen and "--rdzv-id" in e.value.hint
+    spec = resolve(LaunchConfig(rdzv_id="job1"), environ, NODE, launcher=True)  # the hint's way out
+    assert spec.run_id == "job1"
+    resolve(LaunchConfig(), environ, NODE)  # a rank reading its environment (ddprun.init) is left alone

@@ -21,6 +21,13 @@ def test_probe_timeout_defaults_to_30_s_0_turns_it_off_and_bad_values_are_named(
         firstcollective.probe_timeout({"DDPRUN_FIRST_COLLECTIVE_TIMEOUT": "soon"})
 
 
+@pytest.mark.parametrize("raw", ["nan", "inf", "1e20"])
+def test_a_probe_timeout_timedelta_cannot_hold_is_the_same_named_error(raw):
+    # nan passed the old `value < 0` check and was a ValueError from timedelta on every rank
+    with pytest.raises(ConfigError, match=f"DDPRUN_FIRST_COLLECTIVE_TIMEOUT='{raw}'.*\n.*HINT"):
+        firstcollective.probe_timeout({"DDPRUN_FIRST_COLLECTIVE_TIMEOUT": raw})
+
+
 def test_transport_seen_names_backend_interfaces_master_and_this_host():
     env = {"NCCL_SOCKET_IFNAME": "ib0", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "RANK": "13"}
     assert firstcollective.transport_seen("nccl", env, "gpu07", {"lo": ("127.0.0.1",), "ib0": ("10.1.0.7",)}) == (

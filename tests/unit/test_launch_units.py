@@ -87,6 +87,15 @@ def test_what_the_defaults_become_on_a_multi_node_launch(tmp_path, monkeypatch):
     assert (torch_cfg.rdzv_configs["join_timeout"], torch_cfg.rdzv_configs["timeout"]) == (2, 2)
 
 
+def test_the_role_given_is_the_workers_role(tmp_path, monkeypatch):
+    """torchrun's --role: torch sets each worker's ROLE_NAME from the spec's role."""
+    monkeypatch.chdir(tmp_path)
+    spec = resolve(LaunchConfig(nnodes="2", master_addr="h"), {}, CPU_NODE)
+    for cfg, role in ((LaunchConfig(role="rank"), "rank"), (LaunchConfig(), "trainer")):
+        run = in_run_dir(prepare(cfg, spec, {}, "h", {}), "r1")
+        assert _AgentRun.torch_config(SimpleNamespace(run_=run, logs_specs=None)).role == role
+
+
 @pytest.mark.parametrize("nnodes", ["0", "3:2", "x", "1:2:3"])
 def test_bad_nnodes(nnodes):
     with pytest.raises(ConfigError, match="HINT"):

@@ -31,6 +31,18 @@ def test_a_bad_signal_list_is_one_message_naming_the_value(raw):
     assert raw in str(e.value) and "HINT" in str(e.value)
 
 
+@pytest.mark.parametrize("raw, name", [("CHLD", "SIGCHLD"), ("TERM,WINCH", "SIGWINCH"), ("pipe", "SIGPIPE"),
+                                       ("CONT", "SIGCONT"), ("URG", "SIGURG"), (str(int(signal.SIGCHLD)), "SIGCHLD"),
+                                       ("SEGV", "SIGSEGV")])
+def test_a_signal_that_does_not_mean_stop_is_refused_as_a_preemption_signal(raw, name):
+    """SIGCHLD reaches the agent at every worker's exit: as a preemption signal it stopped healthy jobs."""
+    with pytest.raises(ConfigError) as e:
+        pp.parse_signals(raw)
+    assert e.value.what.startswith(f"{name} cannot be a preemption signal") and repr(raw) in e.value.seen
+    assert "TERM,INT,HUP,QUIT,USR1,USR2" in e.value.hint
+    assert pp.parse_signals("QUIT,XCPU") == (signal.SIGQUIT, signal.SIGXCPU)  # these do mean stop
+
+
 def test_a_proposal_lies_three_seconds_of_steps_and_at_least_two_steps_ahead():
     assert pp.propose(10, None) == 12  # no rate yet: the step in flight and one more
     assert pp.propose(10, 0.1) == 12  # slow steps: still two

@@ -28,7 +28,7 @@ from ddprun.agent.failures import AgentFailures
 from ddprun.agent.spot import settings as spot_settings
 from ddprun.agent.standby import WORKER_MODULE
 from ddprun.cluster.base import ClusterSpec
-from ddprun.cluster.detect import parse_endpoint, parse_nnodes
+from ddprun.cluster.detect import master_host, parse_endpoint, parse_nnodes
 from ddprun.cluster.netaddr import is_loopback
 from ddprun.cluster.slurm import requeue_command
 from ddprun.config import LaunchConfig
@@ -376,7 +376,7 @@ def _flag_topology(cfg: LaunchConfig) -> tuple[int, str | None]:
         nodes = parse_nnodes(cfg.nnodes)[1] if cfg.nnodes else 1
         if cfg.rdzv_endpoint:
             return nodes, parse_endpoint(cfg.rdzv_endpoint, None)[0]
-        return nodes, cfg.master_addr
+        return nodes, master_host(cfg.master_addr) if cfg.master_addr is not None else None
     except ConfigError:
         return 2, None
 
@@ -556,7 +556,7 @@ class _AgentRun:
             rdzv["rank"] = spec.node_rank
         return TorchLaunchConfig(
             min_nodes=spec.min_nodes, max_nodes=spec.max_nodes, nproc_per_node=spec.nproc_per_node,
-            logs_specs=self.logs_specs, run_id=run.rdzv_id, role="trainer", rdzv_endpoint=f"{run.dial}:{run.port}",
+            logs_specs=self.logs_specs, run_id=run.rdzv_id, role=cfg.role, rdzv_endpoint=f"{run.dial}:{run.port}",
             rdzv_backend=spec.rdzv_backend, rdzv_configs=rdzv, max_restarts=cfg.max_restarts or 0,
             monitor_interval=cfg.monitor_interval, start_method=cfg.start_method, local_addr=cfg.local_addr)
 

@@ -12,6 +12,7 @@ still missing gets ddprun's default. Each value keeps its source for ``ddprun pl
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,7 +26,7 @@ from ddprun.cluster.sagemaker import SageMakerEnvironment
 from ddprun.cluster.skypilot import SkyPilotEnvironment
 from ddprun.cluster.slurm import SlurmEnvironment
 from ddprun.cluster.torchrun import TorchrunEnvironment
-from ddprun.config import LaunchConfig
+from ddprun.config import LaunchConfig, run_id_problem
 from ddprun.errors import ClusterError, ConfigError
 
 DEFAULT_MASTER_PORT = 29500
@@ -112,28 +113,61 @@ def parse_nproc(raw: str, node: NodeFacts) -> tuple[int, str]:
     return n, f"--nproc-per-node {n}"
 
 
+ENDPOINT_HINT = "Use HOST:PORT, e.g. node1:29500, or [ADDR]:PORT for an IPv6 address, e.g. [fe80::1]:29500."
+HOST_CHARS = re.compile(r"^[\w.:-]+$")
+"""What torch's parse_rendezvous_endpoint accepts as a host (torch/distributed/elastic/rendezvous/utils.py)."""
+ENDPOINT_CHARS = re.compile(r"^[\w.:\[\]-]*$")
+"""Every character an endpoint may hold: a host's, brackets around an IPv6 address, the port's digits."""
+
+
 def parse_endpoint(raw: str, default_port: int | None, what: str = "--rdzv-endpoint") -> tuple[str, int | None]:
-    """``host:port``, ``[v6addr]:port`` or ``host`` (then ``default_port``); ``what``: where ``raw``
-    came from, for the message."""
-    raw = raw.strip()
-    if raw.startswith("["):
-        host, _, rest = raw[1:].partition("]")
-        port_s = rest[1:] if rest.startswith(":") else ""
-    elif raw.count(":") == 1:
-        host, port_s = raw.split(":")
+    """``host:port``, ``[v6addr]:port``, ``host`` or ``[v6addr]`` (then ``default_port``), as torch's
+    parse_rendezvous_endpoint reads them; what it would read otherwise than the user meant is refused:
+    an IPv6 address without brackets (``fe80::1:1234``: torch takes 1234 as the port), an empty port
+    (``host:``), text after the brackets that is not ``:PORT``. ``what``: where ``raw`` came from."""
+    text = raw.strip()
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"The rendezvous endpoint {why}.", seen=f"{what} {raw!r}", hint=ENDPOINT_HINT)
+
+    if not ENDPOINT_CHARS.match(text):
+        raise bad("holds a character no host name, IP address or port has")
+    port_s: str | None = None
+    if text.startswith("["):
+        host, closed, rest = text[1:].partition("]")
+        if not closed:
+            raise bad("has no ']' closing its IPv6 address")
+        if rest and not rest.startswith(":"):
+            raise bad(f"has {rest!r} after its IPv6 address where only :PORT may follow")
+        port_s = rest[1:] if rest else None
+    elif text.count(":") > 1:
+        raise bad(f"is ambiguous: an IPv6 address without brackets, whose last group torch would read as "
+                  f"the port ({text.rpartition(':')[2]!r})")
     else:
-        host, port_s = raw, ""
+        host, colon, port_s = text.partition(":")
+        port_s = port_s if colon else None
     if not host:
-        raise ConfigError("The rendezvous endpoint has no host.", seen=f"{what} {raw!r}",
-                          hint="Use HOST:PORT, e.g. node1:29500.")
-    if not port_s:
+        raise bad("has no host")
+    if not HOST_CHARS.match(host):
+        raise bad(f"has a host, {host!r}, that is not a host name or an IP address")
+    if port_s is None:
         return host, default_port
-    try:
-        port = int(port_s)
-    except ValueError:
-        raise ConfigError("The rendezvous endpoint's port is not a number.", seen=f"{what} {raw!r}",
-                          hint="Use HOST:PORT, e.g. node1:29500.") from None
-    return host, check_port(port, f"{what} {raw}")
+    if not (port_s.isascii() and port_s.isdecimal()):
+        raise bad("has an empty port" if not port_s else "has a port that is not a number")
+    return host, check_port(int(port_s), f"{what} {raw}")
+
+
+def master_host(raw: str) -> str:
+    """--master-addr: a host, or an IPv6 address with or without brackets (torchrun's help asks for
+    ``[0:0:0:0:0:0:0:1]``); a port belongs in --master-port, not here."""
+    text = raw.strip()
+    host = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    if not host or not HOST_CHARS.match(host) or host.count(":") == 1:
+        raise ConfigError("--master-addr takes the rendezvous host only: a host name or an IP address.",
+                          seen=f"--master-addr {raw!r}",
+                          hint="e.g. --master-addr node1 --master-port 29500, or --rdzv-endpoint [ADDR]:PORT for an "
+                               "IPv6 address with its port.")
+    return host
 
 
 def check_port(port: int, seen: str) -> int:
@@ -160,7 +194,7 @@ def _overlay_flags(reading: Reading, cfg: LaunchConfig, node: NodeFacts) -> Read
     if cfg.node_rank is not None:
         out["node_rank"] = Fact(cfg.node_rank, f"--node-rank {cfg.node_rank}")
     if cfg.master_addr is not None:
-        out["master_addr"] = Fact(cfg.master_addr, f"--master-addr {cfg.master_addr}")
+        out["master_addr"] = Fact(master_host(cfg.master_addr), f"--master-addr {cfg.master_addr}")
     if cfg.master_port is not None:
         flag = f"--master-port {cfg.master_port}"
         out["master_port"] = Fact(check_port(cfg.master_port, flag), flag)
@@ -203,12 +237,27 @@ def resolve(cfg: LaunchConfig, environ: Mapping[str, str], node: NodeFacts,
     facts = _with_master(facts, env, dry_run)
     facts, rdzv_notes = _with_rendezvous(facts)
     _check_per_process(facts, env.name)
+    if launcher:
+        _check_run_id(facts)
     if "run_id" not in facts:
         facts["run_id"] = (
             Fact("", "a new one each launch, agreed by the nodes (--rdzv-id JOB names it)")
             if _multi_node(facts) else Fact("", "generated at launch")
         )
     return _spec(env.name, facts, (*notes, *node_notes, *rdzv_notes))
+
+
+def _check_run_id(facts: Reading) -> None:
+    """A run id a launcher names its run directory with (runs/<run id>) must be one directory name,
+    wherever it came from: --rdzv-id (also checked by the CLI) or a variable of the environment
+    (PET_RDZV_ID, SLURM_JOB_ID, TRAINING_JOB_NAME, SKYPILOT_TASK_ID, LSB_JOBID...). Empty: generated."""
+    fact = facts.get("run_id")
+    problem = run_id_problem(fact.value) if fact is not None and fact.value else None
+    if fact is not None and problem:
+        raise ConfigError(f"The run id names the run directory (runs/<run id>), but {problem}: the run's files would "
+                          "go elsewhere.", seen=f"run id {fact.value!r} ({fact.source})",
+                          hint="Give every node --rdzv-id NAME (a plain name; it replaces the environment's run id), "
+                               "or set the variable to a plain name.")
 
 
 def override_notes(reading: Reading, facts: Reading, env_name: str) -> list[str]:

@@ -84,14 +84,20 @@ def probe_node(environ: Mapping[str, str]):
 def check_endpoint(spec: ClusterSpec) -> None:
     """Refuse an endpoint that cannot work, before anything starts: port 0 across nodes (each node
     would pick its own), or a rendezvous host whose name does not resolve."""
-    if spec.max_nodes > 1 and spec.master_port == 0:
-        raise ConfigError("Port 0 (a free port) cannot be the rendezvous port of a multi-node job: every node "
-                          "would pick a different one.", seen=f"port 0 for {spec.max_nodes} nodes "
-                          f"(<- {spec.sources.get('master_port', 'the flags')})",
-                          hint="give every node the same port, e.g. --rdzv-endpoint HOST:29500 or --master-port 29500.")
+    check_shared_port(spec)
     try:
         socket.getaddrinfo(spec.master_addr, None)
     except (OSError, UnicodeError) as e:
         raise ConfigError(f"The rendezvous host {spec.master_addr!r} does not resolve.", seen=f"{e}",
                           hint="check --rdzv-endpoint / --master-addr (every node's value must name the same "
                                "host, reachable from every node), or give its IP address.") from None
+
+
+def check_shared_port(spec: ClusterSpec) -> None:
+    """Port 0 (a free port) across nodes is refused: every node would pick its own. ``ddprun plan``
+    checks it too: unlike the host's name lookup, it needs no network."""
+    if spec.max_nodes > 1 and spec.master_port == 0:
+        raise ConfigError("Port 0 (a free port) cannot be the rendezvous port of a multi-node job: every node "
+                          "would pick a different one.", seen=f"port 0 for {spec.max_nodes} nodes "
+                          f"(<- {spec.sources.get('master_port', 'the flags')})",
+                          hint="give every node the same port, e.g. --rdzv-endpoint HOST:29500 or --master-port 29500.")

@@ -41,8 +41,21 @@ MIN_AHEAD = 2
 """...and at least this many steps: the step in flight, and one more."""
 
 
+STOP_SIGNALS = ("TERM", "INT", "HUP", "QUIT", "USR1", "USR2", "XCPU", "PWR")
+"""The signals that may be preemption signals: each asks a process to end (a scheduler's notice, a
+terminal's Ctrl-C or Ctrl-\\, a lost session, a CPU-time limit, a power failure; USR1/USR2 are what
+SLURM's --signal and LSF send before the kill). Any other is sent for something else (CHLD when a
+worker ends, WINCH when a terminal is resized, PIPE, CONT, URG, ALRM, a fault of the process itself):
+taken as a preemption it would stop a healthy job."""
+
+OTHER_MEANINGS = {"CHLD": "a child process ended (every worker's exit)", "WINCH": "a terminal was resized",
+                  "PIPE": "a write to a closed pipe", "CONT": "a stopped process continued",
+                  "URG": "urgent data on a socket", "ALRM": "a timer of the process's own"}
+
+
 def parse_signals(raw: str, where: str = "--preempt-signals") -> tuple[int, ...]:
-    """``TERM,USR1`` (or ``SIGTERM``, or numbers) -> signal numbers; ``none`` or "" -> ()."""
+    """``TERM,USR1`` (or ``SIGTERM``, or numbers) -> signal numbers; ``none`` or "" -> (). Only
+    :data:`STOP_SIGNALS` (those this platform has)."""
     text = raw.strip()
     if text.lower() in ("", "none", "off"):
         return ()
@@ -58,9 +71,21 @@ def parse_signals(raw: str, where: str = "--preempt-signals") -> tuple[int, ...]
         if num in (signal.SIGKILL, signal.SIGSTOP):
             raise ConfigError("SIGKILL and SIGSTOP cannot be caught.", seen=f"{where} {raw!r}",
                               hint="Leave them out: give e.g. TERM,USR1.")
+        _check_stop_signal(num, raw, where)
         if num not in out:
             out.append(num)
     return tuple(out)
+
+
+def _check_stop_signal(num: int, raw: str, where: str) -> None:
+    name = signal.Signals(num).name.removeprefix("SIG")
+    if name in STOP_SIGNALS:
+        return
+    why = f"it is sent when {OTHER_MEANINGS[name]}" if name in OTHER_MEANINGS else "it does not ask a process to end"
+    raise ConfigError(f"SIG{name} cannot be a preemption signal: {why}; taken as one it would stop a healthy job.",
+                      seen=f"{where} {raw!r}",
+                      hint=f"Give signals that mean 'stop': {','.join(STOP_SIGNALS)} (default {defaults.PREEMPT_SIGNALS}), "
+                           "or none.")
 
 
 def signal_names(signals: tuple[int, ...]) -> str:
