@@ -148,14 +148,14 @@ def test_lightning_trainer_under_srun_ddprun_run_uses_every_rank(slurm, tmp_path
 BAD_ALLOCATIONS = {
     "uneven tasks": (
         ["-n3", "-N2", PYTHON, INIT_TRAIN, "--out", "unused"],
-        ["SLURM gave the nodes different numbers of tasks", "SLURM_TASKS_PER_NODE=2,1", "--ntasks-per-node"]),
+        ["SLURM gave the nodes different numbers of tasks", "SLURM_STEP_TASKS_PER_NODE=2,1", "--ntasks-per-node"]),
     "tasks per node differ from gpus": (
         ["-N2", "--ntasks-per-node=3", "--gres=gpu:2", PYTHON, INIT_TRAIN, "--out", "unused"],
-        ["SLURM tasks per node differ from GPUs per node", "SLURM_TASKS_PER_NODE=3(x2)", "SLURM_GPUS_ON_NODE=2",
+        ["SLURM tasks per node differ from GPUs per node", "SLURM_STEP_TASKS_PER_NODE=3(x2)", "SLURM_GPUS_ON_NODE=2",
          "--ntasks-per-node=2"]),
     "ddprun run once per task": (
         ["-N2", "--ntasks-per-node=2", DDPRUN, "run", EXAMPLE, "--out", "unused"],
-        ["`ddprun run` was started 2 times on this node by srun", "SLURM_TASKS_PER_NODE=2(x2)",
+        ["`ddprun run` was started 2 times on this node by srun", "SLURM_STEP_TASKS_PER_NODE=2(x2)",
          "srun --ntasks-per-node=1 ddprun run"]),
 }
 
@@ -353,3 +353,32 @@ def test_a_preemption_stop_the_grace_forced_is_requeued_too_and_the_next_start_f
     assert "Restarts=1" in show and "JobState=COMPLETED" in show, show
     print(f"forced stop -> requeued and finished {time.monotonic() - signalled:.1f} s after the signal, resumed "
           f"from {f'step {resumed[1]}' if resumed else 'the start'}")
+
+
+@pytest.mark.timeout(120)
+def test_a_step_on_part_of_the_allocation_trains_on_the_steps_own_node(slurm, tmp_path):
+    """A sweep's `srun -N1 -n1 ddprun run ...` inside a 2-node allocation: the step's own variables
+    (SLURM_STEP_NODELIST, SLURM_STEP_TASKS_PER_NODE, ...) say one node; the job's say two. Before, the
+    job's were read and the step was refused."""
+    out = tmp_path / "out"
+    script = batch_script(tmp_path, f"srun -N1 -n1 {DDPRUN} run {EXAMPLE} {' '.join(STEPS)} --out {out} --destroy")
+    job = slurm.sbatch(script, ["-N2", "--ntasks-per-node=1"], timeout=90, cwd=tmp_path)
+    assert job.returncode == 0 and job.job_id, slurm.describe(job)
+    got = facts(out)
+    assert [(f["RANK"], f["WORLD_SIZE"], f["NODE_RANK"]) for f in got] == [("0", "1", "0")], got
+    assert "1/1 ranks on 1 node(s)" in job.output, slurm.describe(job)
+
+
+@pytest.mark.timeout(120)
+def test_ranks_exported_in_the_batch_script_are_refused_on_every_task_at_once(slurm, tmp_path):
+    """`export RANK=$SLURM_PROCID ...` in the batch script is the batch step's value (0) in every task of
+    the srun after it: every task would be rank 0 and wait out the init timeout. Each task whose values
+    disagree names its SLURM_PROCID and exits within seconds; task 0's agree, so it cannot tell, and
+    srun's --kill-on-bad-exit ends it (without, it waits for the others up to init's timeout)."""
+    script = batch_script(tmp_path, "export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS "
+                                    f"MASTER_ADDR=node1 MASTER_PORT=29555\n"
+                                    f"srun --kill-on-bad-exit=1 {PYTHON} {INIT_TRAIN} --out unused")
+    job = slurm.sbatch(script, ["-N2", "--ntasks-per-node=1"], timeout=90, cwd=tmp_path)
+    assert job.returncode not in (0, None) and job.wall_s < 60, slurm.describe(job)
+    assert "RANK/LOCAL_RANK are not this srun task's own" in job.output, slurm.describe(job)
+    assert "RANK=0 but SLURM_PROCID=1" in job.output, slurm.describe(job)
