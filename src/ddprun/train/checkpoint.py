@@ -232,18 +232,32 @@ def checkpoints(directory: str) -> list[str]:
     return [os.path.join(directory, n) for n in sorted(names, key=lambda n: step_of(n) or 0, reverse=True)]  # matched: never None
 
 
+_PRUNE_FAILED: set[tuple[str, int | None]] = set()
+"""(path, errno) of each old checkpoint this process could not delete and said so (once each)."""
+
+
 def prune(directory: str, keep: int) -> list[str]:
-    """Delete all but the newest ``keep`` checkpoints (never the one ``latest`` names); the deleted."""
+    """Delete all but the newest ``keep`` checkpoints (never the one ``latest`` names); the deleted.
+    One the file system refuses to delete (EACCES, EIO, ...) stays, with one warning naming it: the
+    save that pruned is whole, and a job is not stopped for a file it no longer needs."""
     current = latest(directory)
     removed = []
     for path in checkpoints(directory)[max(1, keep):]:
         if path == current:
             continue
-        for p in (path, meta_path(path)):
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
+        try:
+            for p in (path, meta_path(path)):  # the file first: its meta stays while it does
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+        except OSError as e:
+            if (p, e.errno) not in _PRUNE_FAILED:
+                _PRUNE_FAILED.add((p, e.errno))
+                why = e.strerror or type(e).__name__
+                warnings.warn(f"ddprun: the old checkpoint {p} could not be deleted ({why}); it stays, and training "
+                              f"goes on. Delete it yourself to keep {max(1, keep)} checkpoint(s).", stacklevel=2)
+            continue
         removed.append(path)
     return removed
 
