@@ -6,6 +6,8 @@ Layout of a checkpoint directory::
     step-00000120.meta.json  {"file", "step", "bytes", "sha256"} of that file, as it was written
     latest                   the file name of the newest complete checkpoint, written last
     .ddprun-writer.lock      held by the writing fit while it runs (train/dirlock.py)
+    fit-1/ ...               the same files of the 2nd, 3rd ... fit() of one process (train/resume.py)
+    previous-1/ ...          an earlier run's files, moved there (never deleted) by a fit that starts anew
 
 Writing: a temp file in the same directory (hashed while written), flushed and fsynced, then
 ``os.replace`` (atomic on POSIX), then the directory fsynced; the meta file the same way; ``latest``
@@ -41,6 +43,7 @@ FORMAT_VERSION = 2
 list with one entry per rank, ``sampler`` has ``samples_done``; a meta file per checkpoint."""
 LATEST = "latest"
 _NAME = re.compile(r"^step-(\d+)\.pt$")
+_META = re.compile(r"^step-(\d+)\.meta\.json$")
 _TEMP = re.compile(r"^\.(step-\d+\.(pt|meta\.json)|latest)\..+\.tmp$")
 """A temp file of :func:`~ddprun.protocol.atomic.write_atomic` for one of this module's files."""
 
@@ -52,6 +55,12 @@ def checkpoint_name(step: int) -> str:
 def meta_path(path: str) -> str:
     """The meta file of checkpoint ``path`` (``step-N.pt`` -> ``step-N.meta.json``)."""
     return path[:-3] + ".meta.json" if path.endswith(".pt") else path + ".meta.json"
+
+
+def is_checkpoint_file(name: str) -> bool:
+    """Whether a file name in a checkpoint directory is one of a checkpoint set's: ``step-N.pt``, its
+    meta file, ``latest``."""
+    return bool(_NAME.match(name) or _META.match(name)) or name == LATEST
 
 
 def step_of(path: str) -> int | None:
