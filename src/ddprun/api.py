@@ -122,11 +122,14 @@ def fit(model: nn.Module, train_data: Any = None, *, val_data: Any = None, loss_
         not saved). A damaged newest checkpoint is skipped with a warning. With another world size
         (``--nnodes MIN:MAX`` after losing a node) the per-rank batch size stays, so the global
         batch shrinks with the world; the learning rate is not rescaled (the rest of the epoch is
-        split over the ranks there are). False: start anew (existing checkpoints stay, and are
-        replaced as steps are saved again). True: like "auto" but an error when there is none. A
-        path: resume from that file or directory. A checkpoint of another model is refused
-        (ConfigError). When checkpoint_dir is not shared between nodes, every node's local rank 0
-        writes its own copy (:mod:`ddprun.train.resume`).
+        split over the ranks there are). Each fit() of a process into one checkpoint_dir has its
+        own checkpoints (the n-th after the first in checkpoint_dir/fit-<n>/), which its restart
+        resumes. False: start anew (the checkpoints there are moved to checkpoint_dir/previous-<k>/,
+        never deleted). True: like "auto" but an error when there is none; a later fit of the
+        process with none of its own continues from the fit before it. A path: resume from that
+        file or directory. A checkpoint of another model is refused (ConfigError). When
+        checkpoint_dir is not shared between nodes, every node's local rank 0 writes its own copy
+        (:mod:`ddprun.train.resume`).
 
     Process group: fit calls :func:`ddprun.init` (joining with a 600 s timeout, then 300 s per
     collective from step 2); call ``ddprun.init(timeout=..., train_timeout=...)`` first to change

@@ -573,6 +573,9 @@ def fit_lightning(model: pl.LightningModule, train_data: Any = None, *, val_data
     Lightning's, at every epoch end); ``resume`` "auto" continues from ``last.ckpt`` in the
     checkpoint directory when there is one (what a worker group restarted by ``--max-restarts``
     finds), True requires it, False starts anew, a path is passed to ``trainer.fit(ckpt_path=...)``.
+    As for an nn.Module (train/resume.py), each fit() of the process into one checkpoint directory
+    has its own (the n-th after the first in ``fit-<n>/``), and one that starts anew moves the
+    ``.ckpt`` files there to ``previous-<k>/``.
 
     The process group is :func:`ddprun.init`'s (two-phase timeouts; Lightning reuses it). ``seed``
     does not reseed the global RNG (call ``lightning.seed_everything`` before building the model).
@@ -592,11 +595,13 @@ def fit_lightning(model: pl.LightningModule, train_data: Any = None, *, val_data
     run_dir = resolve_run_dir(run_dir, info)
     train_loader, val_loader = _loaders(train_data, val_data, batch_size, info, seed, num_workers)
     ckpt_dir = checkpoint_dir or os.path.join(run_dir, "checkpoints")
+    n = resume_mod.ordinal(ckpt_dir)
+    own = resume_mod.slot(ckpt_dir, n)  # as for an nn.Module: each fit() of the process its own last.ckpt
     # the user's callbacks are added to ddprun's, not given to the Trainer in place of them
-    callbacks = _callbacks(user.pop("callbacks", None), user.get("enable_checkpointing", True), ckpt_dir,
+    callbacks = _callbacks(user.pop("callbacks", None), user.get("enable_checkpointing", True), own,
                            checkpoint_every, info)
     timeout = _TrainingTimeout()
-    callbacks += [timeout, _PreemptAtStep(ckpt_dir)]
+    callbacks += [timeout, _PreemptAtStep(own)]
     if epochs is None:
         epochs = 1 if max_steps is None else -1  # -1: Lightning's "unbounded"
     settings.update(
@@ -610,14 +615,11 @@ def fit_lightning(model: pl.LightningModule, train_data: Any = None, *, val_data
     trainer = pl.Trainer(**settings)
     _Saves(trainer, timeout)
     safe = {"weights_only": True} if "weights_only" in inspect.signature(trainer.fit).parameters else {}
-    # the nn.Module path's rule: "auto" after another fit() of this process finished here starts anew
-    # (stacklevel: the user's ddprun.fit line, fit_lightning <- ddprun.api.fit)
-    anew = resume_mod.finished_here(ckpt_dir, resume, info, stacklevel=3)
-    ckpt_path = _agreed(_resume_path(False if anew else resume, ckpt_dir), info)
+    ckpt_path = _start(ckpt_dir, n, resume, info)
     with _preemption_by_ddprun(trainer), _loading_trusted(ckpt_path):
         trainer.fit(model, train_dataloaders=train_loader, val_dataloaders=val_loader, datamodule=datamodule,
                     ckpt_path=ckpt_path, **safe)  # no code runs on resume: TRUSTED_TYPES only
-    resume_mod.mark_finished(ckpt_dir)  # not after a preemption (Preempted): the next start continues
+    resume_mod.mark_finished(ckpt_dir, n)  # not after a preemption (Preempted): the next start continues
     return _result(trainer, model, run_dir, info)
 
 
@@ -660,12 +662,31 @@ def _callbacks(given: Any, checkpointing: bool, ckpt_dir: str, every: int | None
     return callbacks
 
 
-def _resume_path(resume: bool | str | os.PathLike, ckpt_dir: str) -> str | None:
-    """``trainer.fit``'s ckpt_path for fit's ``resume`` (the same value on every rank)."""
+def _start(ckpt_dir: str, n: int, resume: Any, info: RankInfo) -> str | None:
+    """The nn.Module path's rules (train/resume.py) for fit ``n`` of this process into ``ckpt_dir``:
+    ``trainer.fit``'s ckpt_path (every rank agrees); a later fit that starts anew says so, and one
+    that does not continue from its slot's checkpoints has rank 0 move them aside (never deleted)."""
+    own = resume_mod.slot(ckpt_dir, n)
+    ckpt_path = _agreed(_resume_path(resume, own, resume_mod.slot(ckpt_dir, n - 1) if n else None), info)
+    if ckpt_path is None and n and resume == "auto":
+        # stacklevel: the user's ddprun.fit line (_start <- fit_lightning <- ddprun.api.fit)
+        resume_mod.warn_anew(ckpt_dir, own, info, stacklevel=4)
+    if not (resume == "auto" and ckpt_path is not None):  # "auto" resumes from its own slot only
+        with setup_phase():
+            resume_mod.set_aside_on_writers(info, info.is_main, ckpt_dir, n, lambda name: name.endswith(".ckpt"),
+                                            ckpt_path)
+    return ckpt_path
+
+
+def _resume_path(resume: bool | str | os.PathLike, ckpt_dir: str, previous: str | None = None) -> str | None:
+    """``trainer.fit``'s ckpt_path for fit's ``resume`` (the same value on every rank); resume=True
+    falls back to ``previous``'s last.ckpt (the fit before this one in the process)."""
     if resume is False:
         return None
     if resume in ("auto", True):
         path = os.path.join(ckpt_dir, "last.ckpt")
+        if resume is True and previous is not None and not os.path.exists(path):
+            path = os.path.join(previous, "last.ckpt")
     elif isinstance(resume, (str, os.PathLike)):
         path = os.fspath(resume)
     else:

@@ -141,3 +141,40 @@ def test_fit_lets_go_at_its_end_and_when_it_raises(tmp_path, monkeypatch):
         fit(tmp_path, scheduler=lambda opt: (_ for _ in ()).throw(ValueError("bad scheduler")))
     assert dirlock._HELD == {}
     assert os.path.exists(tmp_path / "ck" / dirlock.LOCK_NAME)
+
+
+def refused_elsewhere(directory, run):
+    """Whether a forked process of ``run`` is refused ``directory``'s lock (a second job's writer)."""
+    pid = fork()
+    if pid == 0:  # the child: dirlock and os calls only, then os._exit
+        code = 1
+        try:
+            dirlock._HELD.clear()  # the parent's: this process takes its own
+            dirlock.acquire(directory, run, wait_s=0.2)
+            code = 0
+        except CheckpointError:
+            code = 3
+        except BaseException:  # noqa: BLE001 - the parent sees 1
+            pass
+        os._exit(code)
+    return os.WEXITSTATUS(os.waitpid(pid, 0)[1]) == 3
+
+
+def test_the_writer_keeps_its_lock_when_its_process_opens_and_closes_the_lock_file(tmp_path):
+    # a POSIX lock (lockf) is dropped when its process closes any descriptor of the file: an
+    # on_checkpoint hook that tarred the checkpoint directory released it, and a second job got in
+    import tarfile
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    dirlock.acquire(str(ck), str(tmp_path / "run"))
+    try:
+        assert refused_elsewhere(str(ck), str(tmp_path / "sweep-b"))
+        with tarfile.open(tmp_path / "upload.tar", "w") as tar:
+            tar.add(ck, arcname="ck")  # opens and closes ck/.ddprun-writer.lock
+        with open(ck / dirlock.LOCK_NAME) as f:
+            assert f"(run {tmp_path / 'run'}, since " in dirlock._describe(dirlock._holder(f.fileno()))
+        assert refused_elsewhere(str(ck), str(tmp_path / "sweep-b"))
+    finally:
+        dirlock.release()
+    assert not refused_elsewhere(str(ck), str(tmp_path / "sweep-b"))  # released: the next job gets in

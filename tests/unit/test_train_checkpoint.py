@@ -120,3 +120,34 @@ def test_a_rank_saves_and_restores_its_own_cuda_device_state_whatever_the_nodes_
     old["cuda"] = [torch.tensor([i], dtype=torch.uint8) for i in range(8)]  # written on a node of 8
     checkpoint.restore_rng(old)
     assert calls == [(0, 0), (1, 1)]
+
+
+def test_an_old_checkpoint_the_file_system_will_not_delete_stays_with_one_warning_and_the_save_succeeds(
+        tmp_path, monkeypatch):
+    # pruning caught FileNotFoundError only: EACCES/EIO on an old file escaped a good save as a raw
+    # OSError and killed the job
+    import errno
+    import warnings
+
+    stuck = str(tmp_path / "step-00000001.pt")
+    unlink = os.unlink
+
+    def refusing(path, *a, **kw):
+        if os.fspath(path) == stuck:
+            raise OSError(errno.EIO, "Input/output error", path)
+        return unlink(path, *a, **kw)
+
+    checkpoint.save(str(tmp_path), {"step": 1})
+    monkeypatch.setattr(os, "unlink", refusing)
+    with pytest.warns(UserWarning) as said:
+        p2 = checkpoint.save(str(tmp_path), {"step": 2}, keep=1)
+    assert [str(w.message) for w in said] == [
+        f"ddprun: the old checkpoint {stuck} could not be deleted (Input/output error); it stays, and training "
+        "goes on. Delete it yourself to keep 1 checkpoint(s)."]
+    assert os.path.exists(stuck) and os.path.exists(checkpoint.meta_path(stuck))  # the file with its meta
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once, not at every save
+        p3 = checkpoint.save(str(tmp_path), {"step": 3}, keep=1)
+    assert not os.path.exists(p2) and checkpoint.latest(str(tmp_path)) == p3
+    monkeypatch.setattr(os, "unlink", unlink)
+    assert checkpoint.prune(str(tmp_path), 1) == [stuck]  # deleted once the file system lets it

@@ -2,6 +2,7 @@
 checkpoint ends with the uninterrupted run's parameters, bit for bit."""
 
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -10,8 +11,8 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ddprun
-from ddprun.errors import ConfigError
-from ddprun.train import checkpoint
+from ddprun.errors import CheckpointError, ConfigError
+from ddprun.train import checkpoint, dirlock
 from ddprun.train.data import ResumableSampler
 from tests.unit.restart_support import new_process, one_process, regression  # noqa: F401 (autouse fixture)
 
@@ -87,7 +88,10 @@ def test_resume_options(tmp_path, capsys):
     fresh = run(tmp_path, epochs=1, resume=False)
     assert "resuming" not in capsys.readouterr().out.split("step 8/8")[-1]
     assert fresh.steps == 8
-    more = run(tmp_path / "other", epochs=2, resume=str(tmp_path / "checkpoints" / "step-00000004.pt"))
+    # the run before it was moved aside, whole, not overwritten
+    assert sorted(os.listdir(tmp_path / "checkpoints" / "previous-1")) == [
+        "latest", "step-00000004.meta.json", "step-00000004.pt", "step-00000008.meta.json", "step-00000008.pt"]
+    more = run(tmp_path / "other", epochs=2, resume=str(tmp_path / "checkpoints" / "previous-1" / "step-00000004.pt"))
     assert more.steps == 16
     with pytest.raises(ConfigError, match="no checkpoint to resume from"):
         run(tmp_path / "empty", resume=True)
@@ -264,3 +268,114 @@ def test_skipping_the_batches_a_checkpoint_had_taken_is_progress_for_the_stall_w
     assert list(_Skipped(Batches(), 5)) == [5, 6, 7]
     assert all(later > earlier for earlier, later in zip(totals[:6], totals[1:6]))  # a beat per batch skipped
     assert not PROGRESS.began and PROGRESS.phase == ""  # the first trained batch still has the first-step bound
+
+
+FEW = dict(optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2), batch_size=8, log_every=100)
+
+
+def pretrain_then_fine_tune(run_dir, crash_at=None):
+    """A script of two fits into one run dir, started from the top as a restarted worker is: the
+    fine-tune's result, and the parameters the pretrain ended with."""
+    new_process()
+    np.random.seed(0)
+    pre = ddprun.fit(mlp(), regression(), training_step=stepper(), run_dir=str(run_dir), max_steps=6,
+                     checkpoint_every=2, keep_checkpoints=3, **FEW)
+    pretrained = params(pre)
+    fine = ddprun.fit(pre.model, regression(), training_step=stepper(crash_at), run_dir=str(run_dir), max_steps=4,
+                      checkpoint_every=1, **FEW)
+    return fine, pretrained
+
+
+def test_a_fine_tune_after_a_pretrain_keeps_its_own_checkpoints_and_a_restart_resumes_each_fit_its_own(
+        tmp_path, capsys):
+    # both fits saved step-N.pt in one directory: the fine-tune overwrote the pretrain's step 2 and 4,
+    # pruned by step across both, and a restart resumed the pretrain from the fine-tune's step 4
+    with pytest.warns(UserWarning, match="fit\\(\\) already ran in this process .* starts anew") as said:
+        ref, ref_pre = pretrain_then_fine_tune(tmp_path / "ref")
+    assert [w.filename for w in said if "already ran" in str(w.message)] == [__file__.replace(".pyc", ".py")]
+    ckdir = tmp_path / "ref" / "checkpoints"
+    assert [checkpoint.step_of(p) for p in checkpoint.checkpoints(str(ckdir))] == [6, 4, 2]  # the pretrain's, all
+    assert [checkpoint.step_of(p) for p in checkpoint.checkpoints(str(ckdir / "fit-1"))] == [4, 3, 2]
+    saved = checkpoint.load(str(ckdir))
+    assert saved["step"] == 6 and all(torch.equal(a, b) for a, b in zip(saved["model"].values(), ref_pre))
+    capsys.readouterr()
+
+    again, again_pre = pretrain_then_fine_tune(tmp_path / "ref")  # the whole script again: each fit is done
+    out = capsys.readouterr().out
+    assert f"resuming from {ckdir / 'step-00000006.pt'}: step 6" in out and "finished at step 6" in out
+    assert f"resuming from {ckdir / 'fit-1' / 'step-00000004.pt'}: step 4" in out and "finished at step 4" in out
+    assert all(torch.equal(a, b) for a, b in zip(ref_pre + params(ref), again_pre + params(again)))
+
+    with pytest.raises(Crash), pytest.warns(UserWarning, match="starts anew"):
+        pretrain_then_fine_tune(tmp_path / "c", crash_at=3)  # the fine-tune's checkpoints of steps 1 and 2
+    torch.manual_seed(99), np.random.seed(99)
+    res, res_pre = pretrain_then_fine_tune(tmp_path / "c")
+    assert "resuming from " + str(tmp_path / "c" / "checkpoints" / "fit-1" / "step-00000002.pt") in capsys.readouterr().out
+    assert res.steps == 4 and all(torch.equal(a, b) for a, b in zip(ref_pre + params(ref), res_pre + params(res)))
+
+
+def test_a_run_started_anew_over_an_earlier_ones_checkpoints_moves_them_aside_and_falls_back_to_its_own(
+        tmp_path, capsys):
+    # resume=False over steps 10/20/30 of an earlier run: its saves of 5/10/15 (keep 3) overwrote that
+    # run's step 10 and left [15, 20 (old), 30 (old)]; with 15 damaged, a resume took the old run's 30
+    def fit(max_steps, every, **kw):
+        new_process()
+        return ddprun.fit(mlp(), regression(), loss_fn=nn.functional.mse_loss, run_dir=str(tmp_path),
+                          max_steps=max_steps, checkpoint_every=every, keep_checkpoints=3, **FEW, **kw)
+
+    ckdir = tmp_path / "checkpoints"
+    fit(30, 10)
+    earlier = {p.name: p.read_bytes() for p in ckdir.iterdir() if p.name.startswith("step-") or p.name == "latest"}
+    capsys.readouterr()
+    fit(15, 5, resume=False)
+    assert [checkpoint.step_of(p) for p in checkpoint.checkpoints(str(ckdir))] == [15, 10, 5]
+    assert {p.name: p.read_bytes() for p in (ckdir / "previous-1").iterdir()} == earlier  # whole, unchanged
+    assert f"the checkpoints of an earlier run in {ckdir} were moved to {ckdir / 'previous-1'}" in capsys.readouterr().out
+    newest = ckdir / "step-00000015.pt"
+    newest.write_bytes(newest.read_bytes()[:100])
+    with pytest.warns(UserWarning, match="using step-00000010.pt instead"):
+        res = fit(15, 5)
+    assert "resuming from " + str(ckdir / "step-00000010.pt") + ": step 10" in capsys.readouterr().out
+    assert res.steps == 15
+
+
+def test_a_later_fit_of_a_script_whose_first_started_anew_does_not_resume_an_earlier_runs(tmp_path, capsys):
+    # the pretrain trains again (resume=False): the fine-tune's checkpoints there are of the run before
+    def script():
+        new_process()
+        for resume in (False, "auto"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the second fit's "starts anew"
+                last = ddprun.fit(mlp(), regression(), loss_fn=nn.functional.mse_loss, run_dir=str(tmp_path),
+                                  max_steps=2, resume=resume, **FEW)
+        return last
+
+    script()
+    capsys.readouterr()
+    assert script().steps == 2 and "resuming" not in capsys.readouterr().out
+    ckdir = tmp_path / "checkpoints"
+    assert sorted(os.listdir(ckdir / "previous-1")) == ["fit-1", "latest", "step-00000002.meta.json",
+                                                        "step-00000002.pt"]
+    assert checkpoint.load(str(ckdir / "previous-1" / "fit-1"))["step"] == 2
+
+
+def test_a_run_that_cannot_move_an_earlier_runs_checkpoints_aside_fails_before_training_and_loses_none(
+        tmp_path, monkeypatch):
+    def fit(**kw):
+        new_process()
+        return ddprun.fit(mlp(), regression(), loss_fn=nn.functional.mse_loss, run_dir=str(tmp_path), max_steps=2,
+                          **FEW, **kw)
+
+    fit()
+    ckdir = tmp_path / "checkpoints"
+    before = {p.name: p.read_bytes() for p in ckdir.iterdir() if p.name.startswith("step-") or p.name == "latest"}
+
+    def refused(src, dst):
+        raise PermissionError(13, "Permission denied", src)
+
+    monkeypatch.setattr(os, "rename", refused)
+    with pytest.raises(CheckpointError) as err:
+        fit(resume=False)
+    assert str(err.value).startswith("The checkpoints of an earlier run could not be moved out of this fit's way.")
+    assert f"HINT: Move them out of {ckdir} yourself" in str(err.value)
+    assert {p.name: p.read_bytes() for p in ckdir.iterdir() if p.name != dirlock.LOCK_NAME} == before  # nor left one

@@ -6,6 +6,8 @@ Layout of a checkpoint directory::
     step-00000120.meta.json  {"file", "step", "bytes", "sha256"} of that file, as it was written
     latest                   the file name of the newest complete checkpoint, written last
     .ddprun-writer.lock      held by the writing fit while it runs (train/dirlock.py)
+    fit-1/ ...               the same files of the 2nd, 3rd ... fit() of one process (train/resume.py)
+    previous-1/ ...          an earlier run's files, moved there (never deleted) by a fit that starts anew
 
 Writing: a temp file in the same directory (hashed while written), flushed and fsynced, then
 ``os.replace`` (atomic on POSIX), then the directory fsynced; the meta file the same way; ``latest``
@@ -41,6 +43,7 @@ FORMAT_VERSION = 2
 list with one entry per rank, ``sampler`` has ``samples_done``; a meta file per checkpoint."""
 LATEST = "latest"
 _NAME = re.compile(r"^step-(\d+)\.pt$")
+_META = re.compile(r"^step-(\d+)\.meta\.json$")
 _TEMP = re.compile(r"^\.(step-\d+\.(pt|meta\.json)|latest)\..+\.tmp$")
 """A temp file of :func:`~ddprun.protocol.atomic.write_atomic` for one of this module's files."""
 
@@ -52,6 +55,12 @@ def checkpoint_name(step: int) -> str:
 def meta_path(path: str) -> str:
     """The meta file of checkpoint ``path`` (``step-N.pt`` -> ``step-N.meta.json``)."""
     return path[:-3] + ".meta.json" if path.endswith(".pt") else path + ".meta.json"
+
+
+def is_checkpoint_file(name: str) -> bool:
+    """Whether a file name in a checkpoint directory is one of a checkpoint set's: ``step-N.pt``, its
+    meta file, ``latest``."""
+    return bool(_NAME.match(name) or _META.match(name)) or name == LATEST
 
 
 def step_of(path: str) -> int | None:
@@ -232,18 +241,32 @@ def checkpoints(directory: str) -> list[str]:
     return [os.path.join(directory, n) for n in sorted(names, key=lambda n: step_of(n) or 0, reverse=True)]  # matched: never None
 
 
+_PRUNE_FAILED: set[tuple[str, int | None]] = set()
+"""(path, errno) of each old checkpoint this process could not delete and said so (once each)."""
+
+
 def prune(directory: str, keep: int) -> list[str]:
-    """Delete all but the newest ``keep`` checkpoints (never the one ``latest`` names); the deleted."""
+    """Delete all but the newest ``keep`` checkpoints (never the one ``latest`` names); the deleted.
+    One the file system refuses to delete (EACCES, EIO, ...) stays, with one warning naming it: the
+    save that pruned is whole, and a job is not stopped for a file it no longer needs."""
     current = latest(directory)
     removed = []
     for path in checkpoints(directory)[max(1, keep):]:
         if path == current:
             continue
-        for p in (path, meta_path(path)):
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
+        try:
+            for p in (path, meta_path(path)):  # the file first: its meta stays while it does
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+        except OSError as e:
+            if (p, e.errno) not in _PRUNE_FAILED:
+                _PRUNE_FAILED.add((p, e.errno))
+                why = e.strerror or type(e).__name__
+                warnings.warn(f"ddprun: the old checkpoint {p} could not be deleted ({why}); it stays, and training "
+                              f"goes on. Delete it yourself to keep {max(1, keep)} checkpoint(s).", stacklevel=2)
+            continue
         removed.append(path)
     return removed
 

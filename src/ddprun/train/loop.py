@@ -881,7 +881,7 @@ class _Loop:
         if o.on_checkpoint is not None:
             results = {"train_loss": train_loss, **self.val_result} if train_loss is not None else dict(self.val_result)
             self._on_checkpoint(CheckpointSaved(path, self.step, self.epoch, True, results))
-        resume_mod.mark_finished(p.ckpts.directory)
+        resume_mod.mark_finished(p.ckpts.base, p.ckpts.ordinal)
         return FitResult(train_loss=train_loss, val_metrics=self.val_result, steps=self.step, epochs=self.epoch,
                          model=p.module, run_dir=p.run_dir, checkpoint=path, history=self.history)
 

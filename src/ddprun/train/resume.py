@@ -1,6 +1,12 @@
 """fit's checkpoints across ranks: which ranks write, what a (re)started run resumes from, and how.
 
-At fit start, :meth:`Checkpoints.open` (every rank, two collectives, once):
+Each fit() of a process into one checkpoint directory has its own checkpoints there (its slot: the
+directory itself for the first, ``fit-<n>/`` for the n-th after it; :func:`slot`), so a fine-tune
+after a pretrain neither overwrites, prunes nor falls back to the pretrain's, and a restarted script
+resumes each fit from its own. A fit that does not continue from its slot's checkpoints (resume=False,
+a path, none usable) moves them, and the later fits' slots, into ``previous-<k>/`` (never deleted).
+
+At fit start, :meth:`Checkpoints.open` (every rank, two collectives, once; a third, below):
   1. rank 0 creates the checkpoint directory and a marker file in it, named by a nonce it
      broadcasts; the local rank 0 of every node looks for the marker. Nodes that do not see it do
      not share rank 0's directory: rank 0 says so once, and each such node's local rank 0 writes
@@ -12,6 +18,8 @@ At fit start, :meth:`Checkpoints.open` (every rank, two collectives, once):
      size and SHA-256, damaged ones skipped with a warning); one ``all_gather_object`` tells every
      rank every node's step. The newest step wins. If every node has it, each rank reads its
      node's file; else the lowest rank that has it reads it and broadcasts it to all.
+  3. unless "auto" found a checkpoint, the writers move an earlier run's files aside
+     (:func:`set_aside`); one ``all_gather_object`` makes a writer's failure every rank's.
 
 Saving (:meth:`Checkpoints.save`, every ``checkpoint_every`` steps and at the end, every rank):
 one ``all_gather_object`` of every rank's RNG states, then the writers write (atomic, see
@@ -23,7 +31,9 @@ the short training timeout.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import sys
 import time
 import uuid
@@ -34,6 +44,7 @@ from typing import Any
 
 from ddprun import runtime
 from ddprun.errors import CheckpointError, ConfigError
+from ddprun.protocol.atomic import _fsync_dir
 from ddprun.runtime import RankInfo
 from ddprun.train import checkpoint as ckpt
 from ddprun.train import dirlock
@@ -63,25 +74,136 @@ def check_resume(resume: Any) -> None:
                            "anew, or give a path.")
 
 
-_FINISHED_IN_THIS_PROCESS: set[str] = set()
-"""Checkpoint directories in which a fit() of this process ran to its end (see Checkpoints.open)."""
+_FINISHED_IN_THIS_PROCESS: set[tuple[str, int]] = set()
+"""(checkpoint directory, ordinal) of each fit() of this process that ran to its end there."""
+_LATER = re.compile(r"^fit-(\d+)$")
+ASIDE = "previous-"
 
 
-def mark_finished(directory: str) -> None:
-    _FINISHED_IN_THIS_PROCESS.add(os.path.abspath(directory))
+def ordinal(directory: str) -> int:
+    """Which fit() of this process into ``directory`` this one is: how many ran to their end there
+    before it (0: the first; a pretrain, then a fine-tune: 1). A restarted script's fits get the same
+    numbers (a fit resumed at its end runs to its end), so it names the same fit in every attempt;
+    a fit that raised keeps its number, so calling it again in the process continues it."""
+    path = os.path.abspath(directory)
+    return sum(1 for d, _ in _FINISHED_IN_THIS_PROCESS if d == path)
 
 
-def finished_here(directory: str, resume: Any, info: RankInfo, stacklevel: int) -> bool:
-    """Whether ``resume="auto"`` must start anew in ``directory``: another fit() of this process
-    finished there (pretrain, then fine-tune; a benchmark's blocks), which is a new run, not an
-    interrupted one. Every rank finished the same fits, so every rank decides the same; rank 0 warns,
-    at the user's fit() line (``stacklevel`` as the caller would give it to warnings.warn)."""
-    if resume != "auto" or os.path.abspath(directory) not in _FINISHED_IN_THIS_PROCESS:
-        return False
+def slot(directory: str, n: int) -> str:
+    """Where fit ``n`` of a process keeps its checkpoints: ``directory`` itself for the first (where
+    an older ddprun left them, which it resumes), ``directory/fit-<n>`` for a later one; so one fit
+    never overwrites, prunes or resumes another's."""
+    return directory if n == 0 else os.path.join(directory, f"fit-{n}")
+
+
+def mark_finished(directory: str, n: int) -> None:
+    _FINISHED_IN_THIS_PROCESS.add((os.path.abspath(directory), n))
+
+
+def warn_anew(directory: str, own: str, info: RankInfo, stacklevel: int) -> None:
+    """Rank 0: fit ``n`` > 0 of this process found no checkpoint of its own and starts anew (after a
+    pretrain, a fine-tune; a benchmark's blocks), at the user's fit() line (``stacklevel`` as the
+    caller would give it to warnings.warn). Every rank finished the same fits: every rank decides alike."""
     if info.is_main:
-        warnings.warn(f"ddprun: fit() already ran in this process with checkpoints in {directory}; this "
-                      "fit() starts anew (resume=True or a path continues from them).", stacklevel=stacklevel + 1)
-    return True
+        warnings.warn(f"ddprun: fit() already ran in this process with checkpoints in {directory}; this fit() "
+                      f"starts anew, with its checkpoints in {own} (resume=True or a path continues from the "
+                      "earlier fit's).", stacklevel=stacklevel + 1)
+
+
+def _sources(directory: str, n: int, resume: Any) -> list[str]:
+    """Where fit ``n`` looks for a checkpoint, in order: its own slot ("auto"); then, resume=True, the
+    slot of the fit before it; nowhere (False); the path given."""
+    if resume is False:
+        return []
+    if resume == "auto" or resume is True:
+        return [slot(directory, n)] + ([slot(directory, n - 1)] if resume is True and n else [])
+    return [os.path.abspath(os.fspath(resume))]
+
+
+def _names(directory: str) -> list[str]:
+    try:
+        return sorted(os.listdir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def set_aside(directory: str, n: int, ours: Callable[[str], bool], keep: str | None = None) -> str | None:
+    """Move what fit ``n`` finds in its slot (the names ``ours`` accepts) and the slots of the fits
+    after it into a new ``directory/previous-<k>/``, in the same layout; its path, None when there
+    was nothing to move or ``keep`` (the checkpoint resumed from) lies among it. For a fit that does
+    not continue from them (resume=False, a path, none usable): they are an earlier run's, and so
+    are the later fits', whose restart must not resume them; never deleted, pruned or resumed by this
+    run. CheckpointError when the file system refuses."""
+    own = slot(directory, n)
+    moves = [os.path.join(own, name) for name in _names(own) if ours(name)]
+    moves += [os.path.join(directory, name) for name in _names(directory) if (m := _LATER.match(name))
+              and int(m.group(1)) > n and os.path.isdir(os.path.join(directory, name))]
+    if not moves or (keep is not None and _lies_in(keep, own, moves)):
+        return None
+    src, dest = directory, None
+    try:
+        dest = _new_aside(directory)
+        for src in moves:
+            target = os.path.join(dest, os.path.relpath(src, directory))
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.rename(src, target)
+        for d in {own, directory}:
+            _fsync_dir(d)  # not back in place after a power loss, mixed with this run's
+    except OSError as e:
+        if dest is not None:
+            with contextlib.suppress(OSError):
+                os.rmdir(dest)  # only if nothing was moved into it
+        raise CheckpointError("The checkpoints of an earlier run could not be moved out of this fit's way.",
+                              seen=f"{src}: {e.strerror or e}",
+                              hint=f"Move them out of {own} yourself (this fit starts anew and would overwrite "
+                                   "them), or give fit() another checkpoint_dir (or run_dir).") from e
+    return dest
+
+
+def set_aside_on_writers(info: RankInfo, writer: bool, directory: str, n: int, ours: Callable[[str], bool],
+                         keep: str | None) -> None:
+    """Every rank: the writers :func:`set_aside` fit ``n``'s slot (unless ``keep`` lies there), each
+    saying so; CheckpointError on every rank (one all_gather_object) when a writer could not."""
+    error = None
+    if writer:
+        try:
+            moved = set_aside(directory, n, ours, keep)
+        except CheckpointError as e:
+            error = (e.what, e.seen, e.hint)
+        else:
+            if moved:
+                print(f"ddprun: this fit() starts anew; the checkpoints of an earlier run in {slot(directory, n)} "
+                      f"were moved to {moved} (not deleted).", flush=True)
+    if _distributed(info):
+        import torch.distributed as dist
+
+        errors: list[Any] = [None] * info.world_size
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        what, seen, hint = error
+        raise CheckpointError(what, seen=seen, hint=hint)
+
+
+def _lies_in(keep: str, own: str, moves: list[str]) -> bool:
+    """Whether checkpoint ``keep`` lies in the slot ``own`` (by its directory: the file may be another
+    node's copy) or in a later fit's slot about to be moved."""
+    real = os.path.realpath(keep)
+    return os.path.dirname(real) == os.path.realpath(own) or any(
+        real.startswith(os.path.realpath(m) + os.sep) for m in moves)
+
+
+def _new_aside(directory: str) -> str:
+    """A new, empty ``directory/previous-<k>`` (k: one more than any there)."""
+    taken = [int(name[len(ASIDE):]) for name in _names(directory) if name[len(ASIDE):].isdigit()
+             and name.startswith(ASIDE)]
+    k = max(taken, default=0) + 1
+    while True:
+        try:
+            os.mkdir(os.path.join(directory, f"{ASIDE}{k}"))
+            return os.path.join(directory, f"{ASIDE}{k}")
+        except FileExistsError:
+            k += 1
 
 
 class Checkpoints:
@@ -93,6 +215,10 @@ class Checkpoints:
         self.keep = keep
         self.shared = shared
         self.writer = info.is_main if writer is None else writer
+        self.base = directory
+        """The checkpoint directory given to fit; ``directory`` is this fit's slot in it (:func:`slot`)."""
+        self.ordinal = 0
+        """Which fit() of this process into ``base`` this is (:func:`ordinal`)."""
         self.last_saved: tuple[int, int] | None = None
         """(step, epoch) of the last save (or of the checkpoint resumed from)."""
         self.checked = False
@@ -102,38 +228,45 @@ class Checkpoints:
     @classmethod
     def open(cls, directory: str, info: RankInfo, *, keep: int, resume: Any,
              run: str | None = None) -> tuple[Checkpoints, Resumed | None]:
-        """The checkpoint set of this run and, unless ``resume=False``, what to resume from (every rank).
-        ``run``: the run's directory, its identity for the writer's lock (None: ``directory``'s parent)."""
+        """The checkpoint set of this fit, in its slot of ``directory`` (:func:`slot`), and what to
+        resume from (every rank); a fit that does not continue from its slot's checkpoints moves
+        them aside (:func:`set_aside`). ``run``: the run's directory, its identity for the writer's
+        lock on ``directory`` (None: ``directory``'s parent)."""
         run = run or os.path.dirname(os.path.abspath(directory))
         check_resume(resume)
-        source = directory if resume in ("auto", True, False) else os.path.abspath(os.fspath(resume))
-        # stacklevel: the user's ddprun.fit line (open <- _setup <- fit_module <- ddprun.api.fit)
-        wanted = resume is not False and not finished_here(directory, resume, info, stacklevel=5)
+        n = ordinal(directory)
+        own, sources = slot(directory, n), _sources(directory, n, resume)
         if not _distributed(info):
-            self = cls(directory, info, keep)
-            cls._prepare(directory, lock=run)
-            found = cls._find(source) if wanted else None
+            self = cls(own, info, keep)
+            cls._prepare(own, lock=(directory, run))
+            found = cls._find(sources)
             resumed = Resumed(*found) if found else None
         else:
-            self, resumed = cls._open_distributed(directory, source, info, keep, wanted, run)
+            self, resumed = cls._open_distributed(own, sources, info, keep, (directory, run))
+        self.base, self.ordinal = directory, n
         if resumed is None and (resume is True or resume not in ("auto", True, False)):
             raise ConfigError("There is no checkpoint to resume from.", seen=f"resume={resume!r}: no usable checkpoint "
-                              f"in {source}", hint="Give a directory fit() saved into (run dir/checkpoints) or a .pt "
-                                                   "file, or resume='auto' to start anew when there is none.")
+                              f"in {' or '.join(sources)}", hint="Give a directory fit() saved into (run dir/checkpoints) "
+                              "or a .pt file, or resume='auto' to start anew when there is none.")
+        if resumed is None and n and resume == "auto":
+            # stacklevel: the user's ddprun.fit line (open <- _setup <- fit_module <- ddprun.api.fit)
+            warn_anew(directory, own, info, stacklevel=5)
+        if not (resume == "auto" and resumed is not None):  # "auto" resumes from its own slot only
+            self._set_aside(resumed)
         return self, resumed
 
     @staticmethod
-    def _prepare(directory: str, lock: str | None = None) -> None:
-        """Create the directory and remove what a killed writer left; ``lock``: the main writer's run
-        directory, whose lock it takes first (train/dirlock.py: CheckpointError when another job
-        writes there)."""
+    def _prepare(directory: str, lock: tuple[str, str] | None = None) -> None:
+        """Create the directory and remove what a killed writer left; ``lock``: the main writer's
+        checkpoint directory and run directory: it takes that directory's lock first
+        (train/dirlock.py: CheckpointError when another job writes there)."""
         try:
             os.makedirs(directory, exist_ok=True)
         except OSError as e:
             raise CheckpointError("The checkpoint directory cannot be created.", seen=f"{directory}: {e.strerror}",
                                   hint="Give fit() a checkpoint_dir (or run_dir) this process may write to.") from e
         if lock:
-            dirlock.acquire(directory, lock)
+            dirlock.acquire(*lock)
         ckpt.remove_temp_files(directory)
         for name in os.listdir(directory):  # a marker of a fit killed during its own check
             if name.startswith(MARKER):
@@ -143,24 +276,34 @@ class Checkpoints:
                     pass
 
     @staticmethod
-    def _find(source: str) -> tuple[str, dict] | None:
-        if os.path.isfile(source):
-            return source, ckpt.load(source)
-        return ckpt.newest_valid(source) if os.path.isdir(source) else None
+    def _find(sources: list[str]) -> tuple[str, dict] | None:
+        """The newest usable checkpoint of the first of ``sources`` (files or directories) that has one."""
+        for source in sources:
+            if os.path.isfile(source):
+                return source, ckpt.load(source)
+            found = ckpt.newest_valid(source) if os.path.isdir(source) else None
+            if found is not None:
+                return found
+        return None
+
+    def _set_aside(self, resumed: Resumed | None) -> None:
+        """:func:`set_aside_on_writers` for this fit's files (unless it resumed from them)."""
+        set_aside_on_writers(self.info, self.writer, self.base, self.ordinal, ckpt.is_checkpoint_file,
+                             resumed.path if resumed else None)
 
     @classmethod
-    def _open_distributed(cls, directory: str, source: str, info: RankInfo, keep: int,
-                          wanted: bool, run: str) -> tuple[Checkpoints, Resumed | None]:
+    def _open_distributed(cls, directory: str, sources: list[str], info: RankInfo, keep: int,
+                          lock: tuple[str, str]) -> tuple[Checkpoints, Resumed | None]:
         """Steps 1 and 2 of the module docstring, on every rank: a broadcast and an all_gather_object
         (and one more broadcast when only some nodes have the newest checkpoint)."""
-        marker = cls._shared_marker(directory, info, run)
+        marker = cls._shared_marker(directory, info, lock)
         head = info.local_rank == 0
         saw = info.is_main or (head and _exists_soon(marker))
         # 2. who has what: rank 0 and the heads of nodes that do not share its directory look
-        looks = wanted and (info.is_main or (head and (not saw or source != directory)))
+        looks = bool(sources) and (info.is_main or (head and (not saw or sources != [directory])))
         if head and not saw:
             cls._prepare(directory)
-        found, table = _gather_found(source, info, head=head, saw=saw, looks=looks)
+        found, table = _gather_found(sources, info, head=head, saw=saw, looks=looks)
         if info.is_main:
             try:
                 os.unlink(marker)
@@ -174,12 +317,12 @@ class Checkpoints:
                   f"writes its own copy, and a restart resumes from the newest copy any node has.", flush=True)
         writer = info.is_main or (head and not saw)
         self = cls(directory, info, keep, shared=not apart, writer=writer)
-        if not wanted:
+        if not sources:
             return self, None
         return self, _newest(table, heads, found, info)
 
     @classmethod
-    def _shared_marker(cls, directory: str, info: RankInfo, run: str) -> str:
+    def _shared_marker(cls, directory: str, info: RankInfo, lock: tuple[str, str]) -> str:
         """1. rank 0's marker file, named by a nonce every rank learns after it exists (a broadcast);
         its path. CheckpointError on every rank when rank 0 cannot write it."""
         import torch.distributed as dist
@@ -187,7 +330,7 @@ class Checkpoints:
         said: list[Any] = [None, None]
         if info.is_main:
             try:
-                cls._prepare(directory, lock=run)
+                cls._prepare(directory, lock=lock)
                 said[0] = uuid.uuid4().hex
                 with open(os.path.join(directory, MARKER + said[0]), "w") as f:
                     f.write("rank 0 of a fit() checks which nodes see this directory; removed after the check\n")
@@ -233,7 +376,7 @@ class Checkpoints:
         return path if self.info.is_main else None
 
 
-def _gather_found(source: str, info: RankInfo, *, head: bool, saw: bool,
+def _gather_found(sources: list[str], info: RankInfo, *, head: bool, saw: bool,
                   looks: bool) -> tuple[tuple[str, dict] | None, list[dict]]:
     """(this rank's find, if it looked; every rank's entry) after one all_gather_object. A rank that
     failed to read raises on every rank, after the gather (no rank is left waiting in it)."""
@@ -243,7 +386,7 @@ def _gather_found(source: str, info: RankInfo, *, head: bool, saw: bool,
     error = None
     if looks:
         try:
-            found = Checkpoints._find(source)
+            found = Checkpoints._find(sources)
         except Exception as e:  # noqa: BLE001 - raised on every rank after the gather, not on this one alone
             error = e
     step = int(found[1].get("step", -1)) if found else -1
