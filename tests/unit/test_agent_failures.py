@@ -344,7 +344,7 @@ def test_an_error_of_the_watch_itself_is_said_once_and_never_names_the_store_los
     out = io.StringIO()
     a = AgentFailures(RunDir(str(tmp_path)), "host-a", "127.0.0.1", store.port, "job", out, lost_after_s=0.5,
                       connect=preconnected(store.port), relay=BrokenRelay(store_server()), stop_grace_s=0.5)
-    a.on_workers_started("r1", 0, 2, {0: (0, worker.pid, "")}, world_size=2, store=("127.0.0.1", store.port))
+    a.on_workers_started("r1", 0, 1, {0: (0, worker.pid, "")}, world_size=1, store=("127.0.0.1", store.port))
     try:
         time.sleep(2.5)  # five ticks, each failing, past lost_after and the stop grace
         assert worker.poll() is None, "a healthy worker was stopped for the watch's own error"
@@ -1059,3 +1059,25 @@ def test_a_neighbour_silent_through_a_pause_this_agent_slept_through_too_is_not_
         beat += 1
         seen = a._tick(beat, seen)
     assert a.lost is not None and a.lost.node_rank == 1 and "for 10 s" in a.lost.summary, a.lost
+
+
+def test_a_node_whose_watch_errs_every_tick_still_beats_and_its_peer_does_not_name_it_lost(tmp_path, store):
+    """The heartbeat comes after the tick's other work: an error of the watch's own there (every tick)
+    must not stop it, or the neighbour names a healthy node lost after lost_after."""
+    from ddprun.agent.noderelay import NodeRelay
+
+    class BrokenRelay(NodeRelay):
+        def mirror(self, *args, **kwargs):
+            raise TypeError("a bug in the relay")
+
+    agents = [AgentFailures(RunDir(str(tmp_path)), f"host-{node}", "127.0.0.1", store.port, "job", io.StringIO(),
+                            lost_after_s=2.5, connect=preconnected(store.port),
+                            relay=BrokenRelay(store_server()) if node == 0 else None) for node in (0, 1)]
+    for node, a in enumerate(agents):
+        a.on_workers_started("r1", node, 2, {node: (0, 0, "")}, world_size=2, store=("127.0.0.1", store.port))
+    try:
+        time.sleep(4.0)  # past lost_after (beats come every second)
+        assert [a.lost for a in agents] == [None, None], [a.lost.headline() for a in agents if a.lost]
+    finally:
+        for a in agents:
+            a.stop()

@@ -180,9 +180,9 @@ class AgentFailures:
         """When the failure thread's last tick ended, and when it last found it had not run for a while
         (:meth:`_held`)."""
         self._barrier_short = False
+        """The agents' exit barrier was left before every agent arrived (:meth:`exit_barrier_left`)."""
         self._faults_said: set[str] = set()
         """The kinds of error of its own this thread has said (:meth:`_own_fault`)."""
-        """The agents' exit barrier was left before every agent arrived (:meth:`exit_barrier_left`)."""
         self._hang_said: bytes | None = None
         self._told: Keys | None = None
         """The attempt whose cause-read mark this node set (:meth:`_mark_cause_read`)."""
@@ -438,6 +438,7 @@ class AgentFailures:
                 self._store = None
                 failing_since = started if failing_since is None else failing_since
             except Exception as e:  # noqa: BLE001 - a fault of this thread's own: the store is not to blame
+                failing_since = None  # the store answered this tick's beat (else that raised a store error)
                 self._own_fault(e)
                 self._lost_since(failing_since)  # a time before this attempt's start never counts (its store's)
             if self._stop.is_set():
@@ -492,6 +493,21 @@ class AgentFailures:
         store = self._client()
         if keys is None:
             return seen_at
+        try:
+            self._watch(store, keys, beat)
+        except STORE_ERRORS:
+            raise
+        except Exception as e:  # noqa: BLE001 - an error of its own: said, and the beat goes on (else a peer names this node lost)
+            self._own_fault(e)
+        if beat % 2 == 0:
+            seen_at = self._beat(store, keys, beat, seen_at)
+        if self._on_beat is not None:  # another store (the endpoint's): last, so it never delays the above
+            self._on_beat(self._node, beat)
+        return seen_at
+
+    def _watch(self, store: Any, keys: Keys, beat: int) -> None:
+        """A tick's reads and writes before its heartbeat: the alarm and what it announces, the stopped
+        ranks' records, the end of a failed job, and the relay to this node's workers."""
         self._watch_alarm(store, keys)
         self._mark_cause_read(store, keys)
         self._forward_left(store, keys)
@@ -501,19 +517,19 @@ class AgentFailures:
                 read, alarm, said = ((list(self._cache.values()), self._alarm, self._announced) if keys is self._keys
                                      else ([], -1, None))
             self._relay.mirror(beat, alarm, read, keys, said)
-        if beat % 2 == 0:
-            if self._relay is not None:
-                self._progress = self._relay.progress()
-            store.set(keys.agent(self._node), json.dumps({"host": self.host, "beat": beat, "progress": self._progress}))
-            if self._stop.is_set():  # stop() may have said "done" while this beat was on its way: not the last word
-                store.set(keys.agent(self._node), self._done())
-            timings = self._relay.timings() if self._relay is not None else None
-            if timings is not None:
-                store.set(keys.node_timing(self._node), json.dumps(timings))
-            seen_at = self._watch_neighbour(store, keys, seen_at)
-        if self._on_beat is not None:  # another store (the endpoint's): last, so it never delays the above
-            self._on_beat(self._node, beat)
-        return seen_at
+
+    def _beat(self, store: Any, keys: Keys, beat: int, seen_at: tuple[Any, Any, float]) -> tuple[Any, Any, float]:
+        """Every second: this node's heartbeat with its progress, its timing windows, and the neighbour's
+        heartbeat read (:meth:`_watch_neighbour`)."""
+        if self._relay is not None:
+            self._progress = self._relay.progress()
+        store.set(keys.agent(self._node), json.dumps({"host": self.host, "beat": beat, "progress": self._progress}))
+        if self._stop.is_set():  # stop() may have said "done" while this beat was on its way: not the last word
+            store.set(keys.agent(self._node), self._done())
+        timings = self._relay.timings() if self._relay is not None else None
+        if timings is not None:
+            store.set(keys.node_timing(self._node), json.dumps(timings))
+        return self._watch_neighbour(store, keys, seen_at)
 
     def _watch_alarm(self, store: Any, keys: Keys) -> None:
         """One read of the alarm; the records, the preemption request and the hang report only when it

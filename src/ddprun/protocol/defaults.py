@@ -104,11 +104,11 @@ AGENT_MONITOR_INTERVAL_S = 0.1
 """torch's agent checks its workers this often."""
 
 START_METHOD = "spawn"
+"""How torch's agent starts workers (a fresh interpreter: safe with CUDA and threads)."""
 
 MAX_SECONDS = 1e7
 """The longest wait a seconds flag or variable may ask for (about 116 days): far past any job's, and far
 below what timedelta (about 8.6e13 s) and threading's timers (about 9.2e9 s) can hold."""
-"""How torch's agent starts workers (a fresh interpreter: safe with CUDA and threads)."""
 
 STORE_CALL_S = 5.0
 """The longest one call to the job's store may take on a failure path before it counts as the store
