@@ -671,7 +671,7 @@ def _start(ckpt_dir: str, n: int, resume: Any, info: RankInfo) -> str | None:
     if ckpt_path is None and n and resume == "auto":
         # stacklevel: the user's ddprun.fit line (_start <- fit_lightning <- ddprun.api.fit)
         resume_mod.warn_anew(ckpt_dir, own, info, stacklevel=4)
-    if not (resume == "auto" and ckpt_path is not None):  # "auto" resumes from its own slot only
+    if resume is False or (resume == "auto" and ckpt_path is None):  # a new run (train/resume.py Checkpoints.open)
         with setup_phase():
             resume_mod.set_aside_on_writers(info, info.is_main, ckpt_dir, n, lambda name: name.endswith(".ckpt"),
                                             ckpt_path)
@@ -711,9 +711,14 @@ def _agreed(path: str | None, info: RankInfo) -> str | None:
 
     found: list[Any] = [None] * info.world_size
     with setup_phase():
-        dist.all_gather_object(found, path is not None)
-    if all(found) or not any(found):
+        dist.all_gather_object(found, path)
+    if len(set(found)) == 1:
         return path
+    if all(f is not None for f in found):  # resume=True's fallback to the fit before, seen by some ranks only
+        raise ConfigError("The ranks found different checkpoints to resume from.",
+                          seen=", ".join(f"rank {r}: {f}" for r, f in enumerate(found) if f != found[0])
+                               + f" (rank 0: {found[0]})",
+                          hint="Put checkpoint_dir (or the run dir) on storage every node shares, or give a path.")
     raise ConfigError("Only some ranks can see the checkpoint to resume from.",
                       seen=f"ranks with it: {[r for r, f in enumerate(found) if f]}, "
                            f"without: {[r for r, f in enumerate(found) if not f]}",

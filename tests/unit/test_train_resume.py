@@ -379,3 +379,17 @@ def test_a_run_that_cannot_move_an_earlier_runs_checkpoints_aside_fails_before_t
     assert str(err.value).startswith("The checkpoints of an earlier run could not be moved out of this fit's way.")
     assert f"HINT: Move them out of {ckdir} yourself" in str(err.value)
     assert {p.name: p.read_bytes() for p in ckdir.iterdir() if p.name != dirlock.LOCK_NAME} == before  # nor left one
+
+
+def test_a_restart_that_resumes_from_a_path_keeps_the_runs_own_checkpoints_in_place(tmp_path, capsys):
+    """ddprun.ray (Ray's restored checkpoint) and a script with resume=<path> under --max-restarts pass
+    the path at every attempt: the run continues, so its own checkpoints stay where pruning keeps them
+    to keep_checkpoints, and nothing says it starts anew (a review found each attempt moving them into
+    a new previous-<k>/: the disk filled by restarts, and the line said "starts anew")."""
+    origin = run(tmp_path / "origin", checkpoint_every=4, epochs=1)
+    for _ in range(3):  # three attempts, each resuming from the same path
+        run(tmp_path, checkpoint_every=4, keep_checkpoints=2, epochs=2, resume=origin.checkpoint)
+    names = sorted(os.listdir(tmp_path / "checkpoints"))
+    assert not [n for n in names if n.startswith("previous-")], names
+    assert [n for n in names if n.endswith(".pt")] == ["step-00000012.pt", "step-00000016.pt"], names
+    assert "starts anew" not in capsys.readouterr().out

@@ -3,8 +3,9 @@
 Each fit() of a process into one checkpoint directory has its own checkpoints there (its slot: the
 directory itself for the first, ``fit-<n>/`` for the n-th after it; :func:`slot`), so a fine-tune
 after a pretrain neither overwrites, prunes nor falls back to the pretrain's, and a restarted script
-resumes each fit from its own. A fit that does not continue from its slot's checkpoints (resume=False,
-a path, none usable) moves them, and the later fits' slots, into ``previous-<k>/`` (never deleted).
+resumes each fit from its own. A fit that starts a new run where its slot has checkpoints
+(resume=False, or "auto" with none usable) moves them, and the later fits' slots, into
+``previous-<k>/`` (never deleted); one that continues a run (a path, True) leaves them to pruning.
 
 At fit start, :meth:`Checkpoints.open` (every rank, two collectives, once; a third, below):
   1. rank 0 creates the checkpoint directory and a marker file in it, named by a nonce it
@@ -131,7 +132,7 @@ def set_aside(directory: str, n: int, ours: Callable[[str], bool], keep: str | N
     """Move what fit ``n`` finds in its slot (the names ``ours`` accepts) and the slots of the fits
     after it into a new ``directory/previous-<k>/``, in the same layout; its path, None when there
     was nothing to move or ``keep`` (the checkpoint resumed from) lies among it. For a fit that does
-    not continue from them (resume=False, a path, none usable): they are an earlier run's, and so
+    not continue from them (resume=False, "auto" with none usable): they are an earlier run's, and so
     are the later fits', whose restart must not resume them; never deleted, pruned or resumed by this
     run. CheckpointError when the file system refuses."""
     own = slot(directory, n)
@@ -146,7 +147,10 @@ def set_aside(directory: str, n: int, ours: Callable[[str], bool], keep: str | N
         for src in moves:
             target = os.path.join(dest, os.path.relpath(src, directory))
             os.makedirs(os.path.dirname(target), exist_ok=True)
-            os.rename(src, target)
+            try:
+                os.rename(src, target)
+            except FileNotFoundError:  # another writer moved it first (a directory not known to be shared)
+                pass
         for d in {own, directory}:
             _fsync_dir(d)  # not back in place after a power loss, mixed with this run's
     except OSError as e:
@@ -251,8 +255,8 @@ class Checkpoints:
         if resumed is None and n and resume == "auto":
             # stacklevel: the user's ddprun.fit line (open <- _setup <- fit_module <- ddprun.api.fit)
             warn_anew(directory, own, info, stacklevel=5)
-        if not (resume == "auto" and resumed is not None):  # "auto" resumes from its own slot only
-            self._set_aside(resumed)
+        if resume is False or (resume == "auto" and resumed is None):  # a new run where an earlier one's are
+            self._set_aside(resumed)  # (not a path's or True's: a run that continues, whose restarts resume)
         return self, resumed
 
     @staticmethod
