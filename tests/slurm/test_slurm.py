@@ -356,17 +356,22 @@ def test_a_preemption_stop_the_grace_forced_is_requeued_too_and_the_next_start_f
 
 
 @pytest.mark.timeout(120)
-def test_a_step_on_part_of_the_allocation_trains_on_the_steps_own_node(slurm, tmp_path):
-    """A sweep's `srun -N1 -n1 ddprun run ...` inside a 2-node allocation: the step's own variables
-    (SLURM_STEP_NODELIST, SLURM_STEP_TASKS_PER_NODE, ...) say one node; the job's say two. Before, the
-    job's were read and the step was refused."""
-    out = tmp_path / "out"
-    script = batch_script(tmp_path, f"srun -N1 -n1 {DDPRUN} run {EXAMPLE} {' '.join(STEPS)} --out {out} --destroy")
+def test_steps_on_part_of_the_allocation_train_side_by_side_each_a_run_of_its_own(slurm, tmp_path):
+    """A sweep: `srun -N1 -n1 ddprun run ... &` twice inside a 2-node allocation, one step a node. The
+    step's own variables (SLURM_STEP_NODELIST, SLURM_STEP_TASKS_PER_NODE, ...) say one node where the
+    job's say two (before, the job's were read and each step was refused), and each step is a run of
+    its own (runs/slurm-<job>.<step>), not two writers of one run directory and its checkpoints."""
+    steps = [f"srun -N1 -n1 -w {node} {DDPRUN} run {EXAMPLE} {' '.join(STEPS)} --out {tmp_path / node} --destroy &"
+             for node in ("node1", "node2")]
+    script = batch_script(tmp_path, "\n".join(steps + ["wait"]))
     job = slurm.sbatch(script, ["-N2", "--ntasks-per-node=1"], timeout=90, cwd=tmp_path)
     assert job.returncode == 0 and job.job_id, slurm.describe(job)
-    got = facts(out)
-    assert [(f["RANK"], f["WORLD_SIZE"], f["NODE_RANK"]) for f in got] == [("0", "1", "0")], got
-    assert "1/1 ranks on 1 node(s)" in job.output, slurm.describe(job)
+    for node in ("node1", "node2"):
+        got = facts(tmp_path / node)
+        assert [(f["RANK"], f["WORLD_SIZE"], f["NODE_RANK"], f["host"]) for f in got] == [("0", "1", "0", node)], got
+    assert job.output.count("1/1 ranks on 1 node(s)") == 2, slurm.describe(job)
+    runs = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert runs == [f"slurm-{job.job_id}.0", f"slurm-{job.job_id}.1"], runs
 
 
 @pytest.mark.timeout(120)

@@ -372,3 +372,20 @@ def test_a_step_over_the_whole_allocation_reads_as_before_and_the_batch_script_k
     batch = sweep_step(SLURM_STEP_ID=None, SLURM_NNODES="2", SLURM_TASKS_PER_NODE="1(x2)", SLURM_NTASKS="2")
     with pytest.raises(ClusterError, match="not running in an srun step"):
         read(batch)
+
+
+def test_steps_of_a_sweep_side_by_side_are_each_a_run_of_their_own_with_their_own_port():
+    """`srun -N1 ddprun run cfg1 & srun -N1 ddprun run cfg2 &`: under the job's id alone both steps would
+    write runs/slurm-<id>/ (one checkpoint directory, each resuming and pruning the other's) and, on
+    one first node, take one port. A step over the whole allocation keeps the job's run id."""
+    a = resolve(LaunchConfig(), sweep_step(), NODE, launcher=True)
+    b = resolve(LaunchConfig(), sweep_step(SLURM_STEP_ID="4", SLURM_STEP_NODELIST="gpu01", SLURM_NODELIST="gpu01"),
+                NODE, launcher=True)
+    job_id = sweep_step()["SLURM_JOB_ID"]
+    assert (a.run_id, b.run_id) == (f"slurm-{job_id}.3", f"slurm-{job_id}.4")
+    assert a.master_port != b.master_port
+    assert "a step on part of the allocation (gpu02 of gpu[01-02])" in a.sources["run_id"]
+    whole = resolve(LaunchConfig(), sweep_step(SLURM_STEP_NODELIST="gpu01,gpu02", SLURM_STEP_NUM_NODES="2",
+                                               SLURM_STEP_TASKS_PER_NODE="1(x2)", SLURM_STEP_NUM_TASKS="2"),
+                    NODE, launcher=True)
+    assert whole.run_id == f"slurm-{job_id}"  # the same nodes, written otherwise

@@ -158,6 +158,23 @@ def _in_step(environ: Mapping[str, str]) -> bool:
     return "SLURM_STEP_ID" in environ or "SLURM_STEPID" in environ
 
 
+def _partial_step(environ: Mapping[str, str]) -> int | None:
+    """The step id of an srun step over part of the allocation's nodes (SLURM_STEP_NODELIST other
+    than SLURM_JOB_NODELIST: a sweep's `srun -N1 ddprun run cfgN &`), else None. Such steps may run
+    side by side: under the job's id alone they would share a run directory, its checkpoints and a
+    port. A requeued job numbers its steps from 0 again, so each step resumes its own run."""
+    step = (environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID") or "").strip()
+    nodes, job_nodes = env_value(environ, "SLURM_STEP_NODELIST"), env_value(environ, "SLURM_JOB_NODELIST")
+    if not step.isdigit() or nodes is None or job_nodes is None or nodes == job_nodes:
+        return None
+    try:
+        if set(hostlist.expand_hostlist(nodes)) == set(hostlist.expand_hostlist(job_nodes)):
+            return None  # the same nodes, written otherwise
+    except hostlist.BadHostlist:
+        return None  # the node list's own reader names it
+    return int(step)
+
+
 def _check_in_step(environ: Mapping[str, str], nnodes: Fact, counts: list[int], counts_src: str) -> None:
     """A job of several tasks needs ddprun inside an srun step (which sets SLURM_STEP_ID).
 
@@ -202,10 +219,15 @@ class SlurmEnvironment(ClusterEnvironment):
             "rdzv_backend": Fact("static", "node ranks known from SLURM_NODEID"),
             "run_id": Fact(f"slurm-{job_id}", f"SLURM_JOB_ID={job_id}"),
         }
+        step = _partial_step(environ)
+        if step is not None:  # a sweep's steps side by side: each its own run (directory, checkpoints) and port
+            reading["run_id"] = Fact(f"slurm-{job_id}.{step}", f"SLURM_JOB_ID={job_id}, SLURM_STEP_ID={step}: a "
+                                     f"step on part of the allocation ({environ['SLURM_STEP_NODELIST']} of "
+                                     f"{environ['SLURM_JOB_NODELIST']})")
         if env_value(environ, "MASTER_PORT") is not None:
             reading["master_port"] = Fact(env_port(environ), f"MASTER_PORT={environ['MASTER_PORT']}")
         else:
-            reading["master_port"] = derived_port(job_id, "SLURM_JOB_ID")
+            reading["master_port"] = derived_port(job_id, "SLURM_JOB_ID", step or 0, "SLURM_STEP_ID")
 
         if "SLURM_NODEID" in environ:
             node_id = env_int(environ, "SLURM_NODEID")
