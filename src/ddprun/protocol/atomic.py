@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import IO
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_dir(directory: str) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:  # some platforms/filesystems cannot open a directory; the rename stands anyway
@@ -58,7 +58,7 @@ def write_atomic(path: str, write: Callable[[IO[bytes]], None]) -> None:
         except OSError:
             pass
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 def remove_durably(path: str) -> None:
@@ -68,7 +68,7 @@ def remove_durably(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         return
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def write_text_atomic(path: str, text: str) -> None:

@@ -45,7 +45,7 @@ from typing import Any
 
 from ddprun import runtime
 from ddprun.errors import CheckpointError, ConfigError
-from ddprun.protocol.atomic import _fsync_dir
+from ddprun.protocol.atomic import fsync_dir
 from ddprun.runtime import RankInfo
 from ddprun.train import checkpoint as ckpt
 from ddprun.train import dirlock
@@ -152,7 +152,7 @@ def set_aside(directory: str, n: int, ours: Callable[[str], bool], keep: str | N
             except FileNotFoundError:  # another writer moved it first (a directory not known to be shared)
                 pass
         for d in {own, directory}:
-            _fsync_dir(d)  # not back in place after a power loss, mixed with this run's
+            fsync_dir(d)  # not back in place after a power loss, mixed with this run's
     except OSError as e:
         if dest is not None:
             with contextlib.suppress(OSError):
