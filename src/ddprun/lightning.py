@@ -595,8 +595,8 @@ def fit_lightning(model: pl.LightningModule, train_data: Any = None, *, val_data
     run_dir = resolve_run_dir(run_dir, info)
     train_loader, val_loader = _loaders(train_data, val_data, batch_size, info, seed, num_workers)
     ckpt_dir = checkpoint_dir or os.path.join(run_dir, "checkpoints")
-    n = resume_mod.ordinal(ckpt_dir)
-    own = resume_mod.slot(ckpt_dir, n)  # as for an nn.Module: each fit() of the process its own last.ckpt
+    n = resume_mod.ordinal(ckpt_dir)  # as for an nn.Module: each fit() of the process its own last.ckpt
+    own = resume_mod.slot(ckpt_dir, n)
     # the user's callbacks are added to ddprun's, not given to the Trainer in place of them
     callbacks = _callbacks(user.pop("callbacks", None), user.get("enable_checkpointing", True), own,
                            checkpoint_every, info)
@@ -610,9 +610,7 @@ def fit_lightning(model: pl.LightningModule, train_data: Any = None, *, val_data
         gradient_clip_val=grad_clip, log_every_n_steps=log_every, default_root_dir=run_dir,
         logger=CSVLogger(run_dir, name="lightning_logs"),
     )
-    settings.update(user)
-    settings["callbacks"] = callbacks
-    trainer = pl.Trainer(**settings)
+    trainer = pl.Trainer(**{**settings, **user, "callbacks": callbacks})
     _Saves(trainer, timeout)
     safe = {"weights_only": True} if "weights_only" in inspect.signature(trainer.fit).parameters else {}
     ckpt_path = _start(ckpt_dir, n, resume, info)
